@@ -1,0 +1,20 @@
+"""Spindle's attention library: exact primitives shared by every service.
+
+The torch implementations (this package's top level) run anywhere and are the reference; the Triton
+kernels in `spindle_attention.triton` implement the same signatures for GPUs and are tested against the
+reference under `TRITON_INTERPRET=1`.
+"""
+
+from .merge import merge_attn_states, merge_attn_states_many
+from .paged import paged_decode, paged_prefill, slot_indices
+from .reference import attention_fwd, positions
+
+__all__ = [
+    "attention_fwd",
+    "merge_attn_states",
+    "merge_attn_states_many",
+    "paged_decode",
+    "paged_prefill",
+    "positions",
+    "slot_indices",
+]
