@@ -1,0 +1,41 @@
+"""Token sampling: greedy, temperature, top-k, top-p, with per-request seeded generators."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .sampling_params import SamplingParams
+
+
+def _filter_top_k_top_p(logits: Tensor, top_k: int, top_p: float) -> Tensor:
+    """logits [V] fp32 -> logits with everything outside top-k / the top-p nucleus set to -inf."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the tokens strictly before it already reach top_p (the top one always stays)
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        logits = logits.clone()
+        logits[order[drop]] = float("-inf")
+    return logits
+
+
+def sample(
+    logits: Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    default_generator: torch.Generator,
+) -> list[int]:
+    """logits `[N, vocab]` fp32 -> one token id per row."""
+    tokens = torch.argmax(logits, dim=-1).tolist()
+    for i, p in enumerate(params):
+        if p.greedy:
+            continue
+        row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
+        probs = torch.softmax(row, dim=-1)
+        gen = generators[i] if generators[i] is not None else default_generator
+        tokens[i] = int(torch.multinomial(probs, 1, generator=gen))
+    return tokens
