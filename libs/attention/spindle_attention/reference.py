@@ -203,14 +203,15 @@ def attention_fwd(
         qb = q[qs : qs + nq]
         kb, vb = k[ks : ks + nk], v[ks : ks + nk]
         if not return_lse and causal and nq > 0 and _can_use_sdpa_causal(qp, kp):
+            # 4-D inputs: CPU picks its flash kernel only for [batch, heads, tokens, head_dim].
             o = F.scaled_dot_product_attention(
-                qb.transpose(0, 1),
-                kb.transpose(0, 1),
-                vb.transpose(0, 1),
+                qb.transpose(0, 1).unsqueeze(0),
+                kb.transpose(0, 1).unsqueeze(0),
+                vb.transpose(0, 1).unsqueeze(0),
                 is_causal=True,
                 scale=scale,
                 enable_gqa=True,
-            ).transpose(0, 1)
+            )[0].transpose(0, 1)
             outs.append(o)
             continue
         o, lse = _attend_one(qb, qp, kp, lambda s, e, kb=kb, vb=vb: (kb[s:e], vb[s:e]), causal, scale, block_q, block_k)

@@ -47,6 +47,13 @@ class Engine:
         else:
             self.source = None
             model_config = model.config
+            if model.dtype != config.torch_dtype:
+                raise ValueError(f"the model is {model.dtype} but the engine is configured for {config.dtype}")
+        if config.max_model_len is not None and config.max_model_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's context of "
+                f"{model_config.max_position_embeddings} tokens"
+            )
         self.model = model.eval()
         self.model_config: ModelConfig = model_config
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
@@ -89,11 +96,8 @@ class Engine:
         if not prompt_token_ids:
             raise ValueError("prompt is empty")
         n = len(prompt_token_ids)
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {n} tokens but the model's context is {self.max_model_len} tokens "
-                "(at least one must be left to generate)"
-            )
+        if n > self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens but the model's context is {self.max_model_len} tokens")
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
@@ -116,6 +120,19 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks in use, 0..1."""
+        return self.allocator.num_used / self.allocator.num_blocks
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

@@ -127,7 +127,7 @@ def test_bad_requests_raise_and_leave_engine_untouched(tiny):
     eng = _engine(model, max_model_len=64)
     for ids, match in [
         ([], "empty"),
-        (list(range(3, 67)), "context"),
+        (list(range(3, 68)), "context"),
         ([5, 999], r"\[0, 301\)"),
         ([5, -1], r"\[0, 301\)"),
     ]:
@@ -139,3 +139,14 @@ def test_bad_requests_raise_and_leave_engine_untouched(tiny):
         eng.add_request("ok", [5, 6], GREEDY)
     with pytest.raises(ValueError, match="cannot hold"):
         _engine(model, kv_cache_tokens=100, max_model_len=512)
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        _engine(model, max_model_len=513)
+    with pytest.raises(ValueError, match="configured for bfloat16"):
+        _engine(model, dtype="bfloat16")
+
+
+def test_prompt_filling_the_context_still_gets_one_token(tiny):
+    _, model = tiny
+    eng = _engine(model, max_model_len=64)
+    out = _run(eng, {"full": list(range(3, 67))})
+    assert len(out["full"]) == 1

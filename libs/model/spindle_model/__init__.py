@@ -1,15 +1,25 @@
 """Llama-family model for Spindle: config, layers, tensor/pipeline-parallel shards, loaders, tokenizer."""
 
 from .config import ModelConfig, RopeScaling
+from .gguf_convert import convert_gguf
 from .llama import AttentionContext, CausalAttention, LlamaModel
 from .parallel import TPShard, shard_range
+from .sources import ModelSource, resolve_model
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+from .weights import load_state_dict
 
 __all__ = [
     "AttentionContext",
     "CausalAttention",
+    "IncrementalDetokenizer",
     "LlamaModel",
     "ModelConfig",
+    "ModelSource",
     "RopeScaling",
     "TPShard",
+    "Tokenizer",
+    "convert_gguf",
+    "load_state_dict",
+    "resolve_model",
     "shard_range",
 ]

@@ -39,9 +39,14 @@ class CausalAttention:
     """Plain causal attention over one sequence held entirely in this forward pass (no cache)."""
 
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        # [1, heads, tokens, head_dim]: the 4-D form is what selects the CPU flash kernel
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
-        )
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            is_causal=True,
+            enable_gqa=True,
+        )[0]
         return out.transpose(0, 1)
 
 
