@@ -422,7 +422,7 @@ def bench_prefill_point(models: Models, tokens: int, timer: Timer, args: argpars
     details: dict[str, Any] = {"spindle": {}}
     for dtype in args.dtypes:
         log.info("prefill T=%d: spindle %s", tokens, dtype)
-        eng = spindle_engine(models, dtype, batch=1, seq_len=tokens + 1, budget=tokens)
+        eng = spindle_engine(models, dtype, batch=1, seq_len=tokens, budget=tokens)
         runs = SpindleRuns(eng, f"prefill{tokens}")
         med, times = timer.median(f"prefill {tokens} spindle {dtype}", lambda r=runs: r.prefill(prompt))
         by_dtype[dtype] = tokens / med
@@ -554,7 +554,7 @@ def profile_decode(models: Models, dtype: str, batch: int, args: argparse.Namesp
 
 def profile_prefill(models: Models, dtype: str, tokens: int, args: argparse.Namespace) -> tuple[str, dict[str, float]]:
     prompt = random_prompts(models.config.vocab_size, 1, tokens, args.seed)[0]
-    runs = SpindleRuns(spindle_engine(models, dtype, batch=1, seq_len=tokens + 1, budget=tokens), "profile")
+    runs = SpindleRuns(spindle_engine(models, dtype, batch=1, seq_len=tokens, budget=tokens), "profile")
     runs.prefill(prompt)  # warm-up
     runs.add([prompt], max_tokens=1)
     return profile_one_step(runs)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .merge import merge_attn_states_many
@@ -46,11 +47,13 @@ def paged_decode(
     *,
     num_splits: int | None = None,
     softmax_scale: float | None = None,
-) -> tuple[Tensor, Tensor]:
+    return_lse: bool = True,
+) -> tuple[Tensor, Tensor | None]:
     """q `[B, Hq, D]` (one token per sequence, attending to all `seq_lens[b]` cached tokens).
 
-    Returns `out [B, Hq, D]` and `lse [Hq, B]` fp32. A sequence with `seq_len == 0` gets `(0, -inf)`.
-    `num_splits=None` picks enough splits to keep each gather under DECODE_SPLIT_TOKENS keys.
+    Returns `out [B, Hq, D]` and `lse [Hq, B]` fp32 (None with `return_lse=False`, which runs each split as
+    one `scaled_dot_product_attention`). A sequence with `seq_len == 0` gets `(0, -inf)`. The context is cut
+    into `num_splits` block-aligned ranges; None picks enough to keep each under DECODE_SPLIT_TOKENS keys.
     """
     _check_cache(k_cache, v_cache, block_table)
     b, hq, d = q.shape
@@ -58,38 +61,52 @@ def paged_decode(
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
     if block_table.shape[0] != b or seq_lens.shape != (b,):
-        raise ValueError(f"batch mismatch: q {b}, block_table {block_table.shape[0]}, seq_lens {seq_lens.shape}")
+        raise ValueError(f"batch mismatch: q {b}, block_table {block_table.shape[0]}, seq_lens {tuple(seq_lens.shape)}")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    g = hq // hkv
     max_len = int(seq_lens.max()) if b else 0
     if max_len > block_table.shape[1] * block_size:
         raise ValueError(f"seq_len {max_len} exceeds block_table capacity {block_table.shape[1] * block_size}")
+    num_blocks = max(1, -(-max_len // block_size))
     if num_splits is None:
         num_splits = max(1, math.ceil(max_len / DECODE_SPLIT_TOKENS))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    split = max(1, math.ceil(max_len / num_splits))
-    k_flat = k_cache.view(-1, hkv, d)
-    v_flat = v_cache.view(-1, hkv, d)
-    qg = q.view(b, hkv, g, d).float()  # [B, Hkv, G, D]
+    per_split = -(-num_blocks // num_splits)
+    table = block_table[:, :num_blocks].long()
     outs, lses = [], []
-    for start in range(0, max(max_len, 1), split):
-        end = min(start + split, max_len)
-        slots = slot_indices(block_table, block_size, start, end)  # [B, n]
-        keys = k_flat[slots].float()  # [B, n, Hkv, D]
-        vals = v_flat[slots].float()
-        s = torch.einsum("bhgd,bnhd->bhgn", qg, keys) * scale
-        valid = torch.arange(start, end, device=q.device).unsqueeze(0) < seq_lens.unsqueeze(1)  # [B, n]
+    for first in range(0, num_blocks, per_split):
+        last = min(first + per_split, num_blocks)
+        n = (last - first) * block_size
+        # Gather whole blocks (contiguous rows of the pool), not single tokens.
+        ids = table[:, first:last].reshape(-1)
+        keys = k_cache.index_select(0, ids).view(b, n, hkv, d)  # [B, n, Hkv, D]
+        vals = v_cache.index_select(0, ids).view(b, n, hkv, d)
+        valid = torch.arange(first * block_size, last * block_size, device=q.device) < seq_lens.unsqueeze(1)  # [B, n]
+        if not return_lse and num_splits == 1:
+            out = F.scaled_dot_product_attention(
+                q.unsqueeze(2),
+                keys.transpose(1, 2),
+                vals.transpose(1, 2),
+                attn_mask=valid[:, None, None, :],
+                scale=scale,
+                enable_gqa=True,
+            )[:, :, 0]  # [B, Hq, D]
+            if b and bool((seq_lens == 0).any()):
+                out = out.masked_fill((seq_lens == 0)[:, None, None], 0.0)
+            return out, None
+        qg = q.view(b, hkv, hq // hkv, d).float()  # [B, Hkv, G, D]
+        s = torch.einsum("bhgd,bnhd->bhgn", qg, keys.float()) * scale
         s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
         lse = torch.logsumexp(s, dim=-1)  # [B, Hkv, G]
         safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-        o = torch.einsum("bhgn,bnhd->bhgd", torch.exp(s - safe.unsqueeze(-1)), vals)
+        o = torch.einsum("bhgn,bnhd->bhgd", torch.exp(s - safe.unsqueeze(-1)), vals.float())
         outs.append(o.reshape(b, hq, d))
         lses.append(lse.reshape(b, hq).transpose(0, 1))
     if len(outs) == 1:
-        return outs[0].to(q.dtype), lses[0].contiguous()
-    out, lse = merge_attn_states_many(outs, lses)
-    return out.to(q.dtype), lse
+        out, lse = outs[0], lses[0].contiguous()
+    else:
+        out, lse = merge_attn_states_many(outs, lses)
+    return out.to(q.dtype), (lse if return_lse else None)
 
 
 def paged_prefill(

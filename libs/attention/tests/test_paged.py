@@ -32,6 +32,9 @@ def test_paged_decode_matches_naive(num_splits, hq, hkv):
     k_cache, table = _paged(ks, 16, 64, seed=2)
     v_cache, _ = _paged(vs, 16, 64, seed=2)
     out, lse = paged_decode(q, k_cache, v_cache, table, torch.tensor(lens), num_splits=num_splits)
+    fast, no_lse = paged_decode(q, k_cache, v_cache, table, torch.tensor(lens), num_splits=num_splits, return_lse=False)
+    assert no_lse is None and not torch.isnan(fast).any()
+    torch.testing.assert_close(fast, out, atol=2e-5, rtol=1e-4)
     for b, n in enumerate(lens):
         ref_o, ref_l = naive_attention(q[b : b + 1], ks[b], vs[b], positions(max(n - 1, 0), 1), positions(0, n))
         torch.testing.assert_close(out[b : b + 1].double(), ref_o, atol=2e-5, rtol=1e-4)

@@ -66,4 +66,4 @@ class PagedAttentionContext:
         return out
 
     def _decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        return paged_decode(q, k_cache, v_cache, self.decode_block_table, self.decode_seq_lens)[0]
+        return paged_decode(q, k_cache, v_cache, self.decode_block_table, self.decode_seq_lens, return_lse=False)[0]

@@ -53,7 +53,7 @@ class ModelRunner:
                 sample_chunks.append(index_of[id(c)])
         if decode_tables:
             width = max(len(t) for t in decode_tables)
-            decode_table = torch.zeros(len(decode_tables), width, dtype=torch.int32)
+            decode_table = torch.zeros(len(decode_tables), width, dtype=torch.int64)
             for i, t in enumerate(decode_tables):
                 decode_table[i, : len(t)] = t
             decode_lens = torch.tensor([c.seq.num_computed_tokens + 1 for c in decodes])

@@ -18,6 +18,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Normalise in fp32 and scale in the model dtype, as the reference implementation does.
         y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * y.to(x.dtype)
@@ -44,30 +46,38 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> T
 
 
 class RotaryEmbedding(nn.Module):
-    """Half-split (rotate_half) RoPE. cos/sin are tabulated up to the model's context and computed beyond."""
+    """RoPE on interleaved pairs: dims (2i, 2i+1) of a head rotate together, as one complex multiply.
+
+    Hugging Face checkpoints rotate half-split pairs (i, i + D/2); `interleave_rows` reorders the q/k
+    projection rows at load time so the two agree (attention scores are unchanged by a permutation applied
+    to both q and k). The factors are tabulated up to the model's context and computed beyond it.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.head_dim = config.head_dim
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.register_buffer("table", self._cos_sin(torch.arange(config.max_position_embeddings)), persistent=False)
+        self.register_buffer("table", self._factors(torch.arange(config.max_position_embeddings)), persistent=False)
 
-    def _cos_sin(self, positions: Tensor) -> Tensor:
+    def _factors(self, positions: Tensor) -> Tensor:
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [T, D/2]
-        return torch.stack([freqs.cos(), freqs.sin()])  # [2, T, D/2]
+        return torch.polar(torch.ones_like(freqs), freqs)  # [T, D/2] complex64: cos + i sin
 
-    def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        if positions.numel() and int(positions.max()) >= self.table.shape[1]:
-            cs = self._cos_sin(positions)
-        else:
-            cs = self.table[:, positions]
-        return cs[0].unsqueeze(1), cs[1].unsqueeze(1)  # each [T, 1, D/2]
+    def factors(self, positions: Tensor) -> Tensor:
+        """Rotation factors for `positions` `[T]`: `[T, 1, D/2]` complex64."""
+        if positions.numel() and int(positions.max()) >= self.table.shape[0]:
+            return self._factors(positions).unsqueeze(1)
+        return self.table[positions].unsqueeze(1)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x `[T, heads, D]`; cos/sin `[T, 1, D/2]` fp32. Rotation computed in fp32, returned in x's dtype."""
-    half = x.shape[-1] // 2
-    xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+def interleave_rows(w: Tensor, num_heads: int) -> Tensor:
+    """Reorder each head's rows of a q/k projection from half-split to interleaved rotary pairs."""
+    d = w.shape[0] // num_heads
+    return w.reshape(num_heads, 2, d // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def apply_rope(x: Tensor, factors: Tensor) -> Tensor:
+    """x `[T, heads, D]` (interleaved pairs); factors `[T, 1, D/2]` complex64. Returns x's dtype."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # [T, heads, D/2]
+    return torch.view_as_real(pairs * factors).flatten(-2).to(x.dtype)

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig
-from .layers import RMSNorm, RotaryEmbedding, apply_rope
+from .layers import RMSNorm, RotaryEmbedding, apply_rope, interleave_rows
+from .linear import Linear
 from .parallel import TPShard, all_reduce_
 
 
@@ -30,6 +31,8 @@ class AttentionContext(Protocol):
 
     q `[tokens, q_heads, head_dim]` and k/v `[tokens, kv_heads, head_dim]` are this rank's heads, already
     rotated. Implementations store k/v where they need them and return `[tokens, q_heads, head_dim]`.
+    Rotary pairs are interleaved (see `layers.RotaryEmbedding`), so q/k head dims are a fixed per-head
+    permutation of Hugging Face's; anything that moves K between Spindle processes keeps that layout.
     """
 
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
@@ -78,22 +81,21 @@ class DecoderLayer(nn.Module):
         self.num_q, self.num_kv, self.head_dim = shard.num_q_heads, shard.num_kv_heads, d
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, dtype)
-        self.qkv_proj = _param((self.num_q + 2 * self.num_kv) * d, h, dtype=dtype)
-        self.o_proj = _param(h, self.num_q * d, dtype=dtype)
+        self.qkv_proj = Linear((self.num_q + 2 * self.num_kv) * d, h, dtype)
+        self.o_proj = Linear(h, self.num_q * d, dtype)
         ffn = shard.ffn[1] - shard.ffn[0]
-        self.gate_up_proj = _param(2 * ffn, h, dtype=dtype)
-        self.down_proj = _param(h, ffn, dtype=dtype)
+        self.gate_up_proj = Linear(2 * ffn, h, dtype)
+        self.down_proj = Linear(h, ffn, dtype)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: AttentionContext) -> Tensor:
-        t, d = x.shape[0], self.head_dim
-        qkv = F.linear(self.input_layernorm(x), self.qkv_proj)  # [T, (Hq + 2 Hkv) * D]
-        q, k, v = qkv.split([self.num_q * d, self.num_kv * d, self.num_kv * d], dim=-1)
-        q = apply_rope(q.view(t, self.num_q, d), cos, sin)
-        k = apply_rope(k.view(t, self.num_kv, d), cos, sin)
-        attn = ctx.attention(self.layer_id, q, k, v.reshape(t, self.num_kv, d))  # [T, Hq, D]
-        x = x + all_reduce_(F.linear(attn.reshape(t, -1), self.o_proj), self.tp_group)
-        gate, up = F.linear(self.post_attention_layernorm(x), self.gate_up_proj).chunk(2, dim=-1)
-        return x + all_reduce_(F.linear(F.silu(gate) * up, self.down_proj), self.tp_group)
+    def forward(self, x: Tensor, rope: Tensor, ctx: AttentionContext) -> Tensor:
+        t, d, nq, nkv = x.shape[0], self.head_dim, self.num_q, self.num_kv
+        qkv = self.qkv_proj(self.input_layernorm(x))  # [T, (Hq + 2 Hkv) * D]
+        qk = apply_rope(qkv[:, : (nq + nkv) * d].view(t, nq + nkv, d), rope)  # q and k rotated together
+        v = qkv[:, (nq + nkv) * d :].view(t, nkv, d)
+        attn = ctx.attention(self.layer_id, qk[:, :nq], qk[:, nq:], v)  # [T, Hq, D]
+        x = x + all_reduce_(self.o_proj(attn.reshape(t, -1)), self.tp_group)
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + all_reduce_(self.down_proj(F.silu(gate) * up), self.tp_group)
 
     def load_weights(self, w: Mapping[str, Tensor]) -> None:
         """Take this layer's slice of full HF-named weights (`prefix` already stripped)."""
@@ -101,13 +103,17 @@ class DecoderLayer(nn.Module):
         q = w["self_attn.q_proj.weight"][s.q_heads[0] * d : s.q_heads[1] * d]
         k = w["self_attn.k_proj.weight"][s.kv_heads[0] * d : s.kv_heads[1] * d]
         v = w["self_attn.v_proj.weight"][s.kv_heads[0] * d : s.kv_heads[1] * d]
-        self.qkv_proj.copy_(torch.cat([q, k, v]))
-        self.o_proj.copy_(w["self_attn.o_proj.weight"][:, s.q_heads[0] * d : s.q_heads[1] * d])
+        self.qkv_proj.weight.copy_(
+            torch.cat([interleave_rows(q, s.num_q_heads), interleave_rows(k, s.num_kv_heads), v])
+        )
+        self.o_proj.weight.copy_(w["self_attn.o_proj.weight"][:, s.q_heads[0] * d : s.q_heads[1] * d])
         lo, hi = s.ffn
-        self.gate_up_proj.copy_(torch.cat([w["mlp.gate_proj.weight"][lo:hi], w["mlp.up_proj.weight"][lo:hi]]))
-        self.down_proj.copy_(w["mlp.down_proj.weight"][:, lo:hi])
+        self.gate_up_proj.weight.copy_(torch.cat([w["mlp.gate_proj.weight"][lo:hi], w["mlp.up_proj.weight"][lo:hi]]))
+        self.down_proj.weight.copy_(w["mlp.down_proj.weight"][:, lo:hi])
         self.input_layernorm.weight.copy_(w["input_layernorm.weight"])
         self.post_attention_layernorm.weight.copy_(w["post_attention_layernorm.weight"])
+        for linear in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj):
+            linear.pack()
 
 
 class LlamaModel(nn.Module):
@@ -171,9 +177,9 @@ class LlamaModel(nn.Module):
             if hidden is None:
                 raise ValueError("a later pipeline stage needs the previous stage's hidden states")
             x = hidden
-        cos, sin = self.rotary.cos_sin(positions)
+        rope = self.rotary.factors(positions)
         for layer in self.layers:
-            x = layer(x, cos, sin, ctx)
+            x = layer(x, rope, ctx)
         return self.norm(x) if self.is_last else x
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
