@@ -46,7 +46,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from spindle_engine import Engine, EngineConfig, SamplingParams
-from spindle_model import LlamaModel, ModelConfig
+from spindle_model import LlamaModel, ModelConfig, load_state_dict, resolve_model
 
 log = logging.getLogger("bench.engine")
 
@@ -178,15 +178,6 @@ class Models:
     pad_token_id: int
 
 
-def _import_model_loaders() -> tuple[Callable[..., Any], Callable[..., Any]]:
-    try:
-        from spindle_model import load_state_dict, resolve_model
-    except ImportError:  # the package may not re-export them yet
-        from spindle_model.sources import resolve_model
-        from spindle_model.weights import load_state_dict
-    return resolve_model, load_state_dict
-
-
 def _spindle_model(config: ModelConfig, state: dict[str, torch.Tensor], dtype: str) -> LlamaModel:
     model = LlamaModel(config, dtype=getattr(torch, dtype))
     model.load_weights(state)
@@ -194,15 +185,10 @@ def _spindle_model(config: ModelConfig, state: dict[str, torch.Tensor], dtype: s
 
 
 def _load_hf(path: str) -> LlamaForCausalLM:
-    try:
-        model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
-    except TypeError:  # transformers < 5
-        model = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
-    return model.eval()
+    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
 
 
 def load_real_models(args: argparse.Namespace) -> Models:
-    resolve_model, load_state_dict = _import_model_loaders()
     src = resolve_model(args.model)
     log.info("model %s at %s", src.name, src.path)
     spindle = {
