@@ -56,7 +56,9 @@ PROFILE_OUT_NAME = "engine_profile.txt"
 TARGETS = {"prefill_2048_ratio": 3, "decode_b1_ratio": 5, "decode_b8_ratio": 3}
 # transformers fp32 figures quoted in the issue that set the targets (tokens/s, on its machine)
 REFERENCE_TRANSFORMERS = {"prefill_2048_tok_s": 370, "decode_b1_tok_s": 11.5, "decode_b8_tok_s": 58}
-GEMM_OPS = frozenset({"aten::linear", "aten::matmul", "aten::mm", "aten::addmm", "aten::bmm"})
+GEMM_OPS = frozenset(
+    {"aten::linear", "aten::matmul", "aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise"}
+)
 ATTENTION_LABEL = "spindle::attention"
 # SmolLM2-135M's shape, for --random-weights
 RANDOM_LLAMA = dict(
