@@ -20,6 +20,7 @@ $(STAMP): $(foreach p,$(PKGS),$(p)/pyproject.toml) requirements-dev.txt
 	touch $(STAMP)
 
 test: install
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
 test-fast: install
