@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spindle_model import LlamaModel, ModelConfig
+from spindle_model import LlamaModel, ModelConfig, load_state_dict, resolve_model
 
 from .config import EngineConfig
 from .kv_cache import BlockAllocator, KVCache
@@ -38,8 +38,6 @@ class Engine:
         self.config = config
         t0 = time.perf_counter()
         if model is None:
-            from spindle_model import load_state_dict, resolve_model
-
             self.source = resolve_model(config.model)
             model_config = self.source.config
             model = LlamaModel(model_config, dtype=config.torch_dtype)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from spindle_model import Tokenizer
+
 from .config import EngineConfig
 from .engine import Engine
 from .sampling_params import SamplingParams
@@ -24,8 +26,6 @@ class LLM:
 
     def __init__(self, model: str = "smollm2", dtype: str = "float32", **options: object) -> None:
         self.engine = Engine(EngineConfig(model=model, dtype=dtype, **options))  # type: ignore[arg-type]
-        from spindle_model import Tokenizer
-
         assert self.engine.source is not None
         self.tokenizer = Tokenizer(self.engine.source.path)
         self.engine.eos_token_ids |= set(self.tokenizer.eos_token_ids)

@@ -26,18 +26,17 @@ class ModelRunner:
     def run(self, chunks: list[ScheduledChunk]) -> tuple[Tensor, list[int]]:
         """Run one step. Returns fp32 logits `[N, vocab]` and the indices into `chunks` they belong to:
         one row for every chunk that completes its sequence's known tokens (so a token is sampled)."""
-        decodes = [c for c in chunks if c.num_tokens == 1]
-        prefills = [c for c in chunks if c.num_tokens > 1]
-        ordered = decodes + prefills
+        # decode tokens first, then prefill chunks; keep each chunk's index for the caller
+        decodes = [(i, c) for i, c in enumerate(chunks) if c.num_tokens == 1]
+        prefills = [(i, c) for i, c in enumerate(chunks) if c.num_tokens > 1]
         ids: list[int] = []
         pos: list[Tensor] = []
         slots: list[Tensor] = []
         prefill_meta: list[PrefillChunk] = []
         sample_rows: list[int] = []
         sample_chunks: list[int] = []
-        index_of = {id(c): i for i, c in enumerate(chunks)}
         decode_tables = []
-        for c in ordered:
+        for index, c in decodes + prefills:
             seq, start, n = c.seq, c.seq.num_computed_tokens, c.num_tokens
             offset = len(ids)
             ids.extend(seq.token_ids[start : start + n])
@@ -50,13 +49,13 @@ class ModelRunner:
                 prefill_meta.append(PrefillChunk(offset, n, start, table.unsqueeze(0)))
             if start + n == seq.num_tokens:
                 sample_rows.append(offset + n - 1)
-                sample_chunks.append(index_of[id(c)])
+                sample_chunks.append(index)
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             decode_table = torch.zeros(len(decode_tables), width, dtype=torch.int64)
             for i, t in enumerate(decode_tables):
                 decode_table[i, : len(t)] = t
-            decode_lens = torch.tensor([c.seq.num_computed_tokens + 1 for c in decodes])
+            decode_lens = torch.tensor([c.seq.num_computed_tokens + 1 for _, c in decodes])
         else:
             decode_table = torch.zeros(0, 1, dtype=torch.int32)
             decode_lens = torch.zeros(0, dtype=torch.int64)
