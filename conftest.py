@@ -10,5 +10,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Tests run gRPC servers (OTLP receivers) in this process and fork service processes: gRPC's fork handlers
+# must stay off, or a child forked while gRPC's poller runs may abort. Read when grpc is first imported.
+os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "false"
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -31,6 +31,7 @@ class StepOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    kv_ready: bool = False  # a prefill-only request computed its prompt: export_kv, then release
 
 
 class Engine:
@@ -82,6 +83,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.cache)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, Sequence] = {}
+        self.held: dict[str, Sequence] = {}  # prefilled, KV kept for a hand-off
+        self.reserved: dict[str, list[int]] = {}  # block tables reserved for incoming KV
         log.info(
             "engine ready in %.2fs: %d KV blocks x %d tokens (%.2f GiB)",
             time.perf_counter() - t0,
@@ -100,21 +103,93 @@ class Engine:
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if request_id in self.requests:
+    def _check_new_id(self, request_id: str) -> None:
+        if request_id in self.requests or request_id in self.held or request_id in self.reserved:
             raise ValueError(f"request id {request_id!r} is already in use")
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prefill_only: bool = False
+    ) -> None:
+        """Queue a request. With `prefill_only`, it stops after its first token and keeps its KV (`kv_ready`)."""
+        self._check_new_id(request_id)
         self.validate_prompt(prompt_token_ids)
-        seq = Sequence(request_id, list(prompt_token_ids), params)
+        seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=prefill_only)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    # ---- KV hand-off: the prefill side ----
+
+    def export_kv(self, request_id: str) -> torch.Tensor:
+        """KV of a prefilled request's prompt -> `[2, layers, prompt_tokens, kv_heads, head_dim]`."""
+        seq = self.held[request_id]
+        return self.cache.gather(seq.block_table, seq.num_prompt_tokens)
+
+    def release(self, request_id: str) -> bool:
+        """Free the blocks of a prefilled request whose KV has been handed off (or given up)."""
+        seq = self.held.pop(request_id, None)
+        if seq is None:
+            return False
+        self.allocator.free(request_id, seq.block_table)
+        return True
+
+    # ---- KV hand-off: the decode side ----
+
+    def kv_shape(self, num_tokens: int) -> tuple[int, ...]:
+        """Shape of the KV tensor that `import_kv` takes for `num_tokens` tokens."""
+        return (2, len(self.model.layers), num_tokens, self.model.num_local_kv_heads, self.model_config.head_dim)
+
+    def reserve(self, request_id: str, num_tokens: int) -> bool:
+        """Reserve blocks for `num_tokens` incoming tokens of KV; False when they are not free now."""
+        self._check_new_id(request_id)
+        if not 0 < num_tokens < self.max_model_len:
+            raise ValueError(f"cannot reserve {num_tokens} tokens (context is {self.max_model_len})")
+        table: list[int] = []
+        if not self.allocator.can_allocate(num_tokens + 1, table):  # +1: the first decode step's token
+            return False
+        self.allocator.allocate(request_id, num_tokens, table)
+        self.reserved[request_id] = table
+        return True
+
+    def cancel_reservation(self, request_id: str) -> bool:
+        table = self.reserved.pop(request_id, None)
+        if table is None:
+            return False
+        self.allocator.free(request_id, table)
+        return True
+
+    def add_prefilled(
+        self, request_id: str, prompt_token_ids: list[int], first_token: int, kv: torch.Tensor, params: SamplingParams
+    ) -> None:
+        """Start decoding a request whose prompt KV was computed elsewhere, into blocks from `reserve`."""
+        table = self.reserved.get(request_id)
+        if table is None:
+            raise ValueError(f"request {request_id!r} has no reservation")
+        n = len(prompt_token_ids)
+        if tuple(kv.shape) != self.kv_shape(n):
+            raise ValueError(f"KV shape {tuple(kv.shape)} does not match {self.kv_shape(n)} for {n} prompt tokens")
+        self.validate_prompt(prompt_token_ids)
+        del self.reserved[request_id]
+        self.cache.scatter(table, kv)
+        seq = Sequence(request_id, [*prompt_token_ids, first_token], params, num_prompt_tokens=n)
+        seq.num_computed_tokens = n
+        seq.block_table = table
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
-        """Finish a request now and free its blocks. Returns False if it is unknown or already done."""
+        """End a request now and free its blocks (queued, running, held or reserved). False if unknown."""
         seq = self.requests.pop(request_id, None)
-        if seq is None:
-            return False
-        self.scheduler.finish(seq, "abort")
-        return True
+        if seq is not None:
+            self.scheduler.finish(seq, "abort")
+            return True
+        return self.release(request_id) or self.cancel_reservation(request_id)
+
+    def blocks_held(self) -> dict[str, int]:
+        """Blocks per request id, over running, waiting (maybe 0 blocks), held and reserved requests."""
+        out = {rid: len(seq.block_table) for rid, seq in self.requests.items()}
+        out.update({rid: len(seq.block_table) for rid, seq in self.held.items()})
+        out.update({rid: len(table) for rid, table in self.reserved.items()})
+        return out
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -148,7 +223,7 @@ class Engine:
         for c in chunks:
             c.seq.num_computed_tokens += c.num_tokens
         seqs = [chunks[i].seq for i in rows]
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.generator)
+        tokens = sample(logits, [s.params for s in seqs], [s.step_generator() for s in seqs], self.generator)
         outputs = []
         for seq, token in zip(seqs, tokens, strict=True):
             seq.token_ids.append(token)
@@ -156,5 +231,11 @@ class Engine:
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 del self.requests[seq.request_id]
+            elif seq.prefill_only:
+                self.scheduler.detach(seq)
+                del self.requests[seq.request_id]
+                self.held[seq.request_id] = seq
+                outputs.append(StepOutput(seq.request_id, [token], False, None, kv_ready=True))
+                continue
             outputs.append(StepOutput(seq.request_id, [token], reason is not None, reason))
         return outputs

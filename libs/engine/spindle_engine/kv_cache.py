@@ -83,6 +83,23 @@ class KVCache:
         self.v: Tensor = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
 
+    def gather(self, table: list[int], num_tokens: int) -> Tensor:
+        """The KV of a sequence's first `num_tokens` tokens -> `[2, layers, tokens, kv_heads, head_dim]`."""
+        assert len(table) * self.block_size >= num_tokens
+        idx = torch.tensor(table, dtype=torch.long, device=self.k.device)
+        out = torch.stack([self.k.index_select(1, idx), self.v.index_select(1, idx)])  # [2, L, nb, bs, H, D]
+        return out.flatten(2, 3)[:, :, :num_tokens].contiguous()
+
+    def scatter(self, table: list[int], kv: Tensor) -> None:
+        """Write `kv` `[2, layers, tokens, kv_heads, head_dim]` into the blocks of `table`, from token 0."""
+        num_tokens = kv.shape[2]
+        assert len(table) * self.block_size >= num_tokens
+        slots = torch.arange(num_tokens, device=self.k.device)
+        blocks = torch.tensor(table, dtype=torch.long, device=self.k.device)[slots // self.block_size]
+        offsets = slots % self.block_size
+        self.k[:, blocks, offsets] = kv[0].to(self.k.dtype)
+        self.v[:, blocks, offsets] = kv[1].to(self.v.dtype)
+
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()

@@ -100,6 +100,12 @@ class Scheduler:
             budget -= n
         return out
 
+    def detach(self, seq: Sequence) -> None:
+        """Take a running sequence out of batching but keep its blocks (its KV is about to be handed off)."""
+        self.running.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "prefilled"
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence (stop, length, abort) and free its blocks; idempotent."""
         if seq.is_finished:

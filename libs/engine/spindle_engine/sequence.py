@@ -29,10 +29,25 @@ class Sequence:
     generator: torch.Generator | None = None
     arrival: int = 0  # admission order, for FCFS after preemption
 
+    prefill_only: bool = False  # stop after the first token and keep the KV for a hand-off
+
     def __post_init__(self) -> None:
-        self.num_prompt_tokens = len(self.token_ids)
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.token_ids)
         if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+            self.generator = torch.Generator()
+
+    def step_generator(self) -> torch.Generator | None:
+        """The generator for the next output token, seeded by (seed, output index).
+
+        Seeding per position makes a seeded request's tokens independent of where they are sampled, so a
+        prefill instance can sample the first token and a decode instance the rest with the same result.
+        """
+        if self.generator is None:
+            return None
+        assert self.params.seed is not None
+        n = self.num_tokens - self.num_prompt_tokens
+        return self.generator.manual_seed((self.params.seed * 1_000_003 + n) % (2**63 - 1))
 
     @property
     def num_tokens(self) -> int:

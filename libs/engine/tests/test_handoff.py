@@ -1,0 +1,86 @@
+"""KV hand-off between two engines (the prefill/decode split) gives the single-engine result."""
+
+import pytest
+import torch
+
+from spindle_engine import Engine, EngineConfig, SamplingParams
+from spindle_model.testing import tiny_llama
+
+
+def _engine(model, **kw) -> Engine:
+    return Engine(EngineConfig(model="tiny", **{"block_size": 16, "kv_cache_tokens": 2048, **kw}), model=model)
+
+
+def _drain(engine: Engine) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return out
+
+
+def _split_run(prefill: Engine, decode: Engine, prompts: dict[str, list[int]], params: SamplingParams):
+    for rid, ids in prompts.items():
+        prefill.add_request(rid, ids, params, prefill_only=True)
+    first: dict[str, int] = {}
+    while prefill.has_unfinished():
+        for o in prefill.step():
+            assert o.kv_ready and not o.finished
+            first[o.request_id] = o.new_token_ids[0]
+    for rid, ids in prompts.items():
+        kv = prefill.export_kv(rid)
+        assert kv.shape == decode.kv_shape(len(ids))
+        assert decode.reserve(rid, len(ids))
+        decode.add_prefilled(rid, ids, first[rid], kv.clone(), params)
+        assert prefill.release(rid)
+    prefill.allocator.check_invariants()
+    assert prefill.allocator.num_used == 0
+    rest = _drain(decode)
+    decode.allocator.check_invariants()
+    assert decode.allocator.num_used == 0
+    return {rid: [first[rid], *rest[rid]] for rid in prompts}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_llama(0)[1]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True),
+    ],
+)
+def test_handoff_matches_single_engine(tiny, params):
+    g = torch.Generator().manual_seed(5)
+    prompts = {f"r{i}": torch.randint(3, 301, (n,), generator=g).tolist() for i, n in enumerate((1, 17, 59, 130))}
+    single = _engine(tiny)
+    for rid, ids in prompts.items():
+        single.add_request(rid, ids, params)
+    expected = _drain(single)
+    got = _split_run(_engine(tiny, max_num_batched_tokens=48), _engine(tiny, block_size=8), prompts, params)
+    assert got == expected
+
+
+def test_reserve_refuses_when_full_and_abort_frees_everything(tiny):
+    decode = _engine(tiny, kv_cache_tokens=256, max_model_len=200)
+    assert decode.reserve("a", 150)
+    assert not decode.reserve("b", 150)  # 10 + 10 blocks > 16
+    with pytest.raises(ValueError, match="already in use"):
+        decode.reserve("a", 10)
+    with pytest.raises(ValueError, match="does not match"):
+        decode.add_prefilled("a", [5] * 150, 1, torch.zeros(decode.kv_shape(149)), SamplingParams())
+    assert decode.blocks_held() == {"a": 10}
+    assert decode.abort("a")
+    assert decode.allocator.num_used == 0
+
+    prefill = _engine(tiny)
+    prefill.add_request("p", [3] * 40, SamplingParams(max_tokens=4), prefill_only=True)
+    while prefill.has_unfinished():
+        prefill.step()
+    assert prefill.blocks_held() == {"p": 3}
+    assert prefill.abort("p")
+    assert not prefill.abort("p")
+    assert prefill.allocator.num_used == 0

@@ -1,0 +1,274 @@
+"""Typed control-plane messages (msgspec, msgpack on the wire). Never pickle.
+
+Every message is a frozen `msgspec.Struct`; `encode`/`decode` in codec.py check the type on the way in.
+Times are Unix seconds (float) from `time.time()`; durations are seconds unless the name says `_ms`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+Role = str  # "prefill" | "decode" | "kvstore"
+ROLES = ("prefill", "decode", "kvstore")
+
+
+class Sampling(msgspec.Struct, frozen=True, kw_only=True):
+    """What the engine needs to sample and stop (stop *strings* stay in the gateway)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+
+class PromptRef(msgspec.Struct, frozen=True, kw_only=True):
+    """A prompt stored in the JetStream object store (bucket PROMPT_BUCKET) as little-endian int32."""
+
+    bucket: str
+    name: str
+    num_tokens: int
+    sha256: str
+
+
+class Prompt(msgspec.Struct, frozen=True, kw_only=True):
+    """Prompt token ids, inline when small, else a reference into the object store."""
+
+    num_tokens: int
+    token_ids: list[int] | None = None
+    ref: PromptRef | None = None
+
+
+class RequestSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """One generation request as every service sees it."""
+
+    request_id: str
+    prompt: Prompt
+    sampling: Sampling
+    arrival_time: float
+    deadline: float  # absolute; the gateway ends the request at this time whatever happens
+
+
+# ---- gateway <-> scheduler ----
+
+
+class AdmitRequest(msgspec.Struct, frozen=True, kw_only=True):
+    request: RequestSpec
+
+
+class AdmitReply(msgspec.Struct, frozen=True, kw_only=True):
+    accepted: bool
+    status: int = 200  # HTTP status the gateway answers with when rejected: 429 overload, 503 no workers, 400
+    reason: str = ""
+    retry_after_s: float = 0.0
+    prefill_instance: str = ""
+    decode_instance: str = ""
+
+
+class StatusQuery(msgspec.Struct, frozen=True, kw_only=True):
+    pass
+
+
+class InstanceInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """Heartbeat of one instance: the registry value and what the scheduler plans with."""
+
+    instance_id: str
+    role: Role
+    rank: int  # rank in the data-plane process group
+    pid: int
+    started_at: float
+    updated_at: float
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    block_size: int = 0
+    kv_bytes_total: int = 0  # kvstore: memory budget
+    kv_bytes_used: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    queued_tokens: int = 0  # prefill: prompt tokens accepted but not yet computed
+    max_model_len: int = 0
+
+
+class ClusterStatus(msgspec.Struct, frozen=True, kw_only=True):
+    instances: list[InstanceInfo]
+    dead_instances: list[str]
+    num_requests_running: int
+    num_requests_waiting: int
+    strategy: str
+    max_model_len: int
+    model: str
+
+
+# ---- scheduler -> workers ----
+
+
+class RunPrefill(msgspec.Struct, frozen=True, kw_only=True):
+    """Prefill `request` and hand its KV to `decode_instance` (data-plane rank `decode_rank`)."""
+
+    request: RequestSpec
+    decode_instance: str
+    decode_rank: int
+    kvstore_instance: str = ""  # where the KV parks when the decode instance has no room
+    kvstore_rank: int = -1
+
+
+class Abort(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    reason: str = "abort"
+
+
+# ---- prefill <-> decode / kvstore: the KV hand-off (handshake here, tensors on the data plane) ----
+
+
+class TensorHeader(msgspec.Struct, frozen=True, kw_only=True):
+    """What a receiver expects before it trusts a buffer: dtype name, shape, byte count."""
+
+    dtype: str
+    shape: list[int]
+    nbytes: int
+
+
+class ReserveKV(msgspec.Struct, frozen=True, kw_only=True):
+    """Ask the decode instance to reserve blocks for `request` and post a receive from `src_rank`."""
+
+    request: RequestSpec
+    first_token: int  # sampled by the prefill instance from the last prompt position
+    src_rank: int
+    kv: TensorHeader  # [2, layers, prompt_tokens, kv_heads, head_dim]
+
+
+class ReserveReply(msgspec.Struct, frozen=True, kw_only=True):
+    accepted: bool
+    tag: int = 0  # data-plane tag the receiver posted its receive under
+    reason: str = ""  # "no_space", "unknown", "bad_header", ...
+
+
+class KVParked(msgspec.Struct, frozen=True, kw_only=True):
+    """The request's KV waits in the kvstore; the decode instance pulls it when blocks free."""
+
+    request: RequestSpec
+    first_token: int
+    kvstore_instance: str
+    kvstore_rank: int
+    kv: TensorHeader
+
+
+class KVPut(msgspec.Struct, frozen=True, kw_only=True):
+    """Store tokens [start, end) of a request's KV; `pinned` entries are never evicted."""
+
+    request_id: str
+    start: int
+    end: int
+    src_rank: int
+    kv: TensorHeader
+    pinned: bool = True
+
+
+class KVGet(msgspec.Struct, frozen=True, kw_only=True):
+    """Send tokens [start, end) of a stored entry to `dst_rank` under `tag` (the receiver posted it)."""
+
+    request_id: str
+    start: int
+    end: int
+    dst_rank: int
+    tag: int
+    free_after: bool = False
+
+
+class KVGetReply(msgspec.Struct, frozen=True, kw_only=True):
+    found: bool
+    kv: TensorHeader | None = None
+    reason: str = ""
+
+
+class KVFree(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+
+
+class KVFreeReply(msgspec.Struct, frozen=True, kw_only=True):
+    freed_bytes: int
+
+
+# ---- worker -> gateway: the token stream ----
+
+
+class StreamEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """Token ids `token_ids` are outputs `seq, seq+1, ...` of the request. The last event has `finished`.
+
+    An error event (`error` set) is terminal; `status` is the HTTP-style code (503 worker lost, 504
+    deadline, 500 internal).
+    """
+
+    request_id: str
+    seq: int
+    token_ids: list[int] = []
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    status: int = 200
+    stats: dict[str, float] | None = None  # spindle-specific usage fields on the last event
+
+
+# ---- workers -> scheduler: events ----
+
+
+class PrefillProgress(msgspec.Struct, frozen=True, kw_only=True, tag="prefill_progress"):
+    request_id: str
+    instance_id: str
+    tokens_done: int
+    tokens_total: int
+    chunk_seconds: float
+
+
+class PrefillDone(msgspec.Struct, frozen=True, kw_only=True, tag="prefill_done"):
+    request_id: str
+    instance_id: str
+    seconds: float
+    finished: bool  # the first token already ended the request (stop / length)
+
+
+class TransferDone(msgspec.Struct, frozen=True, kw_only=True, tag="transfer_done"):
+    request_id: str
+    src_instance: str
+    dst_instance: str
+    nbytes: int
+    seconds: float
+    parked: bool = False  # went to the kvstore instead of the decode instance
+
+
+class DecodeStarted(msgspec.Struct, frozen=True, kw_only=True, tag="decode_started"):
+    request_id: str
+    instance_id: str
+
+
+class RequestFinished(msgspec.Struct, frozen=True, kw_only=True, tag="request_finished"):
+    request_id: str
+    instance_id: str
+    finish_reason: str
+    num_output_tokens: int
+
+
+class RequestFailed(msgspec.Struct, frozen=True, kw_only=True, tag="request_failed"):
+    request_id: str
+    instance_id: str
+    message: str
+    status: int = 500
+
+
+WorkerEvent = PrefillProgress | PrefillDone | TransferDone | DecodeStarted | RequestFinished | RequestFailed
+
+
+class StatsQuery(msgspec.Struct, frozen=True, kw_only=True):
+    pass
+
+
+class InstanceStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Exact per-instance state, for tests and operators (blocks held per request)."""
+
+    instance_id: str
+    role: Role
+    kv_blocks_total: int
+    kv_blocks_used: int
+    requests: dict[str, int]  # request id -> blocks (or bytes, on the kvstore) held

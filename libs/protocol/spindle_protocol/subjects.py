@@ -1,0 +1,72 @@
+"""NATS subjects of the control plane. README.md documents who publishes and who subscribes.
+
+Request ids and instance ids are used as subject tokens, so they must match `TOKEN_RE`.
+"""
+
+from __future__ import annotations
+
+import re
+
+TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+PREFIX = "spindle"
+
+# gateway -> scheduler, request-reply: AdmitRequest -> AdmitReply
+ADMIT = f"{PREFIX}.scheduler.admit"
+# gateway -> scheduler, request-reply: StatusQuery -> ClusterStatus
+STATUS = f"{PREFIX}.scheduler.status"
+# workers -> scheduler, publish: WorkerEvent (PrefillProgress, PrefillDone, TransferDone, RequestFinished, ...)
+EVENTS = f"{PREFIX}.scheduler.events"
+# anyone -> everyone, publish: Abort. Every service frees what it holds for the request.
+ABORT = f"{PREFIX}.abort"
+
+# JetStream key-value bucket of live instances (key = instance id, value = InstanceInfo); entries expire.
+REGISTRY_BUCKET = "spindle_instances"
+# JetStream object store bucket for prompts too large for one message (name = request id).
+PROMPT_BUCKET = "spindle_prompts"
+
+
+def check_token(value: str, what: str = "id") -> str:
+    if not isinstance(value, str) or not TOKEN_RE.match(value):
+        raise ValueError(f"{what} {value!r} must be 1-128 characters of [A-Za-z0-9_-]")
+    return value
+
+
+def stream(request_id: str) -> str:
+    """prefill/decode/scheduler -> gateway, publish: StreamEvent (token ids with sequence numbers, end, error)."""
+    return f"{PREFIX}.stream.{check_token(request_id, 'request id')}"
+
+
+def prefill_run(instance_id: str) -> str:
+    """scheduler -> one prefill instance, publish: RunPrefill."""
+    return f"{PREFIX}.prefill.{check_token(instance_id, 'instance id')}.run"
+
+
+def decode_reserve(instance_id: str) -> str:
+    """prefill -> one decode instance, request-reply: ReserveKV -> ReserveReply (the transfer handshake)."""
+    return f"{PREFIX}.decode.{check_token(instance_id, 'instance id')}.reserve"
+
+
+def decode_parked(instance_id: str) -> str:
+    """prefill -> one decode instance, publish: KVParked (the KV waits in the kvstore until blocks free)."""
+    return f"{PREFIX}.decode.{check_token(instance_id, 'instance id')}.parked"
+
+
+def kvstore_put(instance_id: str) -> str:
+    """prefill (any worker) -> kvstore, request-reply: KVPut -> ReserveReply; the tensor follows on the data plane."""
+    return f"{PREFIX}.kvstore.{check_token(instance_id, 'instance id')}.put"
+
+
+def kvstore_get(instance_id: str) -> str:
+    """decode (any worker) -> kvstore, request-reply: KVGet -> KVGetReply; the tensor follows on the data plane."""
+    return f"{PREFIX}.kvstore.{check_token(instance_id, 'instance id')}.get"
+
+
+def kvstore_free(instance_id: str) -> str:
+    """any -> kvstore, request-reply: KVFree -> KVFreeReply."""
+    return f"{PREFIX}.kvstore.{check_token(instance_id, 'instance id')}.free"
+
+
+def instance_stats(instance_id: str) -> str:
+    """anyone -> one instance, request-reply: StatsQuery -> InstanceStats (exact block counts, live requests)."""
+    return f"{PREFIX}.instance.{check_token(instance_id, 'instance id')}.stats"

@@ -1,0 +1,305 @@
+"""DataPlane: header-checked point-to-point tensor transfers over one torch.distributed process group.
+
+The receiver picks the tag (`new_tag`) and tells the sender over the control plane; both sides then use
+it for the four messages of wire.py. The header exchange, the one wait that may never end (the peer may
+never post its side), has a deadline and a cancel event; after it both sides are committed and the rest
+completes or fails with the peer's death. No timeout or cancel ever breaks the process group: see
+`Pending` for why that waiting is done in Python, not by gloo.
+
+On NCCL, tags are ignored (ops between two ranks match in posting order), so transfers between the same
+pair must be posted in the same order on both sides; gloo honours tags and allows concurrent transfers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from functools import partial
+from typing import TypeVar
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from spindle_protocol import TensorHeader, check_header
+
+from .errors import HeaderMismatchError, TransferError
+from .waits import Pending, block, wait_for
+from .wire import (
+    ABORT,
+    ACCEPT,
+    CANCELLED,
+    COMMIT,
+    DTYPES,
+    HEADER_WORDS,
+    REJECT,
+    decode_header,
+    decode_signal,
+    encode_header,
+    encode_signal,
+    header_of,
+)
+
+MAX_TAG = 2**31 - 1
+T = TypeVar("T")
+
+
+class DataPlane:
+    """This process's rank in the data-plane group and the transfers it makes."""
+
+    def __init__(self, rank: int, world_size: int, backend: str, max_workers: int = 16) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend {backend!r} must be 'gloo' or 'nccl'")
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self._tag_lock = threading.Lock()
+        self._tag_slots = (MAX_TAG - 1) // world_size
+        self._next_tag = 0
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="spindle-transfer")
+
+    @classmethod
+    def init(
+        cls,
+        rank: int,
+        world_size: int,
+        init_method: str,
+        backend: str | None = None,
+        timeout_s: float = 60.0,
+        max_workers: int = 16,
+    ) -> DataPlane:
+        """Join the process group (blocks until all `world_size` ranks have joined or `timeout_s` passes)."""
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        timeout = timedelta(seconds=timeout_s)
+        url = urlparse(init_method)
+        if url.scheme == "tcp" and url.hostname in ("127.0.0.1", "localhost") and url.port:
+            # Loopback only: torch's own tcp:// store would listen on every interface, and gloo on the
+            # hostname's address. Rank 0 hosts the store on a socket bound to 127.0.0.1 instead.
+            if backend == "gloo" and sys.platform == "linux":
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            store = _loopback_store(url.port, rank, world_size, timeout)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
+        return cls(rank, world_size, backend, max_workers)
+
+    def new_tag(self) -> int:
+        """A tag for a receive this process posts; tags of different ranks never collide."""
+        with self._tag_lock:
+            k = self._next_tag
+            self._next_tag = (k + 1) % self._tag_slots
+        return 1 + self.rank + k * self.world_size
+
+    # ---- blocking API (call from worker threads) ----
+
+    def send(
+        self,
+        tensor: torch.Tensor,
+        dst: int,
+        tag: int,
+        header: TensorHeader,
+        *,
+        cancel: threading.Event | None = None,
+        timeout_s: float = 60.0,
+    ) -> None:
+        """Send `tensor` (described by `header`) to `dst`, whose matching `recv` uses the same tag.
+
+        `cancel` and `timeout_s` bound the wait for the receiver to take the header; after that the payload
+        goes (or the peer's death ends it) and a cancel seen meanwhile makes the receiver discard it.
+        """
+        self._check_peer(dst, tag)
+        check_header(header)
+        if header_of(tensor) != header:
+            raise ValueError(f"tensor {tensor.dtype}{list(tensor.shape)} does not match its header {header}")
+        what = f"send of {header.dtype}{header.shape} to rank {dst} (tag {tag})"
+        deadline = time.monotonic() + timeout_s
+        payload = tensor.detach().to(self.device).contiguous().reshape(-1).view(torch.uint8)
+        verdict_buf = torch.empty(2, dtype=torch.int64, device=self.device)
+        head = self._post(dist.isend, encode_header(header, self.device), dst, tag)
+        verdict = self._post(dist.irecv, verdict_buf, dst, tag)
+        late = partial(self._finish_abandoned_send, verdict, verdict_buf, payload, dst, tag)
+        wait_for(self._watch(head, late), f"{what}: header", deadline, cancel)
+        self._complete(verdict, f"{what}: verdict")
+        answer = self._signal_value(verdict_buf, (ACCEPT, REJECT, CANCELLED), what)
+        if answer == REJECT:
+            raise HeaderMismatchError(f"{what}: the receiver refused the header {header}")
+        if answer == CANCELLED:
+            raise TransferError(f"{what}: the receiver cancelled")
+        cancelled = cancel is not None and cancel.is_set()
+        if header.nbytes:
+            self._complete(self._post(dist.isend, payload, dst, tag), f"{what}: payload")
+        trailer = encode_signal(ABORT if cancelled else COMMIT, self.device)
+        self._complete(self._post(dist.isend, trailer, dst, tag), f"{what}: trailer")
+        if cancelled:
+            raise TransferError(f"{what} was cancelled")
+
+    def recv(
+        self,
+        expect: TensorHeader,
+        src: int,
+        tag: int,
+        *,
+        out: torch.Tensor | None = None,
+        cancel: threading.Event | None = None,
+        timeout_s: float = 60.0,
+    ) -> torch.Tensor:
+        """Receive the tensor `src` sends under `tag`, after checking its header equals `expect` exactly.
+
+        A different header is refused (HeaderMismatchError) before any payload buffer is posted, and the
+        sender learns it. `cancel` and `timeout_s` bound the wait for the header (TransferError); once the
+        header is accepted the payload lands in full (into `out` when given) unless the peer dies, and a
+        cancel seen by then raises TransferError afterwards, so `out` is never written after we return.
+        """
+        self._check_peer(src, tag)
+        check_header(expect)
+        dtype = DTYPES[expect.dtype]
+        if out is not None and (
+            out.dtype != dtype
+            or list(out.shape) != expect.shape
+            or not out.is_contiguous()
+            or out.device != self.device
+        ):
+            raise ValueError(f"out {out.dtype}{list(out.shape)} on {out.device} cannot hold {expect} on {self.device}")
+        what = f"receive of {expect.dtype}{expect.shape} from rank {src} (tag {tag})"
+        deadline = time.monotonic() + timeout_s
+        words = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
+        head = self._post(dist.irecv, words, src, tag)
+        refuse_late = partial(self._send_signal, CANCELLED, src, tag, what)
+        wait_for(self._watch(head, refuse_late), f"{what}: header", deadline, cancel)
+        try:
+            check_header(decode_header(words), expect)
+        except ValueError as e:
+            self._send_signal(REJECT, src, tag, what)
+            raise HeaderMismatchError(f"{what}: {e}") from e
+        if cancel is not None and cancel.is_set():
+            self._send_signal(CANCELLED, src, tag, what)
+            raise TransferError(f"{what} was cancelled")
+        result = out if out is not None else torch.empty(expect.shape, dtype=dtype, device=self.device)
+        # Post payload and trailer before accepting: gloo matches the ops of one tag in posting order.
+        body = self._post(dist.irecv, result.reshape(-1).view(torch.uint8), src, tag) if expect.nbytes else None
+        trailer_buf = torch.empty(2, dtype=torch.int64, device=self.device)
+        trailer = self._post(dist.irecv, trailer_buf, src, tag)
+        self._send_signal(ACCEPT, src, tag, what)
+        if body is not None:
+            self._complete(body, f"{what}: payload")
+        self._complete(trailer, f"{what}: trailer")
+        if self._signal_value(trailer_buf, (COMMIT, ABORT), what) == ABORT:
+            raise TransferError(f"{what}: the sender gave up")
+        if cancel is not None and cancel.is_set():
+            raise TransferError(f"{what} was cancelled")
+        return result
+
+    # ---- asyncio API: the blocking calls run on this DataPlane's own thread pool ----
+
+    async def send_async(
+        self,
+        tensor: torch.Tensor,
+        dst: int,
+        tag: int,
+        header: TensorHeader,
+        *,
+        cancel: threading.Event | None = None,
+        timeout_s: float = 60.0,
+    ) -> None:
+        cancel = cancel or threading.Event()
+        await self._in_pool(partial(self.send, tensor, dst, tag, header, cancel=cancel, timeout_s=timeout_s), cancel)
+
+    async def recv_async(
+        self,
+        expect: TensorHeader,
+        src: int,
+        tag: int,
+        *,
+        out: torch.Tensor | None = None,
+        cancel: threading.Event | None = None,
+        timeout_s: float = 60.0,
+    ) -> torch.Tensor:
+        cancel = cancel or threading.Event()
+        fn = partial(self.recv, expect, src, tag, out=out, cancel=cancel, timeout_s=timeout_s)
+        return await self._in_pool(fn, cancel)
+
+    def close(self) -> None:
+        """Leave the process group; waits still pending end with an error."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- internals ----
+
+    async def _in_pool(self, fn: Callable[[], T], cancel: threading.Event) -> T:
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+        except asyncio.CancelledError:  # the awaiting task was cancelled: stop the transfer too
+            cancel.set()
+            raise
+
+    def _check_peer(self, peer: int, tag: int) -> None:
+        if not 0 <= peer < self.world_size or peer == self.rank:
+            raise ValueError(f"peer rank {peer} is not another rank of [0, {self.world_size})")
+        if not 0 <= tag <= MAX_TAG:
+            raise ValueError(f"tag {tag} is not in [0, {MAX_TAG}]")
+
+    def _post(self, op: Callable, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        try:
+            return op(tensor, peer, tag=tag)
+        except RuntimeError as e:  # gloo raises at once when the pair is already closed
+            raise TransferError(f"rank {peer} is unreachable: {e}") from e
+
+    def _watch(self, work: dist.Work, on_late: Callable[[], None] | None = None) -> Pending:
+        return Pending(work, self.backend == "nccl", on_late)
+
+    def _complete(self, work: dist.Work, what: str) -> None:
+        """Wait for an op the peer is committed to match (it has posted or is about to post its side)."""
+        try:
+            block(work, self.backend == "nccl")
+        except RuntimeError as e:
+            raise TransferError(f"{what} failed: {e}") from e
+
+    def _signal_value(self, words: torch.Tensor, allowed: tuple[int, ...], what: str) -> int:
+        try:
+            return decode_signal(words, allowed)
+        except ValueError as e:
+            raise TransferError(f"{what}: {e}") from e
+
+    def _send_signal(self, value: int, peer: int, tag: int, what: str) -> None:
+        self._complete(self._post(dist.isend, encode_signal(value, self.device), peer, tag), f"{what}: signal")
+
+    def _finish_abandoned_send(
+        self, verdict: dist.Work, verdict_buf: torch.Tensor, payload: torch.Tensor, dst: int, tag: int
+    ) -> None:
+        """The receiver took a header we had given up on: finish the exchange with ABORT so it stops waiting."""
+        block(verdict, self.backend == "nccl")
+        if decode_signal(verdict_buf, (ACCEPT, REJECT, CANCELLED)) != ACCEPT:
+            return
+        if payload.numel():
+            block(self._post(dist.isend, payload, dst, tag), self.backend == "nccl")
+        block(self._post(dist.isend, encode_signal(ABORT, self.device), dst, tag), self.backend == "nccl")
+
+
+def _loopback_store(port: int, rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+    if rank != 0:
+        return dist.TCPStore("127.0.0.1", port, world_size, False, timeout)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(("127.0.0.1", port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    fd = sock.detach()  # the store owns the listening socket from here on
+    return dist.TCPStore("127.0.0.1", port, world_size, True, timeout, wait_for_workers=False, master_listen_fd=fd)

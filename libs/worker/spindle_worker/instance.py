@@ -1,0 +1,298 @@
+"""Base of a model instance service: engine thread + NATS bus + data plane + registry heartbeat.
+
+Subclasses (PrefillInstance, DecodeInstance) subscribe their own subjects in `serve()` and handle engine
+outputs in `on_outputs()`. Each request is a `Job` until it reaches its one terminal state: `finish()`
+or `fail()` publish it, end its span and forget it; aborts free its blocks through the engine thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from nats.aio.msg import Msg
+from opentelemetry.trace import Span
+
+from spindle_engine import Engine, EngineConfig, SamplingParams, StepOutput
+from spindle_engine.engine_thread import EngineThread
+from spindle_protocol import subjects
+from spindle_protocol.bus import Bus
+from spindle_protocol.messages import (
+    Abort,
+    InstanceInfo,
+    InstanceStats,
+    RequestFailed,
+    RequestFinished,
+    RequestSpec,
+    Sampling,
+    StatsQuery,
+    StreamEvent,
+)
+from spindle_protocol.registry import run_heartbeat
+from spindle_telemetry import inject, setup, shutdown, tracer
+from spindle_transfer import DataPlane
+
+log = logging.getLogger("spindle.worker")
+
+ABORT_MEMORY_S = 120.0  # how long an abort is remembered, for commands that arrive after it
+DEADLINE_GRACE_S = 2.0  # the gateway ends a request at its deadline; instances drop it this much later
+
+
+def sampling_params(s: Sampling) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=s.seed,
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+    )
+
+
+@dataclass(frozen=True)
+class InstanceConfig:
+    role: str
+    instance_id: str
+    nats_url: str
+    rank: int
+    world_size: int
+    dist_init: str
+    engine: EngineConfig
+    otlp_endpoint: str | None = None
+
+    def __post_init__(self) -> None:
+        subjects.check_token(self.instance_id, "instance id")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside a world of {self.world_size}")
+
+    @classmethod
+    def from_args(cls, role: str, args: argparse.Namespace) -> InstanceConfig:
+        engine = EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            kv_cache_tokens=args.kv_cache_tokens,
+            kv_cache_memory_gb=args.kv_cache_memory_gb,
+            max_model_len=args.max_model_len,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+        )
+        return cls(
+            role,
+            args.instance_id,
+            args.nats_url,
+            args.rank,
+            args.world_size,
+            args.dist_init,
+            engine,
+            args.otlp_endpoint,
+        )
+
+
+@dataclass
+class Job:
+    """One request on this instance until its terminal state."""
+
+    spec: RequestSpec
+    span: Span
+    started: float = field(default_factory=time.time)
+    next_seq: int = 0  # sequence number of the next output token this instance publishes
+    stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+
+class Instance:
+    def __init__(self, config: InstanceConfig) -> None:
+        self.config = config
+        self.id = config.instance_id
+        self.jobs: dict[str, Job] = {}
+        self.aborted: dict[str, float] = {}
+        self.started_at = time.time()
+        self.engine: Engine
+        self.thread: EngineThread
+        self.bus: Bus
+        self.dp: DataPlane
+        self.loop: asyncio.AbstractEventLoop
+        self.tracer = tracer(f"spindle.{config.role}")
+
+    # ---- lifecycle ----
+
+    async def run(self, stop: asyncio.Event) -> None:
+        cfg = self.config
+        setup(f"spindle-{cfg.role}", cfg.otlp_endpoint)
+        self.loop = asyncio.get_running_loop()
+        self.engine = await asyncio.to_thread(Engine, cfg.engine)
+        log.info("%s: joining the data plane as rank %d of %d", self.id, cfg.rank, cfg.world_size)
+        self.dp = await asyncio.to_thread(DataPlane.init, cfg.rank, cfg.world_size, cfg.dist_init)
+        self.bus = await Bus.connect(cfg.nats_url, f"spindle-{self.id}", inject=inject)
+        self.thread = EngineThread(self.engine, self._outputs_from_thread)
+        self.thread.start()
+        await self.bus.subscribe(subjects.ABORT, Abort, self._on_abort)
+        await self.bus.subscribe(subjects.instance_stats(self.id), StatsQuery, self._on_stats)
+        await self.serve()
+        tasks = [
+            asyncio.create_task(run_heartbeat(self.bus, self.info)),
+            asyncio.create_task(self._sweep_loop()),
+        ]
+        log.info("%s ready (rank %d, %d KV blocks)", self.id, cfg.rank, self.engine.allocator.num_blocks)
+        try:
+            while not stop.is_set():
+                if not self.thread._thread.is_alive():
+                    log.error("%s: the engine thread died; exiting", self.id)
+                    raise SystemExit(1)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 0.5)
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+            for job in list(self.jobs.values()):
+                await self.fail(job, 503, f"{cfg.role} instance {self.id} is shutting down")
+            self.thread.stop()
+            await self.bus.close()
+            await asyncio.to_thread(self.dp.close)
+            shutdown()
+
+    async def serve(self) -> None:
+        """Subscribe the role's own subjects."""
+        raise NotImplementedError
+
+    def on_outputs(self, outputs: list[StepOutput], t0: float, t1: float) -> None:
+        """Runs on the engine thread after each step."""
+        raise NotImplementedError
+
+    def _outputs_from_thread(self, outputs: list[StepOutput], t0: float, t1: float) -> None:
+        try:
+            self.on_outputs(outputs, t0, t1)
+        except Exception:
+            log.exception("handling engine outputs failed")
+
+    def info(self) -> InstanceInfo:
+        snap = self.thread.snapshot
+        return InstanceInfo(
+            instance_id=self.id,
+            role=self.config.role,
+            rank=self.config.rank,
+            pid=os.getpid(),
+            started_at=self.started_at,
+            updated_at=time.time(),
+            kv_blocks_total=snap.num_blocks,
+            kv_blocks_used=snap.num_used_blocks,
+            block_size=self.engine.config.block_size,
+            num_running=snap.num_running,
+            num_waiting=snap.num_waiting,
+            queued_tokens=snap.waiting_tokens,
+            max_model_len=self.engine.max_model_len,
+        )
+
+    # ---- engine access ----
+
+    async def call(self, fn: Any) -> Any:
+        """Run `fn(engine)` on the engine thread."""
+        return await asyncio.wrap_future(self.thread.call(fn))
+
+    def from_thread(self, coro: Any) -> None:
+        """Schedule a coroutine on the event loop from the engine thread."""
+        asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    # ---- terminal states ----
+
+    def is_aborted(self, request_id: str) -> bool:
+        return request_id in self.aborted
+
+    async def publish_tokens(self, job: Job, token_ids: list[int], finish_reason: str | None = None) -> None:
+        seq = job.next_seq
+        job.next_seq += len(token_ids)  # before awaiting, so concurrent publishers keep the numbering
+        await self.bus.publish(
+            subjects.stream(job.request_id),
+            StreamEvent(
+                request_id=job.request_id,
+                seq=seq,
+                token_ids=token_ids,
+                finished=finish_reason is not None,
+                finish_reason=finish_reason,
+                stats=job.stats if finish_reason is not None else None,
+            ),
+        )
+
+    async def finish(self, job: Job, token_ids: list[int], finish_reason: str) -> None:
+        if self.jobs.pop(job.request_id, None) is None:
+            return
+        await self.publish_tokens(job, token_ids, finish_reason)
+        await self.bus.publish(
+            subjects.EVENTS,
+            RequestFinished(
+                request_id=job.request_id,
+                instance_id=self.id,
+                finish_reason=finish_reason,
+                num_output_tokens=job.next_seq,
+            ),
+        )
+        job.span.set_attribute("spindle.finish_reason", finish_reason)
+        job.span.end()
+
+    async def fail(self, job: Job, status: int, message: str) -> None:
+        """End `job` with an error everywhere: free here, tell the gateway and the scheduler."""
+        if self.jobs.pop(job.request_id, None) is None:
+            return
+        log.warning("%s: request %s failed: %s", self.id, job.request_id, message)
+        with contextlib.suppress(Exception):
+            await self.call(lambda e: e.abort(job.request_id))
+        await self.bus.publish(
+            subjects.stream(job.request_id),
+            StreamEvent(request_id=job.request_id, seq=job.next_seq, error=message, status=status),
+        )
+        await self.bus.publish(
+            subjects.EVENTS,
+            RequestFailed(request_id=job.request_id, instance_id=self.id, message=message, status=status),
+        )
+        await self.bus.publish(subjects.ABORT, Abort(request_id=job.request_id, reason=message))
+        job.span.set_attribute("spindle.error", message)
+        job.span.end()
+
+    async def on_abort_job(self, request_id: str) -> None:
+        """Role-specific clean-up of an aborted request (cancel receives, drop parked entries)."""
+
+    async def _on_abort(self, msg: Abort, raw: Msg) -> None:
+        rid = msg.request_id
+        self.aborted[rid] = time.time()
+        await self.on_abort_job(rid)
+        job = self.jobs.pop(rid, None)
+        await self.call(lambda e: e.abort(rid))
+        if job is not None:
+            job.span.set_attribute("spindle.aborted", msg.reason)
+            job.span.end()
+
+    async def _on_stats(self, msg: StatsQuery, raw: Msg) -> InstanceStats:
+        """Answered from the engine thread's last snapshot, so a long step never delays it."""
+        snap = self.thread.snapshot
+        return InstanceStats(
+            instance_id=self.id,
+            role=self.config.role,
+            kv_blocks_total=snap.num_blocks,
+            kv_blocks_used=snap.num_used_blocks,
+            requests=dict(snap.blocks_held),
+        )
+
+    async def _sweep_loop(self) -> None:
+        """Forget old aborts; drop requests well past their deadline (the gateway has ended them)."""
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.time()
+            for rid, t in list(self.aborted.items()):
+                if now - t > ABORT_MEMORY_S:
+                    del self.aborted[rid]
+            for job in list(self.jobs.values()):
+                if now > job.spec.deadline + DEADLINE_GRACE_S:
+                    await self.fail(job, 504, "deadline exceeded")

@@ -1,0 +1,203 @@
+"""Decode instance: the receiving side of the KV hand-off, then continuous batching and token streaming.
+
+A `ReserveKV` reserves blocks (or answers `no_space`), posts a receive and answers with its tag; once the
+tensor is in, the request joins the batch. A `KVParked` request waits in FIFO order until its blocks
+are free, then its KV is pulled from the kvstore the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from nats.aio.msg import Msg
+from opentelemetry import trace
+
+from spindle_engine import StepOutput
+from spindle_protocol import subjects
+from spindle_protocol.messages import (
+    DecodeStarted,
+    KVGet,
+    KVGetReply,
+    KVParked,
+    RequestSpec,
+    ReserveKV,
+    ReserveReply,
+    TensorHeader,
+)
+from spindle_protocol.prompts import load_prompt
+from spindle_protocol.tensor_header import header_for
+from spindle_telemetry import extract
+from spindle_worker import Instance, Job, sampling_params
+
+log = logging.getLogger("spindle.decode")
+
+RECEIVE_TIMEOUT_S = 120.0
+
+
+@dataclass
+class DecodeJob(Job):
+    cancel: threading.Event = field(default_factory=threading.Event)
+    decoding: bool = False
+
+
+class DecodeInstance(Instance):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.parked: OrderedDict[str, tuple[KVParked, DecodeJob]] = OrderedDict()
+        self.blocks_freed = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def serve(self) -> None:
+        await self.bus.subscribe(subjects.decode_reserve(self.id), ReserveKV, self._on_reserve)
+        await self.bus.subscribe(subjects.decode_parked(self.id), KVParked, self._on_parked)
+        self._spawn(self._pump_parked())
+
+    def _expected_header(self, num_tokens: int) -> TensorHeader:
+        dtype = str(self.engine.cache.k.dtype).removeprefix("torch.")
+        return header_for(dtype, self.engine.kv_shape(num_tokens))
+
+    def _new_job(self, spec: RequestSpec, headers: dict[str, str] | None) -> DecodeJob:
+        span = self.tracer.start_span("decode", context=extract(headers))
+        span.set_attribute("spindle.request_id", spec.request_id)
+        span.set_attribute("spindle.instance", self.id)
+        job = DecodeJob(spec, span, next_seq=1)  # output 0 came from the prefill instance
+        self.jobs[spec.request_id] = job
+        return job
+
+    # ---- direct hand-off ----
+
+    async def _on_reserve(self, msg: ReserveKV, raw: Msg) -> ReserveReply:
+        spec = msg.request
+        rid = spec.request_id
+        n = spec.prompt.num_tokens
+        if self.is_aborted(rid) or rid in self.jobs:
+            return ReserveReply(accepted=False, reason="aborted or duplicate request")
+        try:
+            if msg.kv != self._expected_header(n):
+                return ReserveReply(accepted=False, reason=f"bad_header: expected {self._expected_header(n)}")
+            ok = await self.call(lambda e: e.reserve(rid, n))
+        except ValueError as e:
+            return ReserveReply(accepted=False, reason=str(e))
+        if not ok:
+            return ReserveReply(accepted=False, reason="no_space")
+        job = self._new_job(spec, raw.headers)
+        tag = self.dp.new_tag()
+        self._spawn(self._receive(job, msg.first_token, msg.src_rank, tag, msg.kv))
+        return ReserveReply(accepted=True, tag=tag)
+
+    async def _receive(self, job: DecodeJob, first_token: int, src: int, tag: int, header: TensorHeader) -> None:
+        rid = job.request_id
+        ctx = trace.set_span_in_context(job.span)
+        try:
+            with self.tracer.start_as_current_span("kv.receive", context=ctx) as span:
+                t0 = time.time()
+                span.set_attribute("spindle.bytes", header.nbytes)
+                recv = self.dp.recv_async(header, src, tag, cancel=job.cancel, timeout_s=RECEIVE_TIMEOUT_S)
+                kv, prompt = await asyncio.gather(recv, load_prompt(self.bus, job.spec.prompt))
+                job.stats["transfer_ms"] = (time.time() - t0) * 1e3
+                job.stats["kv_bytes"] = float(header.nbytes)
+            if self.jobs.get(rid) is not job:
+                raise RuntimeError("aborted")
+            params = sampling_params(job.spec.sampling)
+            await self.call(lambda e: e.add_prefilled(rid, prompt, first_token, kv, params))
+        except Exception as e:
+            with contextlib.suppress(Exception):
+                await self.call(lambda e: e.cancel_reservation(rid))
+            if self.jobs.get(rid) is job:
+                await self.fail(job, 503, f"KV receive failed: {e}")
+            return
+        job.decoding = True
+        job.started = time.time()
+        await self.bus.publish(subjects.EVENTS, DecodeStarted(request_id=rid, instance_id=self.id))
+
+    # ---- parked in the kvstore ----
+
+    async def _on_parked(self, msg: KVParked, raw: Msg) -> None:
+        rid = msg.request.request_id
+        if self.is_aborted(rid) or rid in self.jobs:
+            return
+        if msg.kv != self._expected_header(msg.request.prompt.num_tokens):
+            log.warning("parked KV of %s has an unexpected header %s", rid, msg.kv)
+            return
+        job = self._new_job(msg.request, raw.headers)
+        self.parked[rid] = (msg, job)
+        self.blocks_freed.set()
+
+    async def _pump_parked(self) -> None:
+        """Pull parked requests in arrival order whenever their blocks fit."""
+        while True:
+            if not self.parked:
+                self.blocks_freed.clear()
+                await self.blocks_freed.wait()
+                continue
+            rid, (msg, job) = next(iter(self.parked.items()))
+            if self.jobs.get(rid) is not job:
+                self.parked.pop(rid, None)
+                continue
+            n = msg.request.prompt.num_tokens
+            try:
+                ok = await self.call(lambda e, rid=rid, n=n: e.reserve(rid, n))
+            except ValueError as e:
+                self.parked.pop(rid, None)
+                await self.fail(job, 400, str(e))
+                continue
+            if not ok:
+                self.blocks_freed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.blocks_freed.wait(), 0.5)
+                continue
+            self.parked.pop(rid, None)
+            job.stats["parked"] = 1.0
+            tag = self.dp.new_tag()
+            receive = self._spawn(self._receive(job, msg.first_token, msg.kvstore_rank, tag, msg.kv))
+            await asyncio.sleep(0)  # let the receive post before the kvstore sends
+            try:
+                reply = await self.bus.request(
+                    subjects.kvstore_get(msg.kvstore_instance),
+                    KVGet(request_id=rid, start=0, end=n, dst_rank=self.dp.rank, tag=tag, free_after=True),
+                    KVGetReply,
+                    timeout=10.0,
+                )
+                if not reply.found:
+                    raise RuntimeError(f"the kvstore no longer holds it: {reply.reason}")
+            except Exception as e:
+                job.cancel.set()
+                await receive
+                if self.jobs.get(rid) is job:
+                    await self.fail(job, 503, f"could not pull parked KV: {e}")
+
+    async def on_abort_job(self, request_id: str) -> None:
+        self.parked.pop(request_id, None)
+        job = self.jobs.get(request_id)
+        if isinstance(job, DecodeJob):
+            job.cancel.set()
+
+    # ---- streaming ----
+
+    def on_outputs(self, outputs: list[StepOutput], t0: float, t1: float) -> None:
+        for out in outputs:
+            job = self.jobs.get(out.request_id)
+            if job is None:
+                self.engine.abort(out.request_id)
+                continue
+            if out.finished:
+                job.stats["decode_ms"] = (t1 - job.started) * 1e3
+                self.from_thread(self.finish(job, out.new_token_ids, out.finish_reason or "stop"))
+            else:
+                self.from_thread(self.publish_tokens(job, out.new_token_ids))
+        if any(o.finished for o in outputs):
+            self.loop.call_soon_threadsafe(self.blocks_freed.set)

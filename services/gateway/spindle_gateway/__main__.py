@@ -1,0 +1,127 @@
+"""`python -m spindle_gateway`: the OpenAI-compatible HTTP front of a Spindle cluster.
+
+It loads only the tokenizer, connects to NATS and serves HTTP with uvicorn. SIGTERM/SIGINT (or the death of
+`--parent-pid`) stop it: streams in flight get a terminal error event, their requests are aborted everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from spindle_protocol.service import add_common_args, run, setup_logging
+
+# The app, the tokenizer and uvicorn are imported in serve(), so that --help answers at once.
+
+log = logging.getLogger("spindle.gateway")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m spindle_gateway",
+        description="Spindle gateway: OpenAI-compatible /v1/chat/completions and /v1/completions (stream and "
+        "non-stream), /v1/models, /health and /metrics in front of the scheduler and workers on NATS.",
+    )
+    add_common_args(parser)
+    g = parser.add_argument_group("gateway")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    g.add_argument("--port", type=int, default=8000, help="HTTP port (default %(default)s)")
+    g.add_argument(
+        "--model", default="smollm2", help="model name or path; only its tokenizer is loaded (default %(default)s)"
+    )
+    g.add_argument("--served-model-name", default=None, help="the `model` clients use (default: --model)")
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output in tokens (default: the model's context; a smaller limit reported "
+        "by the scheduler wins)",
+    )
+    g.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds from arrival until a request is ended with a 504 (default %(default)s)",
+    )
+    g.add_argument(
+        "--max-stop-strings", type=int, default=32, help="most stop strings per request (default %(default)s)"
+    )
+    g.add_argument(
+        "--admit-timeout",
+        type=float,
+        default=5.0,
+        help="seconds to wait for the scheduler's admission reply before answering 503 (default %(default)s)",
+    )
+    return parser
+
+
+def _server(app: Any, args: argparse.Namespace) -> Any:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield  # spindle_protocol.service.run owns SIGINT/SIGTERM; they set `stop`
+
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        lifespan="off",
+        log_config=None,
+        access_log=args.log_level.upper() == "DEBUG",
+        timeout_graceful_shutdown=5,
+    )
+    return Server(config)
+
+
+async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    from spindle_model import Tokenizer, resolve_model
+    from spindle_protocol.bus import Bus
+
+    from . import tracing
+    from .app import create_app
+    from .config import GatewayConfig
+    from .state import GatewayState
+
+    tracing.setup("spindle-gateway", args.otlp_endpoint)
+    source = await asyncio.to_thread(resolve_model, args.model)
+    tokenizer = await asyncio.to_thread(Tokenizer, source.path)
+    config = GatewayConfig(
+        served_model_name=args.served_model_name or args.model,
+        model=args.model,
+        max_model_len=args.max_model_len or source.config.max_position_embeddings,
+        vocab_size=max(source.config.vocab_size, tokenizer.vocab_size),
+        request_timeout=args.request_timeout,
+        max_stop_strings=args.max_stop_strings,
+        admit_timeout=args.admit_timeout,
+    )
+    bus = await Bus.connect(args.nats_url, "spindle-gateway", inject=tracing.inject_hook())
+    state = GatewayState(config, tokenizer, bus)
+    server = _server(create_app(state), args)
+    serving = asyncio.create_task(server.serve())
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        server.should_exit = True
+        await state.drain()
+        await serving
+    finally:
+        stopping.cancel()
+        await bus.close()
+        tracing.shutdown()
+        log.info("gateway stopped")
+
+
+def cli() -> None:
+    args = build_parser().parse_args()
+    setup_logging(args.log_level, "gateway")
+    run(lambda stop: serve(args, stop), args.parent_pid)
+
+
+if __name__ == "__main__":
+    cli()

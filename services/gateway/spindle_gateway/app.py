@@ -1,0 +1,163 @@
+"""The gateway's HTTP routes: OpenAI-compatible completions (stream and not), models, health, metrics."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from . import tracing
+from .errors import GatewayError, install_error_handlers
+from .inputs import Kind, prepare_chat, prepare_completion
+from .metrics import CONTENT_TYPE
+from .request_flow import Generation
+from .schemas import ChatCompletionRequest, CompletionRequest, parse_body
+from .sse import DONE, ResponseBuilder, error_event
+from .state import GatewayState
+
+_encode = msgspec.json.Encoder().encode
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(_encode(obj), status_code=status, media_type="application/json")
+
+
+class GenerationStream(StreamingResponse):
+    """SSE response that aborts its request however the response ends (finished, disconnect, cancellation)."""
+
+    def __init__(self, body: AsyncIterator[bytes], generation: Generation) -> None:
+        super().__init__(
+            body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
+        self._generation = generation
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._generation.close("client disconnected")  # no-op when the request already ended
+
+
+def create_app(state: GatewayState) -> FastAPI:
+    app = FastAPI(title="Spindle gateway", version="0.1.0", summary="OpenAI-compatible API of a Spindle cluster")
+    app.state.gateway = state
+    install_error_handlers(app, on_error=state.metrics.error)
+    served = state.config.served_model_name
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model not in (served, state.config.model):
+            raise GatewayError(404, f"The model `{model}` does not exist.", param="model")
+
+    async def generate(request: Request, kind: Kind) -> Response:
+        arrival = time.time()
+        body = await request.body()
+        limits = state.limits()
+        if kind == "chat":
+            chat = parse_body(body, ChatCompletionRequest)
+            check_model(chat.model)
+            params = await prepare_chat(chat, state.tokenizer, limits)
+        else:
+            completion = parse_body(body, CompletionRequest)
+            check_model(completion.model)
+            params = await prepare_completion(completion, state.tokenizer, limits)
+        request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        root = state.tracer.start_span(
+            "gateway.request",
+            context=tracing.extract(request.headers),
+            start_time=int(arrival * 1e9),
+            attributes={
+                "spindle.request_id": request_id,
+                "spindle.endpoint": kind,
+                "spindle.stream": params.stream,
+                "spindle.prompt_tokens": len(params.prompt_ids),
+                "spindle.max_tokens": params.sampling.max_tokens,
+            },
+        )
+        generation = Generation(state, request_id, params, arrival, root)
+        await generation.start()  # GatewayError (429, 503, ...) -> error JSON; the request has ended
+        builder = ResponseBuilder(kind, request_id, served, int(arrival), params.include_usage)
+        if params.stream:
+            return GenerationStream(sse_body(generation, builder, request), generation)
+        return await collect(generation, builder, request)
+
+    async def collect(generation: Generation, builder: ResponseBuilder, request: Request) -> Response:
+        parts: list[str] = []
+        async for delta in generation.deltas(request.is_disconnected):
+            if delta.error is not None:
+                raise delta.error
+            parts.append(delta.text)
+            if delta.finish_reason is not None:
+                assert delta.usage is not None
+                return _json(builder.response("".join(parts), delta.finish_reason, delta.usage, delta.stop_reason))
+        return Response(status_code=499)  # the client went away; nobody reads this
+
+    async def sse_body(generation: Generation, builder: ResponseBuilder, request: Request) -> AsyncIterator[bytes]:
+        role_sent = builder.kind != "chat"
+        async for delta in generation.deltas(request.is_disconnected):
+            if delta.error is not None:
+                state.metrics.error(delta.error.status)
+                yield error_event(delta.error.body())
+                break
+            if not role_sent and (delta.new_tokens or delta.finish_reason is not None):
+                role_sent = True
+                yield builder.role_chunk()
+            if delta.finish_reason is not None:
+                yield builder.delta_chunk(delta.text, delta.finish_reason, delta.stop_reason)
+                if builder.include_usage:
+                    assert delta.usage is not None
+                    yield builder.usage_chunk(delta.usage)
+            elif delta.text:
+                yield builder.delta_chunk(delta.text)
+        if generation.terminal != "aborted":
+            yield DONE
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, "completion")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = {
+            "id": served,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "spindle",
+            "root": state.config.model,
+            "parent": None,
+            "max_model_len": state.max_model_len,
+        }
+        return _json({"object": "list", "data": [card]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok, reason = await state.cluster.health()
+        state.metrics.update_cluster(None if state.cluster.error else state.cluster.cached)
+        if not ok:  # answered directly: health polls are not request errors in the metrics
+            return GatewayError(503, f"unhealthy: {reason}").response()
+        return _json({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        state.metrics.update_cluster(await state.cluster.status())
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/spindle/instances")
+    async def instances() -> Response:
+        """Exact per-instance state (blocks held per request), asked of every live instance."""
+        try:
+            stats = await state.cluster.instance_stats()
+        except ConnectionError as e:
+            return GatewayError(503, str(e)).response()
+        return _json({"instances": stats})
+
+    return app

@@ -1,0 +1,131 @@
+"""From a validated request body to what the control plane gets: prompt token ids and sampling parameters.
+
+Everything here is local (tokenizer and limits): an invalid request never reaches the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Literal
+
+from spindle_model import Tokenizer
+from spindle_protocol.messages import Sampling
+
+from .errors import bad_request
+from .schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_messages,
+    check_common,
+    check_max_tokens,
+    check_text,
+    stop_strings,
+)
+
+Kind = Literal["chat", "completion"]
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
+_THREAD_TOKENIZE_CHARS = 8192  # longer texts are tokenized off the event loop
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_model_len: int
+    vocab_size: int
+    max_stop_strings: int
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    kind: Kind
+    prompt_ids: list[int]
+    sampling: Sampling
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+async def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    if len(text) > _THREAD_TOKENIZE_CHARS:
+        return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
+    return tokenizer.encode(text, add_special_tokens)
+
+
+def _check_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise bad_request(f"{param}[{i}] = {t} is not a token id of this model (0..{vocab_size - 1})", param)
+    return ids
+
+
+def _max_tokens(requested: int | None, prompt_len: int, limits: Limits, kind: Kind, param: str) -> int:
+    """vLLM's rule: prompt + output must fit the context; the default fills it (completions: 16 at most)."""
+    room = limits.max_model_len - prompt_len
+    if requested is None:
+        if room < 1:
+            raise bad_request(
+                f"This model's maximum context length is {limits.max_model_len} tokens. However, your prompt has "
+                f"{prompt_len} tokens, which leaves no room for a completion. Please reduce the length of the prompt.",
+                "messages" if kind == "chat" else "prompt",
+            )
+        return min(room, COMPLETION_DEFAULT_MAX_TOKENS) if kind == "completion" else room
+    if prompt_len + requested > limits.max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {limits.max_model_len} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} in the completion "
+            f"({param})). Please reduce the length of the prompt or {param}.",
+            param,
+        )
+    return requested
+
+
+def _finish(
+    kind: Kind,
+    req: ChatCompletionRequest | CompletionRequest,
+    ids: list[int],
+    requested: int | None,
+    param: str,
+    limits: Limits,
+    common: dict,
+    stops: tuple[str, ...],
+) -> GenerationParams:
+    if not ids:
+        raise bad_request("the prompt is empty", "messages" if kind == "chat" else "prompt")
+    stop_ids = _check_ids(list(req.stop_token_ids or []), limits.vocab_size, "stop_token_ids")
+    sampling = Sampling(
+        max_tokens=_max_tokens(requested, len(ids), limits, kind, param), stop_token_ids=stop_ids, **common
+    )
+    include_usage = bool(req.stream and req.stream_options is not None and req.stream_options.include_usage)
+    return GenerationParams(kind, ids, sampling, stops, bool(req.stream), include_usage)
+
+
+async def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits) -> GenerationParams:
+    common = check_common(req)
+    stops = stop_strings(req.stop, limits.max_stop_strings)
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    requested = check_max_tokens(
+        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens, param
+    )
+    messages = chat_messages(req)
+    try:
+        text = tokenizer.render_chat(messages)
+    except ValueError as e:
+        raise bad_request(str(e), "messages") from None
+    ids = await _encode(tokenizer, text, False)  # the template writes BOS and special tokens itself
+    return _finish("chat", req, ids, requested, param, limits, common, stops)
+
+
+async def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer, limits: Limits) -> GenerationParams:
+    common = check_common(req)
+    stops = stop_strings(req.stop, limits.max_stop_strings)
+    requested = check_max_tokens(req.max_tokens, "max_tokens")
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise bad_request(f"only one prompt per request is supported, got {len(prompt)}", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = await _encode(tokenizer, check_text(prompt, "prompt"), True)
+    else:
+        ids = _check_ids(list(prompt), limits.vocab_size, "prompt")
+    return _finish("completion", req, ids, requested, "max_tokens", limits, common, stops)

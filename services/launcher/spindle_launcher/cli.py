@@ -1,0 +1,127 @@
+"""`spindle up`: start the whole stack on this machine and supervise it until Ctrl-C / SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import sys
+from collections.abc import Callable
+
+from .plan import DTYPES, Runtime, StackConfig, build_plan
+from .stack import Stack, StackError, StackInterrupted
+from .supervisor import describe_exit
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="spindle", description="Spindle: long-context LLM serving.")
+    sub = p.add_subparsers(dest="command", required=True)
+    up = sub.add_parser(
+        "up",
+        help="start nats-server, kvstore, scheduler, prefill and decode instances and the gateway",
+        description="Start the whole Spindle stack on this machine, wait until it is ready, print the URL, "
+        "and stop it all on Ctrl-C / SIGTERM. A service that dies stops the stack (exit status 1).",
+    )
+    m = up.add_argument_group("model and engine")
+    m.add_argument("--model", default="smollm2", help="known model name, HF Llama directory or .gguf (%(default)s)")
+    m.add_argument("--dtype", default="float32", choices=DTYPES)
+    m.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache capacity per instance, in tokens")
+    m.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache size per instance (GB)")
+    m.add_argument(
+        "--decode-kv-cache-tokens", type=int, default=None, help="KV cache tokens of decode instances (overrides)"
+    )
+    m.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    m.add_argument("--kvstore-memory-gb", type=float, default=None, help="host memory budget of the kvstore (GB)")
+    c = up.add_argument_group("instances and scheduling")
+    c.add_argument("--prefill", type=int, default=2, help="prefill instances (%(default)s)")
+    c.add_argument("--decode", type=int, default=1, help="decode instances (%(default)s)")
+    c.add_argument("--strategy", default="single", help="scheduler strategy (%(default)s)")
+    n = up.add_argument_group("network and operations")
+    n.add_argument("--host", default="127.0.0.1", help="gateway bind address (%(default)s)")
+    n.add_argument("--port", type=int, default=8000, help="gateway port (%(default)s; 0 = any free port)")
+    n.add_argument("--nats-port", type=int, default=None, help="nats-server client port (default: a free port)")
+    n.add_argument("--otlp-endpoint", default=None, help="OTLP/gRPC trace endpoint for every service")
+    n.add_argument("--log-level", default="INFO", help="services' log level (%(default)s)")
+    n.add_argument("--log-dir", default=None, help="write each service's output to LOG_DIR/NAME.log")
+    n.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for readiness (%(default)s)")
+    n.add_argument("--dry-run", action="store_true", help="print the service commands and exit")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> StackConfig:
+    return StackConfig(
+        model=args.model,
+        dtype=args.dtype,
+        prefill=args.prefill,
+        decode=args.decode,
+        host=args.host,
+        port=args.port,
+        nats_port=args.nats_port,
+        strategy=args.strategy,
+        kv_cache_tokens=args.kv_cache_tokens,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        decode_kv_cache_tokens=args.decode_kv_cache_tokens,
+        max_model_len=args.max_model_len,
+        kvstore_memory_gb=args.kvstore_memory_gb,
+        otlp_endpoint=args.otlp_endpoint,
+        log_level=args.log_level,
+        ready_timeout=args.ready_timeout,
+        log_dir=args.log_dir,
+    )
+
+
+def _say(line: str) -> None:
+    print(f"spindle: {line}", flush=True)
+
+
+def serve(stack: Stack, say: Callable[[str], None] = _say) -> int:
+    """Start `stack`, supervise it until request_stop() or a child's death; the process exit status."""
+    try:
+        stack.start()
+    except StackInterrupted:
+        say("stopped")
+        return 0
+    except (StackError, RuntimeError) as e:
+        say(f"failed to start: {e}")
+        return 1
+    try:
+        print(f"Spindle is up: {stack.base_url}  (NATS {stack.nats_url}; Ctrl-C stops)", flush=True)
+        dead = stack.wait()
+        if dead is None:
+            say("stopping")
+            return 0
+        name, code = dead
+        where = stack.log_path(name)
+        log_hint = f"; log: {where}" if where else ""
+        say(f"{name} exited unexpectedly ({describe_exit(code)}); stopping the stack{log_hint}")
+        return 1
+    finally:
+        stack.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.dry_run:
+        nats_url = f"nats://127.0.0.1:{args.nats_port or 4222}"
+        runtime = Runtime(nats_url=nats_url, dist_init="tcp://127.0.0.1:29500", port=config.port or 8000)
+        for spec in build_plan(config, runtime):
+            print(f"{spec.name}: {shlex.join(spec.argv)}")
+        return
+    stack = Stack(config, echo=_say)
+    stop_on_signals(stack)
+    sys.exit(serve(stack))
+
+
+def stop_on_signals(stack: Stack) -> None:
+    """Ctrl-C, SIGTERM and SIGHUP ask the stack to stop (in order) instead of killing the launcher."""
+
+    def on_signal(signum: int, frame: object) -> None:
+        stack.request_stop()
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)

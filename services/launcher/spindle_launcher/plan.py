@@ -1,0 +1,171 @@
+"""The pure part of `spindle up`: a validated stack configuration -> the command of every service.
+
+Ranks of the data-plane group: kvstore 0, prefill 1..N, decode N+1..N+M; world size N+M+1.
+deploy/docker-compose.yml describes the same commands; tests/test_deploy.py keeps the two in step.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass, field
+
+DTYPES = ("float32", "bfloat16", "float16")
+ROLES = ("kvstore", "scheduler", "prefill", "decode", "gateway")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def _port(value: int, what: str, allow_zero: bool) -> None:
+    if not isinstance(value, int) or not (0 if allow_zero else 1) <= value <= 65535:
+        raise ValueError(f"{what} must be a port number in {'0' if allow_zero else '1'}..65535, got {value!r}")
+
+
+def _positive(value: float | None, what: str) -> None:
+    if value is not None and not value > 0:
+        raise ValueError(f"{what} must be positive, got {value!r}")
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """What `spindle up` starts. None means "the service's own default" (the flag is not passed)."""
+
+    model: str = "smollm2"
+    dtype: str = "float32"
+    prefill: int = 2  # prefill instances
+    decode: int = 1  # decode instances
+    host: str = "127.0.0.1"  # gateway bind address
+    port: int = 8000  # gateway port; 0 = a free port chosen at start
+    nats_port: int | None = None  # None = a free port
+    strategy: str = "single"
+    kv_cache_tokens: int | None = None
+    kv_cache_memory_gb: float | None = None
+    decode_kv_cache_tokens: int | None = None  # overrides kv_cache_tokens on decode instances
+    max_model_len: int | None = None
+    kvstore_memory_gb: float | None = None
+    otlp_endpoint: str | None = None
+    log_level: str = "INFO"
+    ready_timeout: float = 180.0  # seconds
+    log_dir: str | None = None  # child output to LOG_DIR/NAME.log instead of the launcher's stderr
+    extra_args: dict[str, tuple[str, ...]] = field(default_factory=dict)  # role -> more flags (tests, tuning)
+    env: dict[str, str] = field(default_factory=dict)  # added to every child's environment
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model must be non-empty")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for what, n in (("prefill", self.prefill), ("decode", self.decode)):
+            if not isinstance(n, int) or n < 1:
+                raise ValueError(f"need at least one {what} instance, got {n!r}")
+        if not self.host:
+            raise ValueError("host must be non-empty")
+        _port(self.port, "port", allow_zero=True)
+        if self.nats_port is not None:
+            _port(self.nats_port, "nats_port", allow_zero=False)
+        if not _NAME_RE.match(self.strategy):
+            raise ValueError(f"strategy must be a name of [A-Za-z0-9_-], got {self.strategy!r}")
+        for what in ("kv_cache_tokens", "decode_kv_cache_tokens", "max_model_len"):
+            value = getattr(self, what)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{what} must be a positive integer, got {value!r}")
+        for what in ("kv_cache_memory_gb", "kvstore_memory_gb", "ready_timeout"):
+            _positive(getattr(self, what), what)
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        for role, args in self.extra_args.items():
+            if role not in ROLES:
+                raise ValueError(f"extra_args: unknown role {role!r} (one of {', '.join(ROLES)})")
+            if not isinstance(args, tuple | list) or not all(isinstance(a, str) for a in args):
+                raise ValueError(f"extra_args[{role!r}] must be a sequence of strings")
+
+    @property
+    def world_size(self) -> int:
+        return self.prefill + self.decode + 1
+
+    def instance_ids(self) -> list[str]:
+        """The instances that must appear live in the scheduler's ClusterStatus."""
+        ids = ["kvstore-0"]
+        ids += [f"prefill-{i}" for i in range(self.prefill)]
+        ids += [f"decode-{i}" for i in range(self.decode)]
+        return ids
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Addresses known only once the stack starts (or, in deploy/, fixed by the compose file)."""
+
+    nats_url: str
+    dist_init: str  # torch.distributed rendezvous of rank 0 (the kvstore)
+    port: int  # the gateway's port (StackConfig.port resolved)
+    parent_pid: int = 0  # children exit when it dies; 0 = no watch
+
+    def __post_init__(self) -> None:
+        _port(self.port, "runtime port", allow_zero=False)
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    name: str  # process name in the stack: kvstore-0, scheduler, prefill-0, ..., decode-0, gateway
+    argv: tuple[str, ...]  # [python, -m, module, flags...]
+    env: dict[str, str]  # added to the launcher's environment
+
+    @property
+    def module(self) -> str:
+        return self.argv[2]
+
+    @property
+    def args(self) -> tuple[str, ...]:
+        return self.argv[3:]
+
+    @property
+    def role(self) -> str:
+        return self.module.removeprefix("spindle_")
+
+
+def build_plan(config: StackConfig, runtime: Runtime, python: str = sys.executable) -> list[ServiceSpec]:
+    """Every service of the stack in start order: kvstore, scheduler, prefill..., decode..., gateway."""
+    common = ["--nats-url", runtime.nats_url, "--log-level", config.log_level.upper()]
+    if runtime.parent_pid:
+        common += ["--parent-pid", str(runtime.parent_pid)]
+    if config.otlp_endpoint:
+        common += ["--otlp-endpoint", config.otlp_endpoint]
+
+    def worker(instance_id: str, rank: int) -> list[str]:
+        rank_flags = ["--rank", str(rank), "--world-size", str(config.world_size)]
+        return ["--instance-id", instance_id, *rank_flags, "--dist-init", runtime.dist_init]
+
+    def engine(kv_cache_tokens: int | None) -> list[str]:
+        out = ["--model", config.model, "--dtype", config.dtype]
+        if kv_cache_tokens is not None:
+            out += ["--kv-cache-tokens", str(kv_cache_tokens)]
+        if config.kv_cache_memory_gb is not None:
+            out += ["--kv-cache-memory-gb", _num(config.kv_cache_memory_gb)]
+        if config.max_model_len is not None:
+            out += ["--max-model-len", str(config.max_model_len)]
+        return out
+
+    env = {"PYTHONUNBUFFERED": "1", **config.env}
+    specs: list[ServiceSpec] = []
+
+    def add(name: str, role: str, flags: list[str]) -> None:
+        argv = (python, "-m", f"spindle_{role}", *flags, *common, *config.extra_args.get(role, ()))
+        specs.append(ServiceSpec(name, argv, dict(env)))
+
+    kvstore = worker("kvstore-0", 0)
+    if config.kvstore_memory_gb is not None:
+        kvstore += ["--memory-gb", _num(config.kvstore_memory_gb)]
+    add("kvstore-0", "kvstore", kvstore)
+    add("scheduler", "scheduler", ["--strategy", config.strategy, "--model", config.model])
+    for i in range(config.prefill):
+        add(f"prefill-{i}", "prefill", worker(f"prefill-{i}", 1 + i) + engine(config.kv_cache_tokens))
+    decode_tokens = config.decode_kv_cache_tokens or config.kv_cache_tokens
+    for i in range(config.decode):
+        rank = 1 + config.prefill + i
+        add(f"decode-{i}", "decode", worker(f"decode-{i}", rank) + engine(decode_tokens))
+    add("gateway", "gateway", ["--host", config.host, "--port", str(runtime.port), "--model", config.model])
+    return specs
+
+
+def _num(value: float) -> str:
+    return f"{value:g}"

@@ -1,0 +1,237 @@
+"""A running Spindle stack: nats-server plus every service of the plan, supervised, with a readiness wait.
+
+    with Stack(StackConfig(prefill=1, decode=1, port=0)) as stack:   # start() waits until ready
+        httpx.get(stack.url + "/health"); OpenAI(base_url=stack.base_url)
+        stack.processes["decode-0"].kill()
+
+Call start() from a long-lived thread (the death signal of the children is tied to the forking thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+
+from spindle_protocol import Bus, ClusterStatus, StatusQuery, subjects
+from spindle_protocol.nats_server import NatsServer, start_nats_server
+
+from .plan import Runtime, ServiceSpec, StackConfig, build_plan
+from .supervisor import Supervisor, describe_exit
+
+log = logging.getLogger("spindle.launcher")
+PROGRESS_EVERY_S = 15.0
+STOP_TIMEOUT_S = 10.0
+
+
+class StackError(RuntimeError):
+    """The stack could not start (a child died, or it was not ready in time)."""
+
+
+class StackInterrupted(StackError):
+    """request_stop() was called while the stack was starting."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _client_host(host: str) -> str:
+    """Where to reach a server bound to `host` from this machine."""
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+class Stack:
+    def __init__(
+        self,
+        config: StackConfig,
+        *,
+        echo: Callable[[str], None] | None = None,
+        plan: Callable[[StackConfig, Runtime], list[ServiceSpec]] = build_plan,
+    ) -> None:
+        self.config = config
+        self._echo = echo or log.info
+        self._plan = plan
+        self._supervisor = Supervisor(config.log_dir)
+        self._nats: NatsServer | None = None
+        self._stop_requested = threading.Event()
+        self._stopped = False
+        self.runtime: Runtime | None = None
+        self.specs: list[ServiceSpec] = []
+
+    # ---- what tests and the CLI read ----
+
+    @property
+    def processes(self) -> dict[str, subprocess.Popen]:
+        """name -> subprocess.Popen, including "nats"."""
+        return self._supervisor.processes
+
+    @property
+    def url(self) -> str:
+        """The gateway's root URL, e.g. http://127.0.0.1:8000 (append /v1 for the OpenAI API)."""
+        assert self.runtime is not None, "stack not started"
+        return f"http://{_client_host(self.config.host)}:{self.runtime.port}"
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    @property
+    def nats_url(self) -> str:
+        assert self.runtime is not None, "stack not started"
+        return self.runtime.nats_url
+
+    def log_path(self, name: str) -> str | None:
+        path = self._supervisor.log_path(name)
+        return str(path) if path else None
+
+    # ---- lifecycle ----
+
+    def start(self) -> Stack:
+        try:
+            nats_port = self.config.nats_port if self.config.nats_port is not None else -1
+            self._nats = start_nats_server("127.0.0.1", nats_port, preexec_fn=self._supervisor.preexec())
+            self._supervisor.adopt("nats", self._nats.process)
+            self._echo(f"nats-server (JetStream) at {self._nats.url}")
+            self.runtime = Runtime(
+                nats_url=self._nats.url,
+                dist_init=f"tcp://127.0.0.1:{free_port()}",
+                port=self.config.port or free_port(),
+                parent_pid=os.getpid(),
+            )
+            self.specs = self._plan(self.config, self.runtime)
+            for spec in self.specs:
+                self._supervisor.spawn(spec)
+            names = ", ".join(s.name for s in self.specs)
+            self._echo(f"started {names}; waiting for them (up to {self.config.ready_timeout:g} s)")
+            self._run_async(self._wait_ready())
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def request_stop(self) -> None:
+        """Make start() give up and wait() return; safe from a signal handler."""
+        self._stop_requested.set()
+
+    def dead(self) -> tuple[str, int] | None:
+        exited = self._supervisor.exited()
+        return exited[0] if exited else None
+
+    def wait(self, poll_s: float = 0.2) -> tuple[str, int] | None:
+        """Block until a child exits, (name, return code), or request_stop() was called (None)."""
+        while not self._stop_requested.is_set():
+            dead = self.dead()
+            if dead is not None:
+                return dead
+            self._stop_requested.wait(poll_s)
+        return None
+
+    def stop(self) -> None:
+        """Gateway first, then the instances, the scheduler and nats-server last; SIGKILL after ~10 s."""
+        if self._stopped:
+            return
+        self._stopped = True
+        names = [s.name for s in self.specs]
+        workers = [n for n in names if n not in ("gateway", "scheduler")]
+        self._supervisor.stop([["gateway"], workers, ["scheduler"], ["nats"]], timeout=STOP_TIMEOUT_S)
+        if self._nats is not None:
+            self._nats.stop()  # already exited; removes its JetStream store
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- readiness ----
+
+    def _run_async(self, coro: object) -> None:
+        """Run a coroutine to completion on a private loop (works whether or not the caller has a loop)."""
+        errors: list[BaseException] = []
+
+        def target() -> None:
+            try:
+                asyncio.run(coro)  # type: ignore[arg-type]
+            except BaseException as e:
+                errors.append(e)
+
+        thread = threading.Thread(target=target, name="spindle-ready", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.2)
+        if errors:
+            raise errors[0]
+
+    def _child_died(self) -> StackError | None:
+        dead = self.dead()
+        if dead is None:
+            return None
+        name, code = dead
+        where = self.log_path(name)
+        hint = f" (log: {where})" if where else ""
+        return StackError(f"{name} {describe_exit(code)} before the stack was ready{hint}")
+
+    def _health(self) -> str | None:
+        """None when GET /health is 200, else what it said."""
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                return None if r.status == 200 else f"/health {r.status}"
+        except urllib.error.HTTPError as e:
+            return f"/health {e.code}"
+        except (urllib.error.URLError, OSError):
+            return "not listening"
+
+    async def _status(self, bus: Bus) -> tuple[list[str], str | None]:
+        """(instances not yet live, what is wrong with the scheduler or None when it answered)."""
+        expected = self.config.instance_ids()
+        try:
+            status = await bus.request(subjects.STATUS, StatusQuery(), ClusterStatus, timeout=1.0)
+        except Exception as e:  # no responders, timeout, a reply we cannot decode: all mean "not yet"
+            return [], f"no reply: {type(e).__name__}"
+        live = {i.instance_id for i in status.instances} - set(status.dead_instances)
+        return [i for i in expected if i not in live], None
+
+    async def _wait_ready(self) -> None:
+        assert self.runtime is not None
+        deadline = time.monotonic() + self.config.ready_timeout
+        started = time.monotonic()
+        bus = await Bus.connect(self.runtime.nats_url, "spindle-launcher")
+        last, last_at = "", 0.0
+        try:
+            while True:
+                if self._stop_requested.is_set():
+                    raise StackInterrupted("stopped while starting")
+                if (err := self._child_died()) is not None:
+                    raise err
+                missing, scheduler = await self._status(bus)
+                health = await asyncio.to_thread(self._health)
+                waiting = [f"scheduler ({scheduler})"] if scheduler else []
+                waiting += missing
+                if health is not None:
+                    waiting.append(f"gateway ({health})")
+                if not waiting:
+                    return
+                now = time.monotonic()
+                line = "waiting for " + ", ".join(waiting)
+                if line != last or now - last_at >= PROGRESS_EVERY_S:
+                    self._echo(f"{line} [{now - started:.0f} s]")
+                    last, last_at = line, now
+                if now > deadline:
+                    raise StackError(f"not ready after {self.config.ready_timeout:g} s: {line}")
+                await asyncio.sleep(0.25)
+        finally:
+            await bus.close()

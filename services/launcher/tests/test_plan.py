@@ -1,0 +1,110 @@
+"""The pure plan: ranks, world size, flags forwarded, invalid configs."""
+
+import pytest
+
+from spindle_launcher.plan import Runtime, StackConfig, build_plan
+
+RT = Runtime(nats_url="nats://127.0.0.1:4333", dist_init="tcp://127.0.0.1:29777", port=8123, parent_pid=4242)
+
+
+def flags(args: tuple[str, ...]) -> dict[str, str]:
+    """--flag value pairs (every flag of the plan takes a value)."""
+    assert len(args) % 2 == 0 and all(a.startswith("--") for a in args[::2]), args
+    out = dict(zip(args[::2], args[1::2], strict=True))
+    assert len(out) == len(args) // 2, f"repeated flag in {args}"
+    return out
+
+
+def test_default_plan_names_ranks_and_common_flags() -> None:
+    specs = build_plan(StackConfig(), RT, python="/py")
+    assert [s.name for s in specs] == ["kvstore-0", "scheduler", "prefill-0", "prefill-1", "decode-0", "gateway"]
+    roles = ["kvstore", "scheduler", "prefill", "prefill", "decode", "gateway"]
+    assert [s.module for s in specs] == [f"spindle_{r}" for r in roles]
+    for s in specs:
+        assert s.argv[:3] == ("/py", "-m", s.module)
+        f = flags(s.args)
+        assert f["--nats-url"] == RT.nats_url and f["--parent-pid"] == "4242"
+        assert "--otlp-endpoint" not in f
+        assert s.env["PYTHONUNBUFFERED"] == "1"
+    workers = {s.name: flags(s.args) for s in specs if s.role in ("kvstore", "prefill", "decode")}
+    ranks = {n: int(f["--rank"]) for n, f in workers.items()}
+    assert ranks == {"kvstore-0": 0, "prefill-0": 1, "prefill-1": 2, "decode-0": 3}
+    for name, f in workers.items():
+        assert f["--instance-id"] == name and f["--world-size"] == "4" and f["--dist-init"] == RT.dist_init
+    gateway = flags(specs[-1].args)
+    assert (gateway["--host"], gateway["--port"], gateway["--model"]) == ("127.0.0.1", "8123", "smollm2")
+    assert flags(specs[1].args)["--strategy"] == "single"
+    assert StackConfig().instance_ids() == ["kvstore-0", "prefill-0", "prefill-1", "decode-0"]
+
+
+def test_flags_forwarded() -> None:
+    config = StackConfig(
+        model="/models/llama",
+        dtype="bfloat16",
+        prefill=3,
+        decode=2,
+        host="0.0.0.0",
+        strategy="other",
+        kv_cache_tokens=4096,
+        kv_cache_memory_gb=0.5,
+        decode_kv_cache_tokens=64,
+        max_model_len=2048,
+        kvstore_memory_gb=2.0,
+        otlp_endpoint="http://127.0.0.1:4317",
+        log_level="debug",
+        extra_args={"scheduler": ("--max-num-requests", "7")},
+        env={"SPINDLE_TRACE_FILE": "/tmp/t.jsonl"},
+    )
+    specs = {s.name: s for s in build_plan(config, RT)}
+    assert config.world_size == 6
+    assert [n for n in specs if n.startswith("decode")] == ["decode-0", "decode-1"]
+    assert flags(specs["decode-1"].args)["--rank"] == "5"
+    for s in specs.values():
+        f = flags(s.args)
+        assert f["--otlp-endpoint"] == "http://127.0.0.1:4317" and f["--log-level"] == "DEBUG"
+        assert s.env["SPINDLE_TRACE_FILE"] == "/tmp/t.jsonl"
+        if s.role in ("prefill", "decode"):
+            assert (f["--model"], f["--dtype"], f["--max-model-len"]) == ("/models/llama", "bfloat16", "2048")
+            assert f["--kv-cache-memory-gb"] == "0.5"
+            assert f["--kv-cache-tokens"] == ("64" if s.role == "decode" else "4096")
+    assert flags(specs["kvstore-0"].args)["--memory-gb"] == "2"
+    assert flags(specs["scheduler"].args)["--max-num-requests"] == "7"
+    assert flags(specs["scheduler"].args)["--strategy"] == "other"
+    assert flags(specs["gateway"].args)["--host"] == "0.0.0.0"
+
+
+def test_no_parent_pid_when_zero() -> None:
+    rt = Runtime(nats_url="nats://nats:4222", dist_init="tcp://kvstore:29500", port=8000)
+    assert all("--parent-pid" not in s.args for s in build_plan(StackConfig(), rt))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"prefill": 0},
+        {"decode": -1},
+        {"prefill": 1.5},
+        {"dtype": "int8"},
+        {"model": ""},
+        {"port": 70000},
+        {"nats_port": 0},
+        {"strategy": "a b"},
+        {"kv_cache_tokens": 0},
+        {"decode_kv_cache_tokens": -5},
+        {"max_model_len": 0},
+        {"kv_cache_memory_gb": 0.0},
+        {"kvstore_memory_gb": -1.0},
+        {"ready_timeout": 0},
+        {"log_level": "LOUD"},
+        {"extra_args": {"router": ("--x", "1")}},
+        {"extra_args": {"gateway": "--x"}},
+    ],
+)
+def test_bad_config_raises(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        StackConfig(**kwargs)
+
+
+def test_bad_runtime_port() -> None:
+    with pytest.raises(ValueError):
+        Runtime(nats_url="nats://x:1", dist_init="tcp://x:2", port=0)

@@ -1,0 +1,91 @@
+"""The KV hand-off from a prefill instance (Tetris §4.2 handshake).
+
+1. Ask the decode instance to reserve blocks (`ReserveKV`); it posts a receive and answers with a tag.
+2. Send the KV tensor on the data plane under that tag.
+If the decode instance has no room, the KV parks in the kvstore (`KVPut`, then the tensor) and the decode
+instance is told where it waits (`KVParked`); it pulls the KV when blocks free.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from opentelemetry import trace
+
+from spindle_protocol import subjects
+from spindle_protocol.messages import KVParked, KVPut, ReserveKV, ReserveReply, TransferDone
+from spindle_protocol.tensor_header import header_for
+
+if TYPE_CHECKING:
+    from .instance import PrefillInstance, PrefillJob
+
+HANDSHAKE_TIMEOUT_S = 10.0
+
+
+class HandOffError(RuntimeError):
+    pass
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+async def hand_off(
+    inst: PrefillInstance, job: PrefillJob, first_token: int, kv: torch.Tensor, prefill_s: float
+) -> None:
+    cmd = job.command
+    assert cmd is not None
+    spec = cmd.request
+    header = header_for(_dtype_name(kv), list(kv.shape))
+    ctx = trace.set_span_in_context(job.span)
+    with inst.tracer.start_as_current_span("kv.transfer", context=ctx) as span:
+        span.set_attribute("spindle.bytes", header.nbytes)
+        span.set_attribute("spindle.dst", cmd.decode_instance)
+        t0 = time.time()
+        reply = await inst.bus.request(
+            subjects.decode_reserve(cmd.decode_instance),
+            ReserveKV(request=spec, first_token=first_token, src_rank=inst.dp.rank, kv=header),
+            ReserveReply,
+            timeout=HANDSHAKE_TIMEOUT_S,
+        )
+        if reply.accepted:
+            await inst.dp.send_async(kv, cmd.decode_rank, reply.tag, header)
+            parked = False
+        elif reply.reason == "no_space" and cmd.kvstore_instance:
+            span.set_attribute("spindle.parked", cmd.kvstore_instance)
+            put = await inst.bus.request(
+                subjects.kvstore_put(cmd.kvstore_instance),
+                KVPut(request_id=spec.request_id, start=0, end=kv.shape[2], src_rank=inst.dp.rank, kv=header),
+                ReserveReply,
+                timeout=HANDSHAKE_TIMEOUT_S,
+            )
+            if not put.accepted:
+                raise HandOffError(f"decode instance is full and the kvstore refused: {put.reason}")
+            await inst.dp.send_async(kv, cmd.kvstore_rank, put.tag, header)
+            await inst.bus.publish(
+                subjects.decode_parked(cmd.decode_instance),
+                KVParked(
+                    request=spec,
+                    first_token=first_token,
+                    kvstore_instance=cmd.kvstore_instance,
+                    kvstore_rank=cmd.kvstore_rank,
+                    kv=header,
+                ),
+            )
+            parked = True
+        else:
+            raise HandOffError(f"decode instance {cmd.decode_instance} refused the KV: {reply.reason}")
+        seconds = time.time() - t0
+    await inst.bus.publish(
+        subjects.EVENTS,
+        TransferDone(
+            request_id=spec.request_id,
+            src_instance=inst.id,
+            dst_instance=cmd.kvstore_instance if parked else cmd.decode_instance,
+            nbytes=header.nbytes,
+            seconds=seconds,
+            parked=parked,
+        ),
+    )

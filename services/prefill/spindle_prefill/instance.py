@@ -1,0 +1,127 @@
+"""Prefill instance: runs each prompt (chunked by the engine), streams the first token, hands KV off.
+
+After the prompt's last chunk the engine keeps the KV (`prefill_only`); we copy it out, free the blocks
+and run the hand-off (handoff.py) on the event loop, so the engine goes on with other prompts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from nats.aio.msg import Msg
+from opentelemetry import trace
+
+from spindle_engine import StepOutput
+from spindle_protocol import subjects
+from spindle_protocol.messages import PrefillDone, PrefillProgress, RunPrefill
+from spindle_protocol.prompts import load_prompt
+from spindle_telemetry import extract
+from spindle_worker import Instance, Job, sampling_params
+
+from .handoff import hand_off
+
+log = logging.getLogger("spindle.prefill")
+
+
+@dataclass
+class PrefillJob(Job):
+    command: RunPrefill | None = None
+    computed: int = 0  # prompt tokens whose KV is done
+
+
+class PrefillInstance(Instance):
+    async def serve(self) -> None:
+        await self.bus.subscribe(subjects.prefill_run(self.id), RunPrefill, self._on_run)
+
+    async def _on_run(self, cmd: RunPrefill, raw: Msg) -> None:
+        spec = cmd.request
+        rid = spec.request_id
+        if self.is_aborted(rid) or rid in self.jobs:
+            return
+        span = self.tracer.start_span("prefill", context=extract(raw.headers))
+        span.set_attribute("spindle.request_id", rid)
+        span.set_attribute("spindle.instance", self.id)
+        job = PrefillJob(spec, span, command=cmd)
+        self.jobs[rid] = job
+        try:
+            prompt = await load_prompt(self.bus, spec.prompt)
+            params = sampling_params(spec.sampling)
+            await self.call(lambda e: e.add_request(rid, prompt, params, prefill_only=True))
+        except ValueError as e:
+            await self.fail(job, 400, str(e))
+            return
+        if self.is_aborted(rid):  # the abort overtook us while the prompt loaded
+            await self.call(lambda e: e.abort(rid))
+
+    def on_outputs(self, outputs: list[StepOutput], t0: float, t1: float) -> None:
+        engine = self.engine
+        for rid, job in list(self.jobs.items()):
+            seq = engine.requests.get(rid) or engine.held.get(rid)
+            if seq is None or not isinstance(job, PrefillJob):
+                continue
+            done = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+            if done > job.computed:
+                self.from_thread(self._chunk_done(job, job.computed, done, t0, t1))
+                job.computed = done
+        for out in outputs:
+            job = self.jobs.get(out.request_id)
+            if job is None:
+                engine.abort(out.request_id)
+                continue
+            if out.kv_ready:
+                kv = engine.export_kv(out.request_id)  # a copy: the blocks can go now
+                engine.release(out.request_id)
+                self.from_thread(self._prefilled(job, out.new_token_ids[0], kv))
+            elif out.finished:
+                self.from_thread(self._finished_at_first_token(job, out))
+
+    async def _chunk_done(self, job: PrefillJob, start: int, end: int, t0: float, t1: float) -> None:
+        span = self.tracer.start_span(
+            "prefill.chunk",
+            context=trace.set_span_in_context(job.span),
+            start_time=int(t0 * 1e9),
+            attributes={"spindle.tokens": end - start},
+        )
+        span.set_attribute("spindle.token_range", f"{start}:{end}")
+        span.end(end_time=int(t1 * 1e9))
+        await self.bus.publish(
+            subjects.EVENTS,
+            PrefillProgress(
+                request_id=job.request_id,
+                instance_id=self.id,
+                tokens_done=end,
+                tokens_total=job.spec.prompt.num_tokens,
+                chunk_seconds=t1 - t0,
+            ),
+        )
+
+    async def _finished_at_first_token(self, job: PrefillJob, out: StepOutput) -> None:
+        job.stats["prefill_ms"] = (time.time() - job.started) * 1e3
+        await self.bus.publish(
+            subjects.EVENTS,
+            PrefillDone(
+                request_id=job.request_id, instance_id=self.id, seconds=time.time() - job.started, finished=True
+            ),
+        )
+        await self.finish(job, out.new_token_ids, out.finish_reason or "stop")
+
+    async def _prefilled(self, job: PrefillJob, first_token: int, kv: torch.Tensor) -> None:
+        if self.jobs.get(job.request_id) is not job:
+            return  # aborted meanwhile
+        elapsed = time.time() - job.started
+        await self.publish_tokens(job, [first_token])
+        await self.bus.publish(
+            subjects.EVENTS,
+            PrefillDone(request_id=job.request_id, instance_id=self.id, seconds=elapsed, finished=False),
+        )
+        try:
+            await hand_off(self, job, first_token, kv, elapsed)
+        except Exception as e:  # the decode or kvstore side failed: the request cannot continue
+            log.exception("hand-off of %s failed", job.request_id)
+            await self.fail(job, 503, f"KV hand-off failed: {e}")
+            return
+        if self.jobs.pop(job.request_id, None) is not None:
+            job.span.end()

@@ -1,0 +1,44 @@
+"""`python -m spindle_scheduler`: the global scheduler service."""
+
+from __future__ import annotations
+
+import argparse
+
+from spindle_protocol import service
+
+from . import strategies  # noqa: F401  (registers the built-in strategies)
+from .core import SchedulerConfig
+from .service import SchedulerService, SchedulerServiceConfig
+from .strategy import available_strategies
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m spindle_scheduler",
+        description="Spindle scheduler: admits requests, plans them onto prefill/decode instances with a "
+        "named strategy, tracks instances by their heartbeats and fails the requests of dead ones.",
+    )
+    p.add_argument("--strategy", default="single", choices=available_strategies(), help="placement strategy")
+    p.add_argument(
+        "--max-num-requests", type=int, default=256, help="requests in flight before new ones get 429 (default 256)"
+    )
+    p.add_argument("--model", default="", help="model name reported in the cluster status")
+    service.add_common_args(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    service.setup_logging(args.log_level, "scheduler")
+    config = SchedulerServiceConfig(
+        nats_url=args.nats_url,
+        strategy=args.strategy,
+        core=SchedulerConfig(max_num_requests=args.max_num_requests),
+        otlp_endpoint=args.otlp_endpoint,
+        model=args.model,
+    )
+    service.run(SchedulerService(config).run, args.parent_pid)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""The scheduler's pure core: admission limits, request bookkeeping, events and failure handling.
+
+No I/O: methods take the current time and return actions for an executor to carry out.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from spindle_protocol.messages import (
+    DecodeStarted,
+    InstanceInfo,
+    PrefillDone,
+    PrefillProgress,
+    RequestFailed,
+    RequestFinished,
+    RequestSpec,
+    TransferDone,
+    WorkerEvent,
+)
+from spindle_protocol.registry import DEAD_AFTER_S
+
+from .actions import Action, Admit, FailRequest, Reject
+from .state import ClusterState, Phase, RequestState
+from .strategy import Strategy
+
+log = logging.getLogger("spindle.scheduler")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_requests: int = 256  # requests in flight before admission answers 429
+    dead_after_s: float = DEAD_AFTER_S  # heartbeat age that makes an instance dead
+    retry_after_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_num_requests < 1:
+            raise ValueError(f"max_num_requests must be >= 1, got {self.max_num_requests}")
+        if self.dead_after_s <= 0:
+            raise ValueError(f"dead_after_s must be > 0, got {self.dead_after_s}")
+
+
+class SchedulerCore:
+    def __init__(self, strategy: Strategy, config: SchedulerConfig | None = None) -> None:
+        self.strategy = strategy
+        self.config = config or SchedulerConfig()
+        self.state = ClusterState()
+
+    # ---- instances ----
+
+    def on_heartbeat(self, info: InstanceInfo) -> None:
+        if (
+            info.instance_id in self.state.dead
+            and info.updated_at <= self.state.instances[info.instance_id].info.updated_at
+        ):
+            return
+        if info.instance_id in self.state.dead:
+            log.info("instance %s is back", info.instance_id)
+        self.state.update_instance(info)
+
+    def on_instance_left(self, instance_id: str, now: float) -> list[Action]:
+        inst = self.state.instances.get(instance_id)
+        if inst is None or not inst.alive:
+            return []
+        return self._lose(instance_id, now, "left")
+
+    def tick(self, now: float) -> list[Action]:
+        """Find instances whose heartbeat stopped; fail the requests they held."""
+        actions: list[Action] = []
+        for inst in list(self.state.instances.values()):
+            if inst.alive and now - inst.info.updated_at > self.config.dead_after_s:
+                actions += self._lose(inst.id, now, f"no heartbeat for {now - inst.info.updated_at:.1f}s")
+        for req in list(self.state.requests.values()):
+            if now > req.spec.deadline + 5.0:  # the gateway ended it; forget it even if no event came
+                del self.state.requests[req.request_id]
+        return actions
+
+    def _lose(self, instance_id: str, now: float, why: str) -> list[Action]:
+        inst = self.state.instances[instance_id]
+        inst.alive = False
+        self.state.dead.add(instance_id)
+        log.warning("instance %s (%s) is dead: %s", instance_id, inst.role, why)
+        actions: list[Action] = []
+        for req in list(self.state.requests.values()):
+            if instance_id in req.holders():
+                del self.state.requests[req.request_id]
+                actions.append(FailRequest(req.request_id, 503, f"{inst.role} instance {instance_id} was lost"))
+        return actions + self.strategy.on_instance_lost(instance_id, self.state, now)
+
+    # ---- requests ----
+
+    def admit(self, spec: RequestSpec, now: float) -> list[Action]:
+        rid = spec.request_id
+        if rid in self.state.requests:
+            return [Reject(rid, 400, f"request id {rid} is already in flight")]
+        if not self.state.live("prefill") or not self.state.live("decode"):
+            return [Reject(rid, 503, "no live prefill or decode instance", self.config.retry_after_s)]
+        limit = self.state.max_model_len()
+        total = spec.prompt.num_tokens + spec.sampling.max_tokens
+        if limit and total > limit:
+            return [
+                Reject(
+                    rid,
+                    400,
+                    f"prompt ({spec.prompt.num_tokens} tokens) plus max_tokens ({spec.sampling.max_tokens}) "
+                    f"exceeds the context of {limit} tokens",
+                )
+            ]
+        if len(self.state.requests) >= self.config.max_num_requests:
+            return [
+                Reject(rid, 429, f"{len(self.state.requests)} requests in flight; try again", self.config.retry_after_s)
+            ]
+        actions = self.strategy.plan(spec, self.state, now)
+        for a in actions:
+            if isinstance(a, Admit):
+                self.state.requests[rid] = RequestState(spec, Phase.PREFILL, a.prefill_instance, a.decode_instance, now)
+        return actions
+
+    def on_event(self, event: WorkerEvent, now: float) -> list[Action]:
+        req = self.state.requests.get(event.request_id)
+        if req is None:
+            return []
+        match event:
+            case PrefillProgress():
+                pass
+            case PrefillDone(finished=True):
+                del self.state.requests[req.request_id]
+            case PrefillDone():
+                req.phase = Phase.TRANSFER
+            case TransferDone(parked=parked):
+                req.parked = parked
+            case DecodeStarted():
+                req.phase = Phase.DECODE
+                req.parked = False
+            case RequestFinished() | RequestFailed():
+                del self.state.requests[req.request_id]
+        return []
+
+    def on_abort(self, request_id: str) -> None:
+        self.state.requests.pop(request_id, None)

@@ -1,0 +1,158 @@
+"""The scheduler's NATS shell: feeds admissions, events and heartbeats to the core and executes actions."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from nats.aio.msg import Msg
+
+from spindle_protocol import subjects
+from spindle_protocol.bus import Bus
+from spindle_protocol.messages import (
+    Abort,
+    AdmitReply,
+    AdmitRequest,
+    ClusterStatus,
+    InstanceInfo,
+    StatusQuery,
+    StreamEvent,
+    WorkerEvent,
+)
+from spindle_protocol.messages import RunPrefill as RunPrefillMsg
+from spindle_protocol.registry import watch_registry
+from spindle_telemetry import extract, inject, setup, shutdown, tracer
+
+from .actions import Action, Admit, FailRequest, Reject, RunPrefill
+from .core import SchedulerConfig, SchedulerCore
+from .strategy import create_strategy
+
+log = logging.getLogger("spindle.scheduler")
+
+
+@dataclass(frozen=True)
+class SchedulerServiceConfig:
+    nats_url: str
+    strategy: str = "single"
+    core: SchedulerConfig = field(default_factory=SchedulerConfig)
+    otlp_endpoint: str | None = None
+    model: str = ""
+
+
+class SchedulerService:
+    def __init__(self, config: SchedulerServiceConfig) -> None:
+        self.config = config
+        self.core = SchedulerCore(create_strategy(config.strategy), config.core)
+        self.bus: Bus | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        setup("spindle-scheduler", self.config.otlp_endpoint)
+        self.bus = bus = await Bus.connect(self.config.nats_url, "spindle-scheduler", inject=inject)
+        await bus.subscribe(subjects.ADMIT, AdmitRequest, self._on_admit)
+        await bus.subscribe(subjects.STATUS, StatusQuery, self._on_status)
+        await bus.subscribe(subjects.EVENTS, WorkerEvent, self._on_event)
+        await bus.subscribe(subjects.ABORT, Abort, self._on_abort)
+        tasks = [
+            asyncio.create_task(watch_registry(bus, self._on_registry)),
+            asyncio.create_task(self._tick_loop()),
+        ]
+        log.info("scheduler ready (strategy %s) on %s", self.config.strategy, self.config.nats_url)
+        try:
+            await stop.wait()
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+            await bus.close()
+            shutdown()
+
+    # ---- inputs ----
+
+    def _on_registry(self, info: InstanceInfo | None, key: str) -> None:
+        if info is None:
+            self._spawn(self._execute(self.core.on_instance_left(key, time.time())))
+        else:
+            self.core.on_heartbeat(info)
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            await self._execute(self.core.tick(time.time()))
+
+    async def _on_admit(self, msg: AdmitRequest, raw: Msg) -> AdmitReply:
+        spec = msg.request
+        with tracer("spindle.scheduler").start_as_current_span("scheduler.admit", context=extract(raw.headers)) as span:
+            span.set_attribute("spindle.request_id", spec.request_id)
+            span.set_attribute("spindle.prompt_tokens", spec.prompt.num_tokens)
+            actions = self.core.admit(spec, time.time())
+            reply = AdmitReply(accepted=False, status=500, reason="strategy returned no decision")
+            for a in actions:
+                if isinstance(a, Reject):
+                    span.set_attribute("spindle.rejected", a.reason)
+                    reply = AdmitReply(accepted=False, status=a.status, reason=a.reason, retry_after_s=a.retry_after_s)
+                elif isinstance(a, Admit):
+                    reply = AdmitReply(
+                        accepted=True, prefill_instance=a.prefill_instance, decode_instance=a.decode_instance
+                    )
+            await self._execute([a for a in actions if not isinstance(a, Admit | Reject)])
+        return reply
+
+    async def _on_status(self, msg: StatusQuery, raw: Msg) -> ClusterStatus:
+        state = self.core.state
+        return ClusterStatus(
+            instances=[i.info for i in state.instances.values() if i.alive],
+            dead_instances=sorted(state.dead),
+            num_requests_running=state.num_running(),
+            num_requests_waiting=state.num_waiting(),
+            strategy=self.config.strategy,
+            max_model_len=state.max_model_len(),
+            model=self.config.model,
+        )
+
+    async def _on_event(self, event: WorkerEvent, raw: Msg) -> None:
+        await self._execute(self.core.on_event(event, time.time()))
+
+    async def _on_abort(self, msg: Abort, raw: Msg) -> None:
+        self.core.on_abort(msg.request_id)
+
+    # ---- outputs ----
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _execute(self, actions: list[Action]) -> None:
+        assert self.bus is not None
+        for a in actions:
+            if isinstance(a, RunPrefill):
+                state = self.core.state
+                decode = state.instances[a.decode_instance].info
+                kvstore = state.instances.get(a.kvstore_instance)
+                await self.bus.publish(
+                    subjects.prefill_run(a.prefill_instance),
+                    RunPrefillMsg(
+                        request=a.spec,
+                        decode_instance=a.decode_instance,
+                        decode_rank=decode.rank,
+                        kvstore_instance=a.kvstore_instance,
+                        kvstore_rank=kvstore.info.rank if kvstore else -1,
+                    ),
+                )
+            elif isinstance(a, FailRequest):
+                log.warning("failing %s: %s", a.request_id, a.message)
+                await self.bus.publish(
+                    subjects.stream(a.request_id),
+                    StreamEvent(request_id=a.request_id, seq=0, error=a.message, status=a.status),
+                )
+                await self.bus.publish(subjects.ABORT, Abort(request_id=a.request_id, reason=a.message))
+            else:
+                raise AssertionError(f"unexpected action {a!r}")

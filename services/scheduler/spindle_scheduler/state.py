@@ -1,0 +1,91 @@
+"""Cluster state as the scheduler sees it: live instances (from heartbeats) and requests in flight."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from spindle_protocol.messages import InstanceInfo, RequestSpec
+
+
+class Phase(enum.Enum):
+    PREFILL = "prefill"  # planned onto a prefill instance, running or queued there
+    TRANSFER = "transfer"  # KV moving to the decode instance (or parked in the kvstore)
+    DECODE = "decode"
+
+
+@dataclass
+class InstanceState:
+    info: InstanceInfo
+    alive: bool = True
+    planned_tokens: int = 0  # prompt tokens we sent since its last heartbeat (it has not counted them yet)
+    planned_blocks: int = 0  # KV blocks we expect it to take for requests planned onto it
+
+    @property
+    def id(self) -> str:
+        return self.info.instance_id
+
+    @property
+    def role(self) -> str:
+        return self.info.role
+
+    @property
+    def free_blocks(self) -> int:
+        return self.info.kv_blocks_total - self.info.kv_blocks_used - self.planned_blocks
+
+    @property
+    def predicted_queue_tokens(self) -> int:
+        return self.info.queued_tokens + self.planned_tokens
+
+
+@dataclass
+class RequestState:
+    spec: RequestSpec
+    phase: Phase
+    prefill_instance: str
+    decode_instance: str
+    admitted_at: float
+    parked: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    def holders(self) -> set[str]:
+        """Instances whose loss ends this request."""
+        if self.phase is Phase.PREFILL:
+            return {self.prefill_instance, self.decode_instance}
+        if self.phase is Phase.TRANSFER:
+            return {self.prefill_instance, self.decode_instance}
+        return {self.decode_instance}
+
+
+@dataclass
+class ClusterState:
+    instances: dict[str, InstanceState] = field(default_factory=dict)
+    requests: dict[str, RequestState] = field(default_factory=dict)
+    dead: set[str] = field(default_factory=set)
+
+    def live(self, role: str) -> list[InstanceState]:
+        return [i for i in self.instances.values() if i.alive and i.role == role]
+
+    def update_instance(self, info: InstanceInfo) -> None:
+        current = self.instances.get(info.instance_id)
+        if current is None or not current.alive:
+            self.instances[info.instance_id] = InstanceState(info)
+            self.dead.discard(info.instance_id)
+            return
+        if info.updated_at >= current.info.updated_at:
+            current.info = info
+            current.planned_tokens = 0  # the heartbeat now counts what we planned
+            current.planned_blocks = 0
+
+    def max_model_len(self) -> int:
+        lens = [i.info.max_model_len for i in self.instances.values() if i.alive and i.info.max_model_len > 0]
+        return min(lens) if lens else 0
+
+    def num_running(self) -> int:
+        return sum(1 for r in self.requests.values() if r.phase is Phase.DECODE)
+
+    def num_waiting(self) -> int:
+        return sum(1 for r in self.requests.values() if r.phase is not Phase.DECODE)

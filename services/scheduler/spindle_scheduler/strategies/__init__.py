@@ -1,0 +1,3 @@
+"""Built-in strategies; importing this package registers them."""
+
+from . import single  # noqa: F401

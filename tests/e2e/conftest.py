@@ -1,0 +1,93 @@
+"""Fixtures for end-to-end tests: a real stack (nats-server, kvstore, scheduler, prefill, decode, gateway
+processes on the real model) started by the launcher, and the single-instance engine as the reference."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import httpx
+import pytest
+
+from spindle_launcher.plan import StackConfig
+from spindle_launcher.stack import Stack
+from spindle_telemetry.testing import OtlpReceiver
+
+MAX_MODEL_LEN = 4096
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def start_stack(tmp_path_factory: pytest.TempPathFactory, name: str, **overrides) -> Stack:
+    config = StackConfig(
+        port=0,
+        max_model_len=overrides.pop("max_model_len", MAX_MODEL_LEN),
+        kv_cache_tokens=overrides.pop("kv_cache_tokens", 2 * MAX_MODEL_LEN),
+        kvstore_memory_gb=0.5,
+        log_dir=str(tmp_path_factory.mktemp(f"logs-{name}")),
+        **overrides,
+    )
+    return Stack(config).start()
+
+
+@pytest.fixture(scope="session")
+def otlp():
+    with OtlpReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory, otlp):
+    """2 prefill + 1 decode instances, exporting traces to the in-test OTLP receiver."""
+    s = start_stack(tmp_path_factory, "main", prefill=2, decode=1, otlp_endpoint=otlp.endpoint)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="session")
+def reference_engine():
+    from spindle_engine import Engine, EngineConfig
+
+    return Engine(EngineConfig(model="smollm2", kv_cache_tokens=16384, max_model_len=MAX_MODEL_LEN))
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from spindle_model import Tokenizer, resolve_model
+
+    return Tokenizer(resolve_model("smollm2", progress=False).path)
+
+
+def engine_greedy(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """What the single-instance engine generates greedily for each prompt."""
+    from spindle_engine import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"ref-{time.monotonic_ns()}-{i}", ids, params)
+    out: dict[str, list[int]] = {}
+    order: list[str] = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id not in out:
+                order.append(o.request_id)
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return [out[k] for k in sorted(out, key=lambda k: int(k.rsplit("-", 1)[1]))]
+
+
+def instance_blocks(stack: Stack) -> dict[str, dict[str, int]]:
+    """instance id -> {request id: blocks held}, exact, from every instance."""
+    r = httpx.get(stack.url + "/v1/spindle/instances", timeout=5)
+    r.raise_for_status()
+    return {i["instance_id"]: i["requests"] for i in r.json()["instances"]}
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
