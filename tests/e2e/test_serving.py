@@ -205,7 +205,16 @@ def test_one_trace_per_request_across_services(stack, otlp):
     assert r.status_code == 200
 
     services = {"spindle-gateway", "spindle-scheduler", "spindle-prefill", "spindle-decode"}
-    names = {"gateway.request", "scheduler.admit", "prefill", "prefill.chunk", "kv.transfer", "kv.receive", "decode"}
+    names = {
+        "gateway.request",
+        "scheduler.admit",
+        "prefill",
+        "prefill.queue",
+        "prefill.chunk",
+        "kv.transfer",
+        "kv.receive",
+        "decode",
+    }
 
     def request_trace(spans) -> list:
         """The spans of the one trace whose gateway root is this request's, once every service reported."""

@@ -79,6 +79,11 @@ class PrefillInstance(Instance):
                 self.from_thread(self._finished_at_first_token(job, out))
 
     async def _chunk_done(self, job: PrefillJob, start: int, end: int, t0: float, t1: float) -> None:
+        if start == 0:  # the wait on this instance before the first chunk ran
+            queued = self.tracer.start_span(
+                "prefill.queue", context=trace.set_span_in_context(job.span), start_time=int(job.started * 1e9)
+            )
+            queued.end(end_time=int(t0 * 1e9))
         span = self.tracer.start_span(
             "prefill.chunk",
             context=trace.set_span_in_context(job.span),
