@@ -130,12 +130,11 @@ class Instance:
         cfg = self.config
         setup(f"spindle-{cfg.role}", cfg.otlp_endpoint)
         self.loop = asyncio.get_running_loop()
-        self.engine = await asyncio.to_thread(Engine, cfg.engine)
+        self.thread = EngineThread(lambda: Engine(cfg.engine), self._outputs_from_thread)
+        self.engine = await asyncio.wrap_future(self.thread.start())
         log.info("%s: joining the data plane as rank %d of %d", self.id, cfg.rank, cfg.world_size)
         self.dp = await asyncio.to_thread(DataPlane.init, cfg.rank, cfg.world_size, cfg.dist_init)
         self.bus = await Bus.connect(cfg.nats_url, f"spindle-{self.id}", inject=inject)
-        self.thread = EngineThread(self.engine, self._outputs_from_thread)
-        self.thread.start()
         await self.bus.subscribe(subjects.ABORT, Abort, self._on_abort)
         await self.bus.subscribe(subjects.instance_stats(self.id), StatsQuery, self._on_stats)
         await self.serve()
@@ -146,7 +145,7 @@ class Instance:
         log.info("%s ready (rank %d, %d KV blocks)", self.id, cfg.rank, self.engine.allocator.num_blocks)
         try:
             while not stop.is_set():
-                if not self.thread._thread.is_alive():
+                if not self.thread.is_alive():
                     log.error("%s: the engine thread died; exiting", self.id)
                     raise SystemExit(1)
                 with contextlib.suppress(TimeoutError):

@@ -72,6 +72,7 @@ class PrefillInstance(Instance):
                 engine.abort(out.request_id)
                 continue
             if out.kv_ready:
+                self.from_thread(self._first_token(job, out.new_token_ids[0]))  # before the copy below
                 kv = engine.export_kv(out.request_id)  # a copy: the blocks can go now
                 engine.release(out.request_id)
                 self.from_thread(self._prefilled(job, out.new_token_ids[0], kv))
@@ -113,11 +114,14 @@ class PrefillInstance(Instance):
         )
         await self.finish(job, out.new_token_ids, out.finish_reason or "stop")
 
+    async def _first_token(self, job: PrefillJob, first_token: int) -> None:
+        if self.jobs.get(job.request_id) is job:
+            await self.publish_tokens(job, [first_token])
+
     async def _prefilled(self, job: PrefillJob, first_token: int, kv: torch.Tensor) -> None:
         if self.jobs.get(job.request_id) is not job:
             return  # aborted meanwhile
         elapsed = time.time() - job.started
-        await self.publish_tokens(job, [first_token])
         await self.bus.publish(
             subjects.EVENTS,
             PrefillDone(request_id=job.request_id, instance_id=self.id, seconds=elapsed, finished=False),
