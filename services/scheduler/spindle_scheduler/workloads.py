@@ -1,0 +1,336 @@
+"""Synthetic workloads: seeded arrival processes and the papers' length distributions.
+
+All lengths are synthesised from ``shared/reference/paper_figures.json``; the papers publish summary statistics,
+not traces, so every workload is a parametric fit. The fitted family is a lognormal (LLM prompt/output lengths
+are right-skewed and positive) restricted to a support ``[lo, hi]``, either *truncated* (out-of-range draws are
+redrawn) or *clipped* (out-of-range draws are moved to the bound). How each workload is fitted:
+
+- ``tetris-{short,medium,long}`` (Tetris §7.1; min/max/mean of prompt+output): sigma puts min and max at the
+  0.1 %/99.9 % quantiles, mu is solved so the *truncated* mean equals the reported mean. Tetris reports no
+  output lengths: the output is drawn from ``LONG_CONTEXT_DECODE`` and subtracted from the total.
+- ``loongserve-{sharegpt,l-eval,lv-eval}`` (LoongServe §7.1; only min/max reported, taken as prompt lengths):
+  lognormal centred (median) at the geometric midpoint with min/max at the 0.1 %/99.9 % quantiles, truncated.
+  No mean/median is reported, so these are shape assumptions. Outputs are not reported: ShareGPT uses
+  ``SHORT_DECODE`` and the long sets ``LONG_CONTEXT_DECODE``. ``loongserve-mixed`` samples the three with equal
+  probability (as the paper says).
+- ``loongserve-zipf-{1.0,1.2,1.4}`` (LoongServe §7.4 ablation, "Mixed with Zipf parameters, capped at 200K"):
+  our reading is a Zipf law over 1K-token length buckets of (0, 200K]: P(bucket k) ∝ k^-alpha, uniform within
+  the bucket. The paper does not define it further. ``loongserve-zipf:ALPHA`` takes any alpha.
+- ``medha-sharegpt4`` (ShareGPT4 capped at 8K): the paper gives only the cap; prompt median 1024/p99 6144 and
+  output median 256/p99 1536 are assumptions, prompt+output <= 8192. ``medha-long`` is Medha-SWE (prefill
+  P50 393K/P90 839K, decode P50 518/P90 808) truncated to the paper's 128K–1M range with the quantiles fitted
+  to the *truncated* distribution (the fit is nearly log-uniform over 128K–1M: sigma ~4.1, which is what
+  P50/P90 imply inside that range). ``medha-mix`` = ShareGPT4 + 5 % long; ``medha-mix:SHARE`` or
+  ``medha_mix(share)`` for other shares.
+- ``csps-{needlebench,bookcorpus}`` (CSPS Table 2; median/p99/std of input and output): lognormal through the
+  median and p99, clipped at 1M tokens (the paper's largest inputs; BookCorpus reports no max). A lognormal
+  cannot also match the reported std (NeedleBench input std 506K vs ~200K for the fit; BookCorpus 183K vs
+  ~80K): the real inputs have a heavier upper tail than any median/p99-matched lognormal.
+- ``constant:PREFILL:DECODE`` (e.g. Seesaw's 3000-token inputs): fixed lengths.
+
+Arrivals: Poisson (exponential gaps, mean 1/rate) or Gamma gaps with the given coefficient of variation
+(shape 1/cv^2, mean 1/rate; cv=1 is Poisson, cv>1 burstier). The first request arrives after one gap.
+``rate=inf`` puts every arrival at t=0. Arrival times and lengths use independent child seeds, so changing the
+arrival process does not change the lengths.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from statistics import NormalDist
+from typing import Protocol
+
+import numpy as np
+
+_N = NormalDist()
+_Z999 = _N.inv_cdf(0.999)
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    arrived_at: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.arrived_at) and self.arrived_at >= 0):
+            raise ValueError(f"arrived_at must be finite and >= 0, got {self.arrived_at}")
+        if self.num_prefill_tokens < 1 or self.num_decode_tokens < 1:
+            raise ValueError(f"token counts must be >= 1, got {self.num_prefill_tokens}, {self.num_decode_tokens}")
+
+
+@dataclass(frozen=True)
+class Arrival:
+    kind: str = "poisson"
+    rate: float = 1.0
+    cv: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("poisson", "gamma"):
+            raise ValueError(f"arrival must be 'poisson' or 'gamma', got {self.kind!r}")
+        if math.isnan(self.rate) or self.rate <= 0:
+            raise ValueError(f"rate must be > 0 requests/s, got {self.rate}")
+        if not (math.isfinite(self.cv) and self.cv > 0):
+            raise ValueError(f"cv must be finite and > 0, got {self.cv}")
+
+    def gaps(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        if math.isinf(self.rate):
+            return np.zeros(n)
+        if self.kind == "poisson":
+            return rng.exponential(1.0 / self.rate, n)
+        shape = 1.0 / self.cv**2
+        return rng.gamma(shape, 1.0 / (self.rate * shape), n)
+
+    def times(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        return np.cumsum(self.gaps(n, rng))
+
+
+class LengthDist(Protocol):
+    def draw(self, n: int, rng: np.random.Generator) -> np.ndarray: ...
+
+
+class Workload(Protocol):
+    def sample(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+@dataclass(frozen=True)
+class LogNormal:
+    """Lognormal(mu, sigma) token counts on [lo, hi]; out-of-range draws are redrawn, or clipped if ``clip``."""
+
+    mu: float
+    sigma: float
+    lo: int
+    hi: int
+    clip: bool = False
+
+    def __post_init__(self) -> None:
+        if not (self.sigma > 0 and 1 <= self.lo < self.hi):
+            raise ValueError(f"bad lognormal: sigma={self.sigma} lo={self.lo} hi={self.hi}")
+
+    @classmethod
+    def from_range(cls, lo: int, hi: int) -> LogNormal:
+        return cls((math.log(lo) + math.log(hi)) / 2, math.log(hi / lo) / (2 * _Z999), lo, hi)
+
+    @classmethod
+    def from_range_mean(cls, lo: int, hi: int, mean: float) -> LogNormal:
+        if not lo < mean < hi:
+            raise ValueError(f"mean {mean} outside ({lo}, {hi})")
+        sigma = math.log(hi / lo) / (2 * _Z999)
+        a, b = math.log(lo) - 10 * sigma, math.log(hi) + 10 * sigma
+        for _ in range(200):  # truncated mean is increasing in mu
+            mid = (a + b) / 2
+            a, b = (mid, b) if cls(mid, sigma, lo, hi).mean() < mean else (a, mid)
+        return cls((a + b) / 2, sigma, lo, hi)
+
+    @classmethod
+    def from_quantiles(
+        cls, q1: float, p1: float, q2: float, p2: float, lo: int, hi: int, clip: bool = False
+    ) -> LogNormal:
+        """Match quantiles q1 (level p1) and q2 (level p2) of the restricted distribution."""
+        l1, l2 = p1, p2
+        for _ in range(500):  # fixed point: untruncated levels that become p1/p2 after truncation
+            z1, z2 = _N.inv_cdf(l1), _N.inv_cdf(l2)
+            sigma = (math.log(q2) - math.log(q1)) / (z2 - z1)
+            mu = math.log(q1) - sigma * z1
+            if clip:
+                break
+            a, b = _N.cdf((math.log(lo) - mu) / sigma), _N.cdf((math.log(hi) - mu) / sigma)
+            new = (a + p1 * (b - a), a + p2 * (b - a))
+            if max(abs(new[0] - l1), abs(new[1] - l2)) < 1e-12:
+                break
+            l1, l2 = new
+        return cls(mu, sigma, lo, hi, clip)
+
+    def mean(self) -> float:
+        """Analytic mean of the truncated distribution (clipping is not modelled)."""
+        s, la, lb = self.sigma, math.log(self.lo), math.log(self.hi)
+        za, zb = (la - self.mu) / s, (lb - self.mu) / s
+        mass = _N.cdf(zb) - _N.cdf(za)
+        return math.exp(self.mu + s * s / 2) * (_N.cdf(zb - s) - _N.cdf(za - s)) / mass
+
+    def draw(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        if self.clip:
+            x = rng.lognormal(self.mu, self.sigma, n)
+        else:
+            parts, have = [], 0
+            while have < n:
+                y = rng.lognormal(self.mu, self.sigma, max(2 * (n - have), 16))
+                y = y[(y >= self.lo) & (y <= self.hi)]
+                parts.append(y)
+                have += len(y)
+            x = np.concatenate(parts)[:n] if parts else np.empty(0)
+        return np.clip(np.rint(x), self.lo, self.hi).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class Fixed:
+    tokens: int
+
+    def draw(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        return np.full(n, self.tokens, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class ZipfBuckets:
+    """P(bucket k) ∝ k^-alpha over buckets of ``width`` tokens up to ``hi``; uniform within a bucket."""
+
+    alpha: float
+    hi: int = 200_000
+    width: int = 1000
+
+    def draw(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        k = np.arange(1, self.hi // self.width + 1)
+        p = k.astype(float) ** -self.alpha
+        bucket = rng.choice(k, size=n, p=p / p.sum())
+        return (bucket - 1) * self.width + rng.integers(1, self.width + 1, n)
+
+
+@dataclass(frozen=True)
+class Independent:
+    """Prompt and output drawn independently; if ``cap_total``, the output is cut so prompt+output <= cap."""
+
+    prefill: LengthDist
+    decode: LengthDist
+    cap_total: int | None = None
+
+    def sample(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        p, d = self.prefill.draw(n, rng), self.decode.draw(n, rng)
+        if self.cap_total is not None:
+            p = np.minimum(p, self.cap_total - 1)
+            d = np.maximum(np.minimum(d, self.cap_total - p), 1)
+        return p, d
+
+
+@dataclass(frozen=True)
+class TotalSplit:
+    """``total`` is prompt+output (Tetris reports those); the output comes from ``decode``, the rest is prompt."""
+
+    total: LengthDist
+    decode: LengthDist
+
+    def sample(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        t, d = self.total.draw(n, rng), self.decode.draw(n, rng)
+        d = np.minimum(d, t - 1)
+        return t - d, d
+
+
+@dataclass(frozen=True)
+class Mixture:
+    parts: tuple[Workload, ...]
+    weights: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.parts) != len(self.weights) or not self.parts or min(self.weights) < 0 or sum(self.weights) <= 0:
+            raise ValueError(f"bad mixture weights {self.weights}")
+
+    def sample(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        w = np.asarray(self.weights, dtype=float)
+        which = rng.choice(len(self.parts), size=n, p=w / w.sum())
+        p, d = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        for i, part in enumerate(self.parts):
+            mask = which == i
+            p[mask], d[mask] = part.sample(int(mask.sum()), rng)
+        return p, d
+
+
+# Output-length assumptions where a paper reports none (documented above).
+LONG_CONTEXT_DECODE = LogNormal.from_quantiles(348, 0.5, 572, 0.99, 1, 4096, clip=True)  # CSPS NeedleBench output
+SHORT_DECODE = LogNormal.from_quantiles(128, 0.5, 1024, 0.99, 1, 2048, clip=True)
+
+MEDHA_SHAREGPT4 = Independent(
+    LogNormal.from_quantiles(1024, 0.5, 6144, 0.99, 4, 8191),
+    LogNormal.from_quantiles(256, 0.5, 1536, 0.99, 1, 4096, clip=True),
+    cap_total=8192,
+)
+MEDHA_LONG = Independent(
+    LogNormal.from_quantiles(393_000, 0.5, 839_000, 0.9, 128_000, 1_000_000),
+    LogNormal.from_quantiles(518, 0.5, 808, 0.9, 1, 8192, clip=True),
+)
+
+
+def medha_mix(long_share: float = 0.05) -> Mixture:
+    if not 0 <= long_share <= 1:
+        raise ValueError(f"long_share must be in [0, 1], got {long_share}")
+    return Mixture((MEDHA_SHAREGPT4, MEDHA_LONG), (1 - long_share, long_share))
+
+
+def _tetris(lo: int, hi: int, mean: float) -> TotalSplit:
+    return TotalSplit(LogNormal.from_range_mean(lo, hi, mean), LONG_CONTEXT_DECODE)
+
+
+def _loongserve_zipf(alpha: float) -> Independent:
+    if not alpha > 0:
+        raise ValueError(f"zipf alpha must be > 0, got {alpha}")
+    return Independent(ZipfBuckets(alpha), LONG_CONTEXT_DECODE)
+
+
+def _csps(median: float, p99: float, out_median: float, out_p99: float) -> Independent:
+    return Independent(
+        LogNormal.from_quantiles(median, 0.5, p99, 0.99, 1, 1_000_000, clip=True),
+        LogNormal.from_quantiles(out_median, 0.5, out_p99, 0.99, 1, 4096, clip=True),
+    )
+
+
+_SHAREGPT = Independent(LogNormal.from_range(4, 2300), SHORT_DECODE)
+_L_EVAL = Independent(LogNormal.from_range(2700, 210_500), LONG_CONTEXT_DECODE)
+_LV_EVAL = Independent(LogNormal.from_range(15_100, 497_300), LONG_CONTEXT_DECODE)
+
+WORKLOADS: dict[str, Workload] = {
+    "tetris-short": _tetris(4000, 95_000, 23_600),
+    "tetris-medium": _tetris(8000, 142_000, 32_800),
+    "tetris-long": _tetris(16_000, 190_000, 50_100),
+    "loongserve-sharegpt": _SHAREGPT,
+    "loongserve-l-eval": _L_EVAL,
+    "loongserve-lv-eval": _LV_EVAL,
+    "loongserve-mixed": Mixture((_SHAREGPT, _L_EVAL, _LV_EVAL), (1.0, 1.0, 1.0)),
+    "loongserve-zipf-1.0": _loongserve_zipf(1.0),
+    "loongserve-zipf-1.2": _loongserve_zipf(1.2),
+    "loongserve-zipf-1.4": _loongserve_zipf(1.4),
+    "medha-sharegpt4": MEDHA_SHAREGPT4,
+    "medha-long": MEDHA_LONG,
+    "medha-mix": medha_mix(0.05),
+    "csps-needlebench": _csps(113_000, 995_000, 348, 572),
+    "csps-bookcorpus": _csps(97_000, 406_000, 375, 631),
+}
+
+
+def resolve_workload(name: str) -> Workload:
+    """A registered name, or ``constant:P:D``, ``loongserve-zipf:ALPHA``, ``medha-mix:SHARE``."""
+    if name in WORKLOADS:
+        return WORKLOADS[name]
+    head, _, args = name.partition(":")
+    try:
+        if head == "constant":
+            p, d = (int(x) for x in args.split(":"))
+            if p < 1 or d < 1:
+                raise ValueError
+            return Independent(Fixed(p), Fixed(d))
+        if head == "loongserve-zipf":
+            return _loongserve_zipf(float(args))
+        if head == "medha-mix":
+            return medha_mix(float(args))
+    except ValueError as e:
+        raise ValueError(f"bad workload arguments in {name!r}: {e}") from e
+    raise ValueError(
+        f"unknown workload {name!r}; known: {sorted(WORKLOADS)} or constant:P:D, loongserve-zipf:ALPHA, medha-mix:SHARE"
+    )
+
+
+def make_workload(
+    name: str | Workload,
+    num_requests: int,
+    rate: float,
+    seed: int,
+    arrival: str = "poisson",
+    cv: float = 1.0,
+) -> list[TraceRequest]:
+    """``num_requests`` requests of workload ``name`` arriving at ``rate`` req/s; deterministic for ``seed``."""
+    if num_requests < 0:
+        raise ValueError(f"num_requests must be >= 0, got {num_requests}")
+    workload = resolve_workload(name) if isinstance(name, str) else name
+    process = Arrival(arrival, rate, cv)
+    arrival_rng, length_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
+    times = process.times(num_requests, arrival_rng)
+    prefill, decode = workload.sample(num_requests, length_rng)
+    return [TraceRequest(float(t), int(p), int(d)) for t, p, d in zip(times, prefill, decode, strict=True)]
