@@ -16,6 +16,11 @@ from .supervisor import describe_exit
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="spindle", description="Spindle: long-context LLM serving.")
     sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser(
+        "profile",
+        add_help=False,
+        help="measure this machine's engine (prefill, decode, KV transfer) and write a latency profile JSON",
+    )
     up = sub.add_parser(
         "up",
         help="start nats-server, kvstore, scheduler, prefill and decode instances and the gateway",
@@ -100,6 +105,11 @@ def serve(stack: Stack, say: Callable[[str], None] = _say) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["profile"]:
+        from spindle_scheduler.profile_cli import main as profile_main
+
+        sys.exit(profile_main(argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -115,6 +115,8 @@ class SchedulerCore:
         for a in actions:
             if isinstance(a, Admit):
                 self.state.requests[rid] = RequestState(spec, Phase.PREFILL, a.prefill_instance, a.decode_instance, now)
+            elif isinstance(a, FailRequest):  # a strategy may give up on a request it just admitted
+                self.state.requests.pop(a.request_id, None)
         return actions
 
     def on_event(self, event: WorkerEvent, now: float) -> list[Action]:

@@ -285,13 +285,13 @@ class TransferModel:
 
     @classmethod
     def fit(cls, samples: Iterable[tuple[float, float]]) -> TransferModel:
-        """Fit from (bytes, seconds) samples (ordinary least squares)."""
+        """Fit from (bytes, seconds) samples, minimising relative error so small transfers keep their latency."""
         rows = [(_check_count("bytes", b), _check_seconds(s)) for b, s in samples]
         if not rows:
             raise ValueError("no samples to fit")
         arr = np.array(rows)
         x = np.stack([np.ones(len(arr)), arr[:, 0]], axis=1)
-        latency, per_byte = _lstsq(x, arr[:, 1], "absolute")
+        latency, per_byte = _lstsq(x, arr[:, 1], "relative")
         if per_byte <= 0:
             raise ValueError("transfer samples do not show time growing with size")
         return cls(latency_s=max(0.0, float(latency)), bandwidth_bytes_per_s=1.0 / float(per_byte))

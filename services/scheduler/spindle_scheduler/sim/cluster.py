@@ -1,0 +1,132 @@
+"""Simulated instances: FCFS prefill instances and continuous-batching decode instances with block-counted KV.
+
+They only keep state; the executor (executor.py) decides when things happen and tells the core.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from spindle_protocol.messages import InstanceInfo
+from spindle_protocol.registry import HEARTBEAT_S
+
+from ..core import SchedulerConfig
+from .metrics import RequestRecord
+
+LLAMA3_8B_KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads, head dim 128, bf16
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    num_prefill: int = 2
+    num_decode: int = 2
+    block_size: int = 16
+    prefill_kv_blocks: int = 32768  # per prefill instance (512K tokens at block size 16)
+    decode_kv_blocks: int = 32768  # per decode instance
+    kv_bytes_per_token: int = LLAMA3_8B_KV_BYTES_PER_TOKEN  # sizes the prefill -> decode transfer
+    decode_step_s: float = 0.02  # decode step time when the latency model has no decode part
+    heartbeat_s: float = HEARTBEAT_S  # virtual seconds between heartbeats of every instance
+    tick_s: float = 0.25  # virtual seconds between core.tick calls
+    max_model_len: int = 0  # 0: the smallest instance KV capacity in tokens
+    with_kvstore: bool = True  # register a kvstore instance (strategies name it as the park for KV)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError(f"need >= 1 prefill and decode instance, got {self.num_prefill}, {self.num_decode}")
+        if self.block_size < 1 or self.prefill_kv_blocks < 1 or self.decode_kv_blocks < 1:
+            raise ValueError("block_size and KV block counts must be >= 1")
+        if self.kv_bytes_per_token < 0:
+            raise ValueError(f"kv_bytes_per_token must be >= 0, got {self.kv_bytes_per_token}")
+        if not self.decode_step_s > 0:
+            raise ValueError(f"decode_step_s must be > 0, got {self.decode_step_s}")
+        if not (self.heartbeat_s > 0 and self.tick_s > 0):
+            raise ValueError("heartbeat_s and tick_s must be > 0")
+        if self.heartbeat_s >= self.scheduler.dead_after_s:
+            raise ValueError("heartbeat_s must be below the scheduler's dead_after_s or every instance dies")
+        if self.max_model_len < 0 or self.max_model_len > self.capacity_tokens():
+            raise ValueError(f"max_model_len must be in [0, {self.capacity_tokens()}], got {self.max_model_len}")
+
+    def capacity_tokens(self) -> int:
+        return min(self.prefill_kv_blocks, self.decode_kv_blocks) * self.block_size
+
+    def context_len(self) -> int:
+        return self.max_model_len or self.capacity_tokens()
+
+    def blocks(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+
+@dataclass
+class SimInstance:
+    id: str
+    role: str
+    rank: int
+    total_blocks: int
+    block_size: int
+    max_model_len: int
+    used_blocks: int = 0
+    peak_blocks: int = 0
+    held: dict[str, int] = field(default_factory=dict)  # request id -> blocks
+
+    def alloc(self, rid: str, blocks: int) -> None:
+        assert rid not in self.held and self.used_blocks + blocks <= self.total_blocks, "KV capacity exceeded"
+        self.held[rid] = blocks
+        self.used_blocks += blocks
+        self.peak_blocks = max(self.peak_blocks, self.used_blocks)
+
+    def free(self, rid: str) -> None:
+        self.used_blocks -= self.held.pop(rid, 0)
+
+    @property
+    def free_blocks(self) -> int:
+        return self.total_blocks - self.used_blocks
+
+    def info(self, now: float) -> InstanceInfo:
+        return InstanceInfo(
+            instance_id=self.id,
+            role=self.role,
+            rank=self.rank,
+            pid=0,
+            started_at=0.0,
+            updated_at=now,
+            kv_blocks_total=self.total_blocks,
+            kv_blocks_used=self.used_blocks,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            **self._load(),
+        )
+
+    def _load(self) -> dict[str, int]:
+        return {}
+
+
+@dataclass
+class SimPrefill(SimInstance):
+    """Runs one prefill at a time, FCFS. Holds a request's prompt KV from its start until the transfer ends."""
+
+    queue: deque[RequestRecord] = field(default_factory=deque)
+    running: RequestRecord | None = None
+    queued_tokens: int = 0  # prompt tokens accepted and not yet computed (queue + running)
+
+    def _load(self) -> dict[str, int]:
+        return {
+            "num_running": int(self.running is not None),
+            "num_waiting": len(self.queue),
+            "queued_tokens": self.queued_tokens,
+        }
+
+
+@dataclass
+class SimDecode(SimInstance):
+    """Continuous batching. A request joins when blocks for prompt + all its output tokens fit (FIFO, no
+    preemption); until then its KV is parked (in the kvstore). One step yields one token per running request."""
+
+    waiting: deque[RequestRecord] = field(default_factory=deque)
+    running: list[RequestRecord] = field(default_factory=list)
+    kv_tokens: int = 0  # context tokens of the running batch
+    stepping: bool = False
+
+    def _load(self) -> dict[str, int]:
+        return {"num_running": len(self.running), "num_waiting": len(self.waiting)}

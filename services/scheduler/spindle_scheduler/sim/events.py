@@ -1,0 +1,39 @@
+"""The simulator's virtual clock: a heap of timed events, ties broken by insertion order."""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from typing import Any
+
+
+class EventKind(enum.IntEnum):
+    HEARTBEAT = 0  # every instance publishes its InstanceInfo into the core
+    TICK = 1  # core.tick (dead-instance detection)
+    ARRIVAL = 2
+    PREFILL_DONE = 3
+    TRANSFER_DONE = 4
+    DECODE_STEP = 5
+
+
+class EventQueue:
+    """Events pop in (time, insertion order): equal times run in the order they were scheduled."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, EventKind, Any]] = []
+        self._seq = 0
+        self.now = 0.0
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def push(self, time: float, kind: EventKind, payload: Any = None) -> None:
+        assert time >= self.now, f"event at {time} scheduled in the past (now {self.now})"
+        heapq.heappush(self._heap, (time, self._seq, kind, payload))
+        self._seq += 1
+
+    def pop(self) -> tuple[float, EventKind, Any]:
+        time, _, kind, payload = heapq.heappop(self._heap)
+        assert time >= self.now, "the clock went backwards"
+        self.now = time
+        return time, kind, payload

@@ -1,0 +1,72 @@
+"""`spindle profile` in quick mode on a tiny random model: measures, fits, and the JSON loads back."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from spindle_model.testing import tiny_llama
+from spindle_scheduler.latency import LatencyModel
+from spindle_scheduler.profile_cli import build_parser, config_from_args
+from spindle_scheduler.profiler import QUICK, ProfileConfig, load_profile, run_profile, write_profile
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return tiny_llama(0)[1]
+
+
+def test_quick_profile_round_trip(tiny_model, tmp_path: Path) -> None:
+    doc = run_profile(QUICK, model=tiny_model, progress=False)
+    out = tmp_path / "profile.json"
+    write_profile(doc, out)
+
+    data = json.loads(out.read_text())
+    assert {"machine", "samples", "model", "fit_error", "not_measured"} <= set(data)
+    assert data["machine"]["cpu_count"] >= 1
+    prefill_rows = data["samples"]["prefill"]["rows"]
+    assert {(r[1], r[2]) for r in prefill_rows} == {(0, 8), (8, 16), (0, 32), (32, 8), (40, 16)}
+    assert len(data["samples"]["decode"]["rows"]) == len(QUICK.decode_batches) * len(QUICK.decode_kv_tokens)
+    assert [r[0] for r in data["samples"]["transfer"]["rows"]] == list(QUICK.transfer_bytes)
+    assert all(r[-1] > 0 for kind in ("prefill", "decode", "transfer") for r in data["samples"][kind]["rows"])
+    assert "prefill_sp_gt_1" in data["not_measured"]
+    assert set(data["fit_error"]["prefill"]) == {"1"}
+
+    model = load_profile(out)
+    assert LatencyModel.from_json(model.to_json()) == model
+    assert model.prefill is not None and model.prefill.sp_sizes() == [1]
+    assert model.prefill.predict(1, 16, 16) > 0
+    assert model.decode is not None and model.decode.predict(2, 64) > 0
+    if model.transfer is not None:  # on a noisy machine tiny transfers may not fit; then it says why
+        assert model.transfer.predict(2**20) > 0
+    else:
+        assert "transfer" in data["not_measured"]
+
+
+def test_profile_without_transfer(tiny_model) -> None:
+    cfg = replace(QUICK, transfer=False, decode_batches=(1, 3), decode_kv_tokens=(8, 40), warmup=0)
+    doc = run_profile(cfg, model=tiny_model, progress=False)
+    assert doc["not_measured"]["transfer"] == "disabled"
+    assert doc["model"]["transfer"] is None
+    assert LatencyModel.from_json(json.dumps(doc["model"])).decode.predict(3, 120) > 0
+
+
+def test_cli_flags() -> None:
+    args = build_parser().parse_args(["--out", "x.json", "--quick", "--chunks", "4,8", "--no-transfer"])
+    cfg = config_from_args(args)
+    assert cfg.chunks == (4, 8) and cfg.histories == QUICK.histories and not cfg.transfer
+    assert config_from_args(build_parser().parse_args(["--out", "x.json"])) == ProfileConfig()
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--out", "x.json", "--chunks", "a,b"])
+
+
+def test_bad_config(tiny_model) -> None:
+    with pytest.raises(ValueError):
+        ProfileConfig(chunks=())
+    with pytest.raises(ValueError):
+        ProfileConfig(repeats=0)
+    with pytest.raises(ValueError, match="context"):
+        run_profile(replace(QUICK, histories=(0, 500), transfer=False), model=tiny_model, progress=False)
