@@ -16,6 +16,7 @@ from .supervisor import describe_exit
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="spindle", description="Spindle: long-context LLM serving.")
     sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("sim", add_help=False, help="simulate a cluster running a strategy (`spindle sim --help`)")
     sub.add_parser(
         "profile",
         add_help=False,
@@ -110,6 +111,10 @@ def main(argv: list[str] | None = None) -> None:
         from spindle_scheduler.profile_cli import main as profile_main
 
         sys.exit(profile_main(argv[1:]))
+    if argv[:1] == ["sim"]:
+        from spindle_scheduler.sim.cli import main as sim_main
+
+        sys.exit(sim_main(argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
