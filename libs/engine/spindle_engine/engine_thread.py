@@ -30,7 +30,6 @@ class EngineSnapshot:
     num_waiting: int
     waiting_tokens: int  # prompt tokens queued or running but not computed yet
     blocks_held: dict[str, int] = field(default_factory=dict)
-    computed_tokens: dict[str, int] = field(default_factory=dict)  # running requests' progress
 
 
 def take_snapshot(engine: Engine) -> EngineSnapshot:
@@ -42,7 +41,6 @@ def take_snapshot(engine: Engine) -> EngineSnapshot:
         num_waiting=engine.num_waiting,
         waiting_tokens=sum(s.num_uncomputed for s in seqs),
         blocks_held=engine.blocks_held(),
-        computed_tokens={s.request_id: s.num_computed_tokens for s in seqs},
     )
 
 

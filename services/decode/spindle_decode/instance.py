@@ -35,6 +35,7 @@ from spindle_protocol.messages import (
 from spindle_protocol.prompts import load_prompt
 from spindle_protocol.tensor_header import header_for
 from spindle_telemetry import extract
+from spindle_transfer import dtype_name
 from spindle_worker import Instance, Job, sampling_params
 
 log = logging.getLogger("spindle.decode")
@@ -67,8 +68,7 @@ class DecodeInstance(Instance):
         self._spawn(self._pump_parked())
 
     def _expected_header(self, num_tokens: int) -> TensorHeader:
-        dtype = str(self.engine.cache.k.dtype).removeprefix("torch.")
-        return header_for(dtype, self.engine.kv_shape(num_tokens))
+        return header_for(dtype_name(self.engine.cache.k.dtype), self.engine.kv_shape(num_tokens))
 
     def _new_job(self, spec: RequestSpec, headers: dict[str, str] | None) -> DecodeJob:
         span = self.tracer.start_span("decode", context=extract(headers))

@@ -16,7 +16,7 @@ from opentelemetry import trace
 
 from spindle_protocol import subjects
 from spindle_protocol.messages import KVParked, KVPut, ReserveKV, ReserveReply, TransferDone
-from spindle_protocol.tensor_header import header_for
+from spindle_transfer import header_of
 
 if TYPE_CHECKING:
     from .instance import PrefillInstance, PrefillJob
@@ -28,17 +28,11 @@ class HandOffError(RuntimeError):
     pass
 
 
-def _dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
-async def hand_off(
-    inst: PrefillInstance, job: PrefillJob, first_token: int, kv: torch.Tensor, prefill_s: float
-) -> None:
+async def hand_off(inst: PrefillInstance, job: PrefillJob, first_token: int, kv: torch.Tensor) -> None:
     cmd = job.command
     assert cmd is not None
     spec = cmd.request
-    header = header_for(_dtype_name(kv), list(kv.shape))
+    header = header_of(kv)
     ctx = trace.set_span_in_context(job.span)
     with inst.tracer.start_as_current_span("kv.transfer", context=ctx) as span:
         span.set_attribute("spindle.bytes", header.nbytes)

@@ -127,7 +127,7 @@ class PrefillInstance(Instance):
             PrefillDone(request_id=job.request_id, instance_id=self.id, seconds=elapsed, finished=False),
         )
         try:
-            await hand_off(self, job, first_token, kv, elapsed)
+            await hand_off(self, job, first_token, kv)
         except Exception as e:  # the decode or kvstore side failed: the request cannot continue
             log.exception("hand-off of %s failed", job.request_id)
             await self.fail(job, 503, f"KV hand-off failed: {e}")

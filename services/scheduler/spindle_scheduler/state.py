@@ -53,11 +53,9 @@ class RequestState:
 
     def holders(self) -> set[str]:
         """Instances whose loss ends this request."""
-        if self.phase is Phase.PREFILL:
-            return {self.prefill_instance, self.decode_instance}
-        if self.phase is Phase.TRANSFER:
-            return {self.prefill_instance, self.decode_instance}
-        return {self.decode_instance}
+        if self.phase is Phase.DECODE:
+            return {self.decode_instance}
+        return {self.prefill_instance, self.decode_instance}
 
 
 @dataclass
