@@ -7,7 +7,9 @@ Scenarios (--scenarios, default both):
 - load: --num-prompts random token-id prompts of --input-len tokens, --output-len tokens each (greedy, EOS
   ignored), sent at Poisson arrival times at --request-rate (inf = all at once) and streamed over SSE from
   POST /v1/completions. Reported with `vllm bench serve`'s result field names (TTFT, TPOT, ITL, E2EL: mean,
-  median, std, p99; throughput).
+  median, std, p99; throughput). With --trace FILE (CSV or JSONL, spindle_scheduler.traces) the load replays
+  the trace instead: each request at its arrived_at offset, with exactly its prompt and output token counts;
+  per-request times go to the JSON under "requests".
 
 Without --url the script starts a stack itself (spindle_launcher's Stack: nats-server, kvstore, scheduler,
 --prefill prefill and --decode decode instances, gateway on a free port) and stops it at the end.
@@ -16,6 +18,7 @@ Without --url the script starts a stack itself (spindle_launcher's Stack: nats-s
     python bench/bench_serve.py --url http://127.0.0.1:8000           # against a running `spindle up`
     python bench/bench_serve.py --scenarios load --num-prompts 8 --input-len 64 --output-len 8 \\
         --request-rate inf --out /tmp/serve_smoke.json                # smoke test
+    python bench/bench_serve.py --scenarios load --trace trace.csv    # replay a trace file
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from bench_engine import default_threads, machine_info, write_json
 from serve_client import make_client, random_token_prompts, run_load, stream_completion
 from serve_overhead import TARGETS_MS, EngineProbe, itl_report, ttft_report
 from serve_stats import DEFAULT_PERCENTILES, compute_metrics, percentile_key
+from serve_trace import length_mismatches, load_trace, request_rows, run_trace
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -114,6 +118,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     load.add_argument("--request-rate", type=_rate, default=4.0, help="requests/s, or inf (default: %(default)s)")
     load.add_argument(
         "--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps; 1 = Poisson (default)"
+    )
+    load.add_argument(
+        "--trace",
+        type=Path,
+        help="replay this trace (.csv: arrived_at,num_prefill_tokens,num_decode_tokens; or .jsonl) instead of "
+        "--num-prompts/--input-len/--output-len/--request-rate/--burstiness",
     )
     load.add_argument("--metric-percentiles", type=_percentiles, default=list(DEFAULT_PERCENTILES), help="default: 99")
     over = p.add_argument_group("overhead")
@@ -203,7 +213,7 @@ def count_units(args: argparse.Namespace) -> int:
     if "overhead" in args.scenarios:
         total += 2 * (args.ttft_repeats + args.itl_streams)  # in-process engine + through the stack
     if "load" in args.scenarios:
-        total += args.num_prompts
+        total += len(args.trace_requests) if args.trace_requests else args.num_prompts
     return total
 
 
@@ -245,12 +255,20 @@ async def run_overhead(args: argparse.Namespace, url: str, model: str, probe: En
 async def run_load_scenario(args: argparse.Namespace, url: str, model: str, progress: Progress) -> dict[str, Any]:
     api = url + "/v1/completions"
     progress.phase("load")
+    trace = args.trace_requests
     prompts = random_token_prompts(args.num_prompts, args.input_len, args.seed + 2)
     async with make_client(args.request_timeout) as client:
         if args.warmup:  # like vLLM: one test request first
             warm = await stream_completion(client, api, model, prompts[0], args.output_len)
             if not warm.success:
                 raise RuntimeError(f"the warm-up request failed: {warm.error}")
+        if trace:
+            results, duration, start = await run_trace(
+                client, api, model, trace, args.seed + 2, on_done=lambda _: progress.tick()
+            )
+            rows = request_rows(trace, results, start)
+            metrics = compute_metrics(results, duration, args.metric_percentiles)
+            return metrics | {"requests": rows, "length_mismatches": length_mismatches(rows)}
         results, duration = await run_load(
             client,
             api,
@@ -364,7 +382,18 @@ def build_result(args: argparse.Namespace, url: str, started: bool, measured: di
     }
     if "overhead" in measured:
         result["overhead"] = measured["overhead"]
-    if "load" in measured:
+    if "load" in measured and args.trace_requests:
+        result |= {
+            "trace": str(args.trace),
+            "num_prompts": len(args.trace_requests),
+            "input_len": None,
+            "output_len": None,
+            "request_rate": None,
+            "burstiness": None,
+            "max_concurrency": None,
+            **measured["load"],
+        }
+    elif "load" in measured:
         result |= {
             "num_prompts": args.num_prompts,
             "input_len": args.input_len,
@@ -382,6 +411,7 @@ def build_result(args: argparse.Namespace, url: str, started: bool, measured: di
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.trace_requests = load_trace(args.trace, args.model) if args.trace and "load" in args.scenarios else None
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     torch.set_num_threads(args.threads)
@@ -429,7 +459,16 @@ def main(argv: list[str] | None = None) -> int:
     if "overhead" in result:
         print("\nserving overhead, one request at a time (p50 = median; paired = median of stack - engine pairs):")
         print(format_overhead(result["overhead"]))
-    if "load" in args.scenarios:
+    if "load" in args.scenarios and args.trace_requests:
+        trace = args.trace_requests
+        print(
+            f"\nload: trace {args.trace}, {len(trace)} requests over {max(r.arrived_at for r in trace):.1f} s, "
+            f"{sum(r.num_prefill_tokens for r in trace)} tokens in, {sum(r.num_decode_tokens for r in trace)} out"
+        )
+        print(format_load(result, args.metric_percentiles))
+        for line in result["length_mismatches"][:5]:
+            print(f"length mismatch: {line}")
+    elif "load" in args.scenarios:
         rate = "all at once" if args.request_rate == float("inf") else f"{args.request_rate:g} req/s (Poisson)"
         print(f"\nload: {args.num_prompts} prompts, {args.input_len} tokens in, {args.output_len} out, {rate}")
         print(format_load(result, args.metric_percentiles))

@@ -8,6 +8,7 @@ and `[DONE]` are not.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import time
@@ -104,18 +105,39 @@ async def run_load(
 ) -> tuple[list[RequestResult], float]:
     """Send `prompts` at Poisson arrival times; (results in prompt order, seconds from the start to the last end)."""
     offsets = arrival_offsets(len(prompts), request_rate, seed, burstiness)
+    results, duration, _ = await run_schedule(
+        client, url, model, prompts, [max_tokens] * len(prompts), offsets, on_done
+    )
+    return results, duration
 
-    async def one(prompt: list[int]) -> RequestResult:
-        result = await stream_completion(client, url, model, prompt, max_tokens)
+
+async def run_schedule(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompts: Sequence[list[int]],
+    max_tokens: Sequence[int],
+    offsets: Sequence[float],
+    on_done: Callable[[RequestResult], None] = lambda r: None,
+) -> tuple[list[RequestResult], float, float]:
+    """Send prompt i with `max_tokens[i]` at `offsets[i]` s (non-decreasing) after the start; (results in order,
+    seconds from the start to the last end, the start's `time.perf_counter()`)."""
+    if not len(prompts) == len(max_tokens) == len(offsets):
+        raise ValueError("prompts, max_tokens and offsets must have the same length")
+    if any(b < a for a, b in itertools.pairwise(offsets)):
+        raise ValueError("offsets must be non-decreasing")
+
+    async def one(prompt: list[int], n: int) -> RequestResult:
+        result = await stream_completion(client, url, model, prompt, n)
         on_done(result)
         return result
 
     tasks = []
     start = time.perf_counter()
-    for prompt, offset in zip(prompts, offsets, strict=True):
+    for prompt, n, offset in zip(prompts, max_tokens, offsets, strict=True):
         delay = start + offset - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(prompt)))
+        tasks.append(asyncio.create_task(one(prompt, n)))
     results = await asyncio.gather(*tasks)
-    return list(results), time.perf_counter() - start
+    return list(results), time.perf_counter() - start, start

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-Role = str  # "prefill" | "decode" | "kvstore"
+Role = str  # "prefill" | "decode" | "elastic" (prefills and decodes) | "kvstore"
 ROLES = ("prefill", "decode", "kvstore")
 
 
@@ -89,6 +89,8 @@ class InstanceInfo(msgspec.Struct, frozen=True, kw_only=True):
     num_waiting: int = 0
     queued_tokens: int = 0  # prefill: prompt tokens accepted but not yet computed
     max_model_len: int = 0
+    node: str = ""  # host name: strategies keep SP groups and TP shards on one node where they can
+    tp_size: int = 1  # tensor-parallel degree of this instance
 
 
 class ClusterStatus(msgspec.Struct, frozen=True, kw_only=True):

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -193,6 +194,7 @@ class Instance:
             num_waiting=snap.num_waiting,
             queued_tokens=snap.waiting_tokens,
             max_model_len=self.engine.max_model_len,
+            node=socket.gethostname(),
         )
 
     # ---- engine access ----

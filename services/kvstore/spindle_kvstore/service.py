@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -164,6 +165,7 @@ class KVStoreService:
             kv_bytes_total=self.store.budget_bytes,
             kv_bytes_used=self.store.bytes_used,
             num_running=len(self.receiving),
+            node=socket.gethostname(),
         )
 
     # ---- handlers ----

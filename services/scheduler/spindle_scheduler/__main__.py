@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from spindle_protocol import service
 
 from . import strategies  # noqa: F401  (registers the built-in strategies)
 from .core import SchedulerConfig
+from .profiler import load_profile
 from .service import SchedulerService, SchedulerServiceConfig
 from .strategy import available_strategies
 
@@ -18,7 +20,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Spindle scheduler: admits requests, plans them onto prefill/decode instances with a "
         "named strategy, tracks instances by their heartbeats and fails the requests of dead ones.",
     )
-    p.add_argument("--strategy", default="single", choices=available_strategies(), help="placement strategy")
+    p.add_argument(
+        "--strategy",
+        default="single",
+        help="placement strategy spec, NAME or NAME:key=value,... (default: single; available: "
+        + ", ".join(available_strategies())
+        + "; the others need SP prefill and run in `spindle sim`)",
+    )
+    p.add_argument("--profile", type=Path, help="latency profile JSON (`spindle profile`) for strategies that predict")
     p.add_argument(
         "--max-num-requests", type=int, default=256, help="requests in flight before new ones get 429 (default 256)"
     )
@@ -30,14 +39,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     service.setup_logging(args.log_level, "scheduler")
-    config = SchedulerServiceConfig(
-        nats_url=args.nats_url,
-        strategy=args.strategy,
-        core=SchedulerConfig(max_num_requests=args.max_num_requests),
-        otlp_endpoint=args.otlp_endpoint,
-        model=args.model,
-    )
-    service.run(SchedulerService(config).run, args.parent_pid)
+    try:
+        latency = load_profile(args.profile) if args.profile else None
+        config = SchedulerServiceConfig(
+            nats_url=args.nats_url,
+            strategy=args.strategy,
+            core=SchedulerConfig(max_num_requests=args.max_num_requests),
+            otlp_endpoint=args.otlp_endpoint,
+            model=args.model,
+            latency=latency,
+        )
+        scheduler = SchedulerService(config)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"spindle_scheduler: {e}") from e
+    service.run(scheduler.run, args.parent_pid)
 
 
 if __name__ == "__main__":

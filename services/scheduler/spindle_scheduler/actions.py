@@ -2,16 +2,47 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from spindle_protocol.messages import RequestSpec
+
+LAYOUTS = ("contiguous", "striped", "zigzag")  # how a chunk's tokens are split over an SP group (issue 5)
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Prompt tokens [start, end) computed by `instances` as one SP group (size 1: no sequence parallelism)."""
+
+    start: int
+    end: int
+    instances: tuple[str, ...]
+    layout: str = "contiguous"
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.start < self.end, f"empty chunk [{self.start}, {self.end})"
+        assert self.instances and len(set(self.instances)) == len(self.instances), f"bad group {self.instances}"
+        assert self.layout in LAYOUTS, f"unknown layout {self.layout}"
+
+    @property
+    def sp(self) -> int:
+        return len(self.instances)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
 
 
 @dataclass(frozen=True)
 class Admit:
     request_id: str
-    prefill_instance: str
+    prefill_instances: tuple[str, ...]  # every instance that computes part of the prompt
     decode_instance: str
+
+    @property
+    def prefill_instance(self) -> str:
+        """The instance the gateway reports (the first of the plan)."""
+        return self.prefill_instances[0]
 
 
 @dataclass(frozen=True)
@@ -24,12 +55,41 @@ class Reject:
 
 @dataclass(frozen=True)
 class RunPrefill:
-    """Prefill `spec` on `prefill_instance`; its KV goes to `decode_instance` (or parks in `kvstore_instance`)."""
+    """Prefill `spec` chunk by chunk, in order; its KV goes to `decode_instance` (or parks in `kvstore_instance`).
+
+    When `decode_instance` also computes the prompt (a colocated / elastic instance) the KV stays where it is
+    and the instance mixes the chunks into its decode batches."""
 
     spec: RequestSpec
-    prefill_instance: str
+    chunks: tuple[PrefillChunk, ...]
     decode_instance: str
     kvstore_instance: str = ""
+
+    def __post_init__(self) -> None:
+        assert self.chunks and self.chunks[0].start == 0, "a plan starts at token 0"
+        assert all(a.end == b.start for a, b in itertools.pairwise(self.chunks)), "chunks must tile the prompt"
+        assert self.chunks[-1].end == self.spec.prompt.num_tokens, "chunks must cover the prompt"
+
+    @property
+    def prefill_instances(self) -> tuple[str, ...]:
+        seen: dict[str, None] = {}
+        for c in self.chunks:
+            seen.update(dict.fromkeys(c.instances))
+        return tuple(seen)
+
+    @property
+    def is_single(self) -> bool:
+        """One chunk on one instance: what the real prefill service runs before SP prefill (issue 5)."""
+        return len(self.chunks) == 1 and self.chunks[0].sp == 1
+
+
+def whole_prompt(spec: RequestSpec, instances: tuple[str, ...], layout: str = "contiguous") -> tuple[PrefillChunk]:
+    return (PrefillChunk(0, spec.prompt.num_tokens, instances, layout),)
+
+
+def fixed_chunks(spec: RequestSpec, instances: tuple[str, ...], chunk_size: int) -> tuple[PrefillChunk, ...]:
+    n = spec.prompt.num_tokens
+    return tuple(PrefillChunk(s, min(s + chunk_size, n), instances) for s in range(0, n, chunk_size))
 
 
 @dataclass(frozen=True)

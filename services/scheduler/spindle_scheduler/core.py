@@ -22,7 +22,7 @@ from spindle_protocol.messages import (
 from spindle_protocol.registry import DEAD_AFTER_S
 
 from .actions import Action, Admit, FailRequest, Reject
-from .state import ClusterState, Phase, RequestState
+from .state import DECODE_ROLES, PREFILL_ROLES, ClusterState, Phase, RequestState
 from .strategy import Strategy
 
 log = logging.getLogger("spindle.scheduler")
@@ -73,18 +73,17 @@ class SchedulerCore:
                 actions += self._lose(inst.id, now, f"no heartbeat for {now - inst.info.updated_at:.1f}s")
         for req in list(self.state.requests.values()):
             if now > req.spec.deadline + 5.0:  # the gateway ended it; forget it even if no event came
-                del self.state.requests[req.request_id]
+                self._forget(req.request_id)
         return actions
 
     def _lose(self, instance_id: str, now: float, why: str) -> list[Action]:
         inst = self.state.instances[instance_id]
-        inst.alive = False
-        self.state.dead.add(instance_id)
+        self.state.mark_dead(instance_id)
         log.warning("instance %s (%s) is dead: %s", instance_id, inst.role, why)
         actions: list[Action] = []
         for req in list(self.state.requests.values()):
             if instance_id in req.holders():
-                del self.state.requests[req.request_id]
+                self._forget(req.request_id)
                 actions.append(FailRequest(req.request_id, 503, f"{inst.role} instance {instance_id} was lost"))
         return actions + self.strategy.on_instance_lost(instance_id, self.state, now)
 
@@ -94,7 +93,7 @@ class SchedulerCore:
         rid = spec.request_id
         if rid in self.state.requests:
             return [Reject(rid, 400, f"request id {rid} is already in flight")]
-        if not self.state.live("prefill") or not self.state.live("decode"):
+        if not self.state.live(*PREFILL_ROLES) or not self.state.live(*DECODE_ROLES):
             return [Reject(rid, 503, "no live prefill or decode instance", self.config.retry_after_s)]
         limit = self.state.max_model_len()
         total = spec.prompt.num_tokens + spec.sampling.max_tokens
@@ -114,9 +113,11 @@ class SchedulerCore:
         actions = self.strategy.plan(spec, self.state, now)
         for a in actions:
             if isinstance(a, Admit):
-                self.state.requests[rid] = RequestState(spec, Phase.PREFILL, a.prefill_instance, a.decode_instance, now)
+                self.state.requests[rid] = RequestState(
+                    spec, Phase.PREFILL, a.prefill_instances, a.decode_instance, now
+                )
             elif isinstance(a, FailRequest):  # a strategy may give up on a request it just admitted
-                self.state.requests.pop(a.request_id, None)
+                self._forget(a.request_id)
         return actions
 
     def on_event(self, event: WorkerEvent, now: float) -> list[Action]:
@@ -124,20 +125,27 @@ class SchedulerCore:
         if req is None:
             return []
         match event:
-            case PrefillProgress():
-                pass
+            case PrefillProgress(tokens_done=done):
+                req.tokens_done = max(req.tokens_done, done)
             case PrefillDone(finished=True):
-                del self.state.requests[req.request_id]
+                self._forget(req.request_id)
             case PrefillDone():
                 req.phase = Phase.TRANSFER
+                req.tokens_done = req.spec.prompt.num_tokens
+                self.state.work_done(req.prefill_instances, req.request_id)
             case TransferDone(parked=parked):
                 req.parked = parked
             case DecodeStarted():
                 req.phase = Phase.DECODE
                 req.parked = False
             case RequestFinished() | RequestFailed():
-                del self.state.requests[req.request_id]
+                self._forget(req.request_id)
         return []
 
     def on_abort(self, request_id: str) -> None:
-        self.state.requests.pop(request_id, None)
+        self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        req = self.state.requests.pop(request_id, None)
+        if req is not None:
+            self.state.work_done(req.prefill_instances, request_id)

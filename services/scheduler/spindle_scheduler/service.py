@@ -30,6 +30,7 @@ from spindle_telemetry import extract, inject, setup, shutdown, tracer
 
 from .actions import Action, Admit, FailRequest, Reject, RunPrefill
 from .core import SchedulerConfig, SchedulerCore
+from .latency import LatencyModel
 from .strategy import create_strategy
 
 log = logging.getLogger("spindle.scheduler")
@@ -42,12 +43,19 @@ class SchedulerServiceConfig:
     core: SchedulerConfig = field(default_factory=SchedulerConfig)
     otlp_endpoint: str | None = None
     model: str = ""
+    latency: LatencyModel | None = None  # for strategies that plan with predicted times (`--profile`)
 
 
 class SchedulerService:
     def __init__(self, config: SchedulerServiceConfig) -> None:
         self.config = config
-        self.core = SchedulerCore(create_strategy(config.strategy), config.core)
+        strategy = create_strategy(config.strategy, config.latency)
+        if not strategy.runs_on_real_stack:
+            raise ValueError(
+                f"strategy {strategy.name!r} plans sequence-parallel prefill, which the prefill service cannot run "
+                "yet; use it in `spindle sim`"
+            )
+        self.core = SchedulerCore(strategy, config.core)
         self.bus: Bus | None = None
         self._tasks: set[asyncio.Task] = set()
 
@@ -133,12 +141,17 @@ class SchedulerService:
     async def _execute(self, actions: list[Action]) -> None:
         assert self.bus is not None
         for a in actions:
-            if isinstance(a, RunPrefill):
+            if isinstance(a, RunPrefill) and not a.is_single:
+                self.core.on_abort(a.spec.request_id)
+                await self._execute(
+                    [FailRequest(a.spec.request_id, 501, "this plan needs sequence-parallel prefill (not available)")]
+                )
+            elif isinstance(a, RunPrefill):
                 state = self.core.state
                 decode = state.instances[a.decode_instance].info
                 kvstore = state.instances.get(a.kvstore_instance)
                 await self.bus.publish(
-                    subjects.prefill_run(a.prefill_instance),
+                    subjects.prefill_run(a.chunks[0].instances[0]),
                     RunPrefillMsg(
                         request=a.spec,
                         decode_instance=a.decode_instance,

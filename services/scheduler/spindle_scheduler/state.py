@@ -7,9 +7,12 @@ from dataclasses import dataclass, field
 
 from spindle_protocol.messages import InstanceInfo, RequestSpec
 
+PREFILL_ROLES = ("prefill", "elastic")  # an elastic instance prefills and decodes
+DECODE_ROLES = ("decode", "elastic")
+
 
 class Phase(enum.Enum):
-    PREFILL = "prefill"  # planned onto a prefill instance, running or queued there
+    PREFILL = "prefill"  # planned onto prefill instances, running or queued there
     TRANSFER = "transfer"  # KV moving to the decode instance (or parked in the kvstore)
     DECODE = "decode"
 
@@ -20,6 +23,7 @@ class InstanceState:
     alive: bool = True
     planned_tokens: int = 0  # prompt tokens we sent since its last heartbeat (it has not counted them yet)
     planned_blocks: int = 0  # KV blocks we expect it to take for requests planned onto it
+    planned: dict[str, float] = field(default_factory=dict)  # request id -> predicted end of its prefill work here
 
     @property
     def id(self) -> str:
@@ -37,15 +41,20 @@ class InstanceState:
     def predicted_queue_tokens(self) -> int:
         return self.info.queued_tokens + self.planned_tokens
 
+    def busy_until(self, now: float) -> float:
+        """Predicted time this instance finishes the prefill work planned onto it (`now` when idle)."""
+        return max(now, max(self.planned.values(), default=now))
+
 
 @dataclass
 class RequestState:
     spec: RequestSpec
     phase: Phase
-    prefill_instance: str
+    prefill_instances: tuple[str, ...]
     decode_instance: str
     admitted_at: float
     parked: bool = False
+    tokens_done: int = 0  # prompt tokens computed so far (PrefillProgress)
 
     @property
     def request_id(self) -> str:
@@ -55,7 +64,7 @@ class RequestState:
         """Instances whose loss ends this request."""
         if self.phase is Phase.DECODE:
             return {self.decode_instance}
-        return {self.prefill_instance, self.decode_instance}
+        return {*self.prefill_instances, self.decode_instance}
 
 
 @dataclass
@@ -63,20 +72,43 @@ class ClusterState:
     instances: dict[str, InstanceState] = field(default_factory=dict)
     requests: dict[str, RequestState] = field(default_factory=dict)
     dead: set[str] = field(default_factory=set)
+    _live: dict[tuple[str, ...], list[InstanceState]] = field(default_factory=dict, repr=False)
 
-    def live(self, role: str) -> list[InstanceState]:
-        return [i for i in self.instances.values() if i.alive and i.role == role]
+    def live(self, *roles: str) -> list[InstanceState]:
+        """Live instances with any of `roles`, in data-plane rank order (a cached list: do not mutate it)."""
+        cached = self._live.get(roles)
+        if cached is None:
+            live = (i for i in self.instances.values() if i.alive and i.role in roles)
+            cached = self._live[roles] = sorted(live, key=lambda i: (i.info.rank, i.id))
+        return cached
+
+    def mark_dead(self, instance_id: str) -> None:
+        self.instances[instance_id].alive = False
+        self.dead.add(instance_id)
+        self._live.clear()
 
     def update_instance(self, info: InstanceInfo) -> None:
         current = self.instances.get(info.instance_id)
         if current is None or not current.alive:
             self.instances[info.instance_id] = InstanceState(info)
             self.dead.discard(info.instance_id)
+            self._live.clear()
             return
         if info.updated_at >= current.info.updated_at:
             current.info = info
             current.planned_tokens = 0  # the heartbeat now counts what we planned
             current.planned_blocks = 0
+
+    def plan_work(self, instance_ids: tuple[str, ...], request_id: str, until: float) -> None:
+        """Record that `instance_ids` are busy with `request_id` until `until` (predicted)."""
+        for iid in instance_ids:
+            inst = self.instances[iid]
+            inst.planned[request_id] = max(until, inst.planned.get(request_id, until))
+
+    def work_done(self, instance_ids: tuple[str, ...], request_id: str) -> None:
+        for iid in instance_ids:
+            if (inst := self.instances.get(iid)) is not None:
+                inst.planned.pop(request_id, None)
 
     def max_model_len(self) -> int:
         lens = [i.info.max_model_len for i in self.instances.values() if i.alive and i.info.max_model_len > 0]

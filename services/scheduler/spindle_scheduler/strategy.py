@@ -1,24 +1,35 @@
 """The strategy plug-in interface and its registry.
 
-A strategy decides *where* work runs; the core (core.py) owns request bookkeeping, admission limits and
-failure handling. The same strategy objects run under the NATS executor and, later, the simulator.
+A strategy decides *where* and *how* work runs; the core (core.py) owns request bookkeeping, admission
+limits and failure handling. The same strategy objects run under the NATS executor (service.py) and the
+simulator (sim/). A strategy is named by a spec, ``NAME`` or ``NAME:key=value,key=value``, whose options
+are its constructor's keyword arguments (``fixed-sp:sp=8``).
 """
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 from spindle_protocol.messages import RequestSpec
 
 from .actions import Action
+from .latency import LatencyModel
 from .state import ClusterState
 
-_REGISTRY: dict[str, Callable[[], Strategy]] = {}
+_REGISTRY: dict[str, type[Strategy]] = {}
 
 
 class Strategy(ABC):
     name: str = ""
+    needs_latency: bool = False  # plans with predicted times: needs a LatencyModel with a prefill part
+    runs_on_real_stack: bool = True  # False: its plans need SP prefill, which the real prefill service lacks yet
+
+    def __init__(self, latency: LatencyModel | None = None) -> None:
+        if self.needs_latency and (latency is None or latency.prefill is None):
+            raise ValueError(f"strategy {self.name!r} needs a latency model with prefill coefficients")
+        self.latency = latency
 
     @abstractmethod
     def plan(self, spec: RequestSpec, state: ClusterState, now: float) -> list[Action]:
@@ -27,6 +38,9 @@ class Strategy(ABC):
     def on_instance_lost(self, instance_id: str, state: ClusterState, now: float) -> list[Action]:
         """Extra actions when an instance dies (the core already fails the requests it held)."""
         return []
+
+    def describe(self) -> str:
+        return self.name
 
 
 def register_strategy(name: str) -> Callable[[type[Strategy]], type[Strategy]]:
@@ -42,7 +56,40 @@ def available_strategies() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def create_strategy(name: str) -> Strategy:
+def _parse_value(text: str) -> int | float | str:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_strategy_spec(spec: str) -> tuple[str, dict[str, int | float | str]]:
+    """``"fixed-sp:sp=8"`` -> ``("fixed-sp", {"sp": 8})``."""
+    name, _, rest = spec.strip().partition(":")
+    options: dict[str, int | float | str] = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"strategy option {item!r} in {spec!r} is not key=value")
+        options[key.strip().replace("-", "_")] = _parse_value(value.strip())
+    return name.strip(), options
+
+
+def strategy_options(name: str) -> dict[str, object]:
+    """The options a strategy accepts, with their defaults."""
+    params = inspect.signature(_REGISTRY[name].__init__).parameters
+    return {k: p.default for k, p in params.items() if k not in ("self", "latency") and p.kind is p.KEYWORD_ONLY}
+
+
+def create_strategy(spec: str, latency: LatencyModel | None = None) -> Strategy:
+    name, options = parse_strategy_spec(spec)
     if name not in _REGISTRY:
         raise ValueError(f"unknown strategy {name!r}; available: {', '.join(available_strategies())}")
-    return _REGISTRY[name]()
+    allowed = strategy_options(name)
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        have = ", ".join(f"{k}={v}" for k, v in allowed.items()) or "none"
+        raise ValueError(f"strategy {name!r} has no option {', '.join(unknown)} (options: {have})")
+    return _REGISTRY[name](latency=latency, **options)

@@ -26,7 +26,15 @@ redrawn) or *clipped* (out-of-range draws are moved to the bound). How each work
   median and p99, clipped at 1M tokens (the paper's largest inputs; BookCorpus reports no max). A lognormal
   cannot also match the reported std (NeedleBench input std 506K vs ~200K for the fit; BookCorpus 183K vs
   ~80K): the real inputs have a heavier upper tail than any median/p99-matched lognormal.
-- ``constant:PREFILL:DECODE`` (e.g. Seesaw's 3000-token inputs): fixed lengths.
+- ``seesaw-arxiv`` (Seesaw §6.1 arxiv-summarization, statistics of the Vidur trace it uses: prompt mean 2588 /
+  P50 2730 / P99 3934, output mean 291 / P50 167 / P99 3273). The prompts are left-skewed (mean < median),
+  which no lognormal can produce: a Beta on [1, 4096] (the Llama-2 context the trace is filtered to) is fitted
+  to mean and median; its P99 lands at ~4060 (+3 %). The outputs have a light body and a far tail that one
+  lognormal cannot match together (through P50/P99 its mean is 425, not 291): a lognormal body plus a uniform
+  2K–4K tail whose share puts exactly 1 % above P99; the body then matches mean and median in closed form.
+  Prompt and output are drawn independently. Seesaw's ShareGPT sample is only shown as a plot (Figure 9), so it
+  has no workload of its own here (``loongserve-sharegpt`` / ``medha-sharegpt4`` are the ShareGPT fits).
+- ``constant:PREFILL:DECODE`` (e.g. Seesaw's 3000-token inputs, §6.5): fixed lengths.
 
 Arrivals: Poisson (exponential gaps, mean 1/rate) or Gamma gaps with the given coefficient of variation
 (shape 1/cv^2, mean 1/rate; cv=1 is Poisson, cv>1 burstier). The first request arrives after one gap.
@@ -172,6 +180,85 @@ class Fixed:
 
 
 @dataclass(frozen=True)
+class Uniform:
+    lo: int
+    hi: int
+
+    def draw(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        return rng.integers(self.lo, self.hi + 1, n)
+
+
+@dataclass(frozen=True)
+class ScaledBeta:
+    """``hi * Beta(a, b)`` rounded to tokens in [1, hi]; fits bounded, left-skewed lengths."""
+
+    a: float
+    b: float
+    hi: int
+
+    def __post_init__(self) -> None:
+        if not (self.a > 0 and self.b > 0 and self.hi > 1):
+            raise ValueError(f"bad beta: a={self.a} b={self.b} hi={self.hi}")
+
+    @classmethod
+    def from_mean_median(cls, mean: float, median: float, hi: int) -> ScaledBeta:
+        """Shape with the given mean and median, both a, b >= 1 (unimodal, bounded density)."""
+        m = mean / hi
+        lo_a, hi_a = max(1.0, m / (1 - m)), 1000.0
+        if not 0 < m < 1 or not cls(lo_a, lo_a * (1 - m) / m, hi).quantile(0.5) >= median >= mean:
+            raise ValueError(f"no beta with a, b >= 1 has mean {mean} and median {median} on [0, {hi}]")
+        for _ in range(100):  # with the mean fixed, the median falls towards it as a grows
+            mid = (lo_a + hi_a) / 2
+            lo_a, hi_a = (mid, hi_a) if cls(mid, mid * (1 - m) / m, hi).quantile(0.5) > median else (lo_a, mid)
+        return cls(lo_a, lo_a * (1 - m) / m, hi)
+
+    def quantile(self, p: float) -> float:
+        x = (np.arange(200_000) + 0.5) / 200_000  # midpoint rule on the density
+        cdf = np.cumsum(x ** (self.a - 1) * (1 - x) ** (self.b - 1))
+        return float(x[np.searchsorted(cdf, p * cdf[-1])] * self.hi)
+
+    def draw(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        return np.clip(np.rint(rng.beta(self.a, self.b, n) * self.hi), 1, self.hi).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class LengthMixture:
+    parts: tuple[LengthDist, ...]
+    weights: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.parts) != len(self.weights) or not self.parts or min(self.weights) < 0 or sum(self.weights) <= 0:
+            raise ValueError(f"bad mixture weights {self.weights}")
+
+    def draw(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        w = np.asarray(self.weights, dtype=float)
+        which = rng.choice(len(self.parts), size=n, p=w / w.sum())
+        out = np.zeros(n, dtype=np.int64)
+        for i, part in enumerate(self.parts):
+            mask = which == i
+            out[mask] = part.draw(int(mask.sum()), rng)
+        return out
+
+
+def lognormal_with_tail(mean: float, p50: float, p99: float, tail_lo: int, hi: int) -> LengthMixture:
+    """A lognormal body plus a Uniform[tail_lo, hi] tail matching mean, P50 and P99 (P99 must be in the tail).
+
+    The tail share w puts 1 % of the mass above P99 (the body's share there is negligible); the body's median
+    sits at level 0.5 / (1 - w) and its mean is what the tail leaves, which fixes sigma and mu in closed form.
+    """
+    if not (tail_lo < p99 < hi and p50 < mean):
+        raise ValueError(f"need p50 < mean and tail_lo < p99 < hi, got {p50}, {mean}, {tail_lo}, {p99}, {hi}")
+    w = 0.01 * (hi - tail_lo) / (hi - p99)
+    body_mean = (mean - w * (tail_lo + hi) / 2) / (1 - w)
+    if not (0 < w < 0.5 and body_mean > p50):
+        raise ValueError(f"tail [{tail_lo}, {hi}] cannot carry P99 {p99} with mean {mean}")
+    z = _N.inv_cdf(0.5 / (1 - w))
+    sigma = z + math.sqrt(z * z + 2 * math.log(body_mean / p50))  # body: exp(mu + s^2/2) = mean, exp(mu + s z) = p50
+    body = LogNormal(math.log(p50) - sigma * z, sigma, 1, hi, clip=True)
+    return LengthMixture((body, Uniform(tail_lo, hi)), (1 - w, w))
+
+
+@dataclass(frozen=True)
 class ZipfBuckets:
     """P(bucket k) ∝ k^-alpha over buckets of ``width`` tokens up to ``hi``; uniform within a bucket."""
 
@@ -272,6 +359,12 @@ def _csps(median: float, p99: float, out_median: float, out_p99: float) -> Indep
     )
 
 
+# Seesaw arxiv-summarization (Vidur trace statistics, see the module docstring).
+SEESAW_ARXIV = Independent(
+    ScaledBeta.from_mean_median(2588, 2730, 4096),
+    lognormal_with_tail(291, 167, 3273, 2048, 4096),
+)
+
 _SHAREGPT = Independent(LogNormal.from_range(4, 2300), SHORT_DECODE)
 _L_EVAL = Independent(LogNormal.from_range(2700, 210_500), LONG_CONTEXT_DECODE)
 _LV_EVAL = Independent(LogNormal.from_range(15_100, 497_300), LONG_CONTEXT_DECODE)
@@ -292,6 +385,7 @@ WORKLOADS: dict[str, Workload] = {
     "medha-mix": medha_mix(0.05),
     "csps-needlebench": _csps(113_000, 995_000, 348, 572),
     "csps-bookcorpus": _csps(97_000, 406_000, 375, 631),
+    "seesaw-arxiv": SEESAW_ARXIV,
 }
 
 

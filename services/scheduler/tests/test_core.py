@@ -71,7 +71,7 @@ def test_registry_and_unknown_strategy():
 def test_single_picks_least_queue_and_most_free_kv():
     core = create_scheduler()
     actions = core.admit(spec("a"), 100.0)
-    assert actions[0] == Admit("a", "prefill-1", "decode-1")
+    assert actions[0] == Admit("a", ("prefill-1",), "decode-1")
     assert isinstance(actions[1], RunPrefill) and actions[1].kvstore_instance == "kvstore-0"
     # what was planned counts until the next heartbeat: a 1000-token prompt makes prefill-1 the longer queue
     core.admit(spec("b", n=600), 100.0)

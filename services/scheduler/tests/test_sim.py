@@ -1,6 +1,5 @@
 """The discrete-event simulator: the real core + `single` strategy on simulated instances; invariants."""
 
-import itertools
 import json
 import math
 
@@ -11,6 +10,7 @@ from spindle_scheduler.calibration import load_paper_calibration
 from spindle_scheduler.latency import DecodeStepModel, LatencyModel, PrefillLatencyModel, TransferModel
 from spindle_scheduler.sim import SimConfig, Simulator, simulate, summarize
 from spindle_scheduler.sim.events import EventKind, EventQueue
+from spindle_scheduler.sim.invariants import check_invariants
 from spindle_scheduler.strategies.single import SingleInstanceStrategy
 from spindle_scheduler.workloads import TraceRequest, make_workload
 
@@ -36,33 +36,6 @@ def small_config(**kw) -> SimConfig:
 
 def trace(n: int = 300, rate: float = 40.0, seed: int = 1) -> list[TraceRequest]:
     return make_workload("loongserve-sharegpt", n, rate, seed)
-
-
-def check_invariants(sim: Simulator, result) -> None:
-    records = result.records
-    assert {r.state for r in records} <= {"finished", "rejected", "failed"}  # exactly one terminal state each
-    for r in records:
-        if r.state != "finished":
-            assert r.finished_at is None
-            continue
-        assert len(r.token_times) == r.num_decode_tokens
-        assert r.finished_at == r.token_times[-1]
-        times = [r.arrived_at, r.prefill_start, r.prefill_end]
-        if r.num_decode_tokens > 1:
-            times += [r.transfer_end, r.decode_start]
-        assert times == sorted(times) and r.token_times[0] == r.prefill_end
-        assert r.token_times == sorted(r.token_times) and r.token_times[-1] <= result.end_time
-    by_instance: dict[str, list[tuple[float, float]]] = {}
-    for r in records:
-        if r.prefill_start is not None:
-            by_instance.setdefault(r.prefill_instance, []).append((r.prefill_start, r.prefill_end))
-    for spans in by_instance.values():  # one prefill at a time per instance
-        spans.sort()
-        assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))
-    for peak, total in result.peak_kv_blocks.values():
-        assert peak <= total
-    for inst in sim.instances.values():  # everything was given back
-        assert inst.used_blocks == 0 and not inst.held
 
 
 def test_invariants_with_kv_pressure():

@@ -12,8 +12,16 @@ import math
 import numpy as np
 import pytest
 
+from spindle_scheduler.calibration import PAPER_FIGURES
 from spindle_scheduler.traces import filler_prompt, read_csv, read_jsonl, write_csv, write_jsonl
-from spindle_scheduler.workloads import WORKLOADS, Arrival, TraceRequest, make_workload
+from spindle_scheduler.workloads import (
+    WORKLOADS,
+    Arrival,
+    ScaledBeta,
+    TraceRequest,
+    lognormal_with_tail,
+    make_workload,
+)
 
 N = 20_000
 
@@ -117,6 +125,35 @@ def test_medha_long_and_mix() -> None:
     assert np.all(p[short] + d[short] <= 8192)
     _, p, _ = _arrays(make_workload("medha-mix:0.2", N, 1.0, 0))
     assert 0.19 < np.mean(p >= 128_000) < 0.21
+
+
+def test_seesaw_arxiv_matches_vidur_trace_stats() -> None:
+    figs = json.loads(PAPER_FIGURES.read_text())
+    ref = figs["seesaw_workloads"]["arxiv_summarization_lengths_from_vidur_trace"]
+    _, p, d = _arrays(make_workload("seesaw-arxiv", N, 1.0, 0))
+    _close(p.mean(), ref["prefill_mean"], 0.03)
+    _close(float(np.median(p)), ref["prefill_p50"], 0.05)
+    _close(float(np.quantile(p, 0.99)), ref["prefill_p99"], 0.05)  # the Beta fit lands ~+3 % (documented)
+    assert p.max() <= 4096
+    _close(d.mean(), ref["decode_mean"], 0.05)  # heavy tail: the mean's SE is ~1.5 %
+    _close(float(np.median(d)), ref["decode_p50"], 0.05)
+    _close(float(np.quantile(d, 0.99)), ref["decode_p99"], 0.08)
+
+
+@pytest.mark.parametrize(
+    "mean,p50,p99,tail_lo,hi",
+    [(291, 167, 3000, 2000, 3000), (100, 167, 3273, 2048, 4096), (291, 167, 1000, 2048, 4096)],
+)
+def test_bad_tail_fit(mean: float, p50: float, p99: float, tail_lo: int, hi: int) -> None:
+    with pytest.raises(ValueError):
+        lognormal_with_tail(mean, p50, p99, tail_lo, hi)
+
+
+def test_bad_beta_fit() -> None:
+    with pytest.raises(ValueError):
+        ScaledBeta.from_mean_median(2730, 2588, 4096)  # mean > median: right-skewed, not this family
+    with pytest.raises(ValueError):
+        ScaledBeta.from_mean_median(5000, 5100, 4096)
 
 
 def test_constant() -> None:

@@ -2,7 +2,7 @@
 
 from .cluster import LLAMA3_8B_KV_BYTES_PER_TOKEN, SimConfig
 from .executor import SimResult, Simulator, simulate
-from .metrics import RequestRecord, SimSummary, Stats, summarize
+from .metrics import RequestRecord, SimSummary, Slo, Stats, summarize
 
 __all__ = [
     "LLAMA3_8B_KV_BYTES_PER_TOKEN",
@@ -11,6 +11,7 @@ __all__ = [
     "SimResult",
     "SimSummary",
     "Simulator",
+    "Slo",
     "Stats",
     "simulate",
     "summarize",

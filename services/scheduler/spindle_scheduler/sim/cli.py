@@ -1,10 +1,12 @@
-"""`spindle sim`: one simulated run of a strategy on a workload, summary printed and written as JSON."""
+"""`spindle sim`: one simulated run of a strategy on a workload, summary printed and written as JSON.
+`spindle sim sweep`: strategies x request rates, a table, a PNG of the load curves and the max sustainable load."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from ..calibration import CALIBRATIONS, load_paper_calibration
@@ -14,22 +16,28 @@ from ..strategy import available_strategies
 from ..workloads import make_workload
 from .cluster import SimConfig
 from .executor import simulate
+from .loadsearch import MaxLoad, max_sustainable_load
+from .metrics import Slo, strict_json, summarize
+from .sweep import METRICS, PERCENTILES, SweepRow, format_table, rows_to_dicts, sweep
+
+SPEC_HELP = (
+    "A strategy spec is NAME or NAME:key=value,key=value (options are the strategy's, e.g. fixed-sp:sp=8, "
+    "request-sp:max_sp=16, chunked:chunk_size=512)."
+)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="spindle sim",
-        description="Simulate a cluster running a Spindle strategy: the real scheduler core on a virtual clock, "
-        "with latencies from a profile of this machine (`spindle profile`) or from published figures.",
-    )
-    p.add_argument("--strategy", default="single", choices=available_strategies())
+def _add_run_args(p: argparse.ArgumentParser, num_requests: int) -> None:
+    """Workload, cluster, latency source and SLO flags shared by `spindle sim` and `spindle sim sweep`."""
     p.add_argument("--workload", default="tetris-short", help="workload name (spindle_scheduler.workloads)")
-    p.add_argument("--rate", type=float, default=1.0, help="mean arrival rate, requests/s (inf: all at once)")
     p.add_argument("--arrival", default="poisson", choices=["poisson", "gamma"])
     p.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of gamma inter-arrivals")
-    p.add_argument("--instances", type=int, default=32, help="prefill instances")
-    p.add_argument("--decode-instances", type=int, default=8)
-    p.add_argument("--num-requests", type=int, default=1000)
+    p.add_argument("--instances", type=int, help="prefill instances (default 32, or 0 with --colocated)")
+    p.add_argument("--decode-instances", type=int, help="decode instances (default 8, or 0 with --colocated)")
+    p.add_argument(
+        "--colocated", type=int, default=0, help="colocated instances that prefill and decode (for `chunked`)"
+    )
+    p.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel size of each decode instance")
+    p.add_argument("--num-requests", type=int, default=num_requests)
     p.add_argument("--seed", type=int, default=0)
     source = p.add_mutually_exclusive_group()
     source.add_argument("--profile", type=Path, help="profile JSON written by `spindle profile`")
@@ -37,7 +45,64 @@ def build_parser() -> argparse.ArgumentParser:
         "--calibration", choices=sorted(CALIBRATIONS), help="published figures (default: tetris-a100-llama3-8b)"
     )
     p.add_argument("--decode-step-s", type=float, default=0.02, help="decode step time when the model has none")
+    p.add_argument("--slo-ttft", type=float, help="SLO on TTFT (s) for goodput and SLO attainment")
+    p.add_argument("--slo-tpot", type=float, help="SLO on TPOT (s/token) for goodput and SLO attainment")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="spindle sim",
+        description="Simulate a cluster running a Spindle strategy: the real scheduler core on a virtual clock, "
+        "with latencies from a profile of this machine (`spindle profile`) or from published figures. "
+        "For load curves over several rates and strategies, and the max sustainable load, see "
+        "`spindle sim sweep --help`.",
+        epilog=f"{SPEC_HELP} Known strategies: {', '.join(available_strategies())}.",
+    )
+    p.add_argument("--strategy", default="single", help="strategy spec (default: single), e.g. fixed-sp:sp=8")
+    p.add_argument("--sp", type=int, help="strategy option sp (fixed-sp: SP group size)")
+    p.add_argument("--max-sp", type=int, help="strategy option max_sp (request-sp: largest SP size)")
+    p.add_argument("--chunk-size", type=int, help="strategy option chunk_size (chunked: tokens per chunk)")
+    p.add_argument("--rate", type=float, default=1.0, help="mean arrival rate, requests/s (inf: all at once)")
+    _add_run_args(p, num_requests=1000)
     p.add_argument("--json", type=Path, help="write the summary here")
+    return p
+
+
+def build_sweep_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="spindle sim sweep",
+        description="Run strategies over request rates on one workload (one trace per rate, the same requests "
+        "for every rate and strategy), print a strategy x rate table, and optionally plot P50/P99 TTFT and TBT "
+        "vs rate (--plot) and search each strategy's max sustainable load (--max-load): the highest rate whose "
+        "latency metric stays under an SLO, by default 25x its light-load value (Tetris, LoongServe).",
+        epilog=f"{SPEC_HELP} --strategies takes one spec per argument; an argument without ':' may also list "
+        "several option-less names separated by commas. So `--strategies single,request-sp` and "
+        "`--strategies fixed-sp:sp=16 fixed-sp:sp=8 request-sp` are both valid; a spec with options always "
+        f"stands alone. Known strategies: {', '.join(available_strategies())}. Example: spindle sim sweep "
+        "--strategies fixed-sp:sp=16 fixed-sp:sp=8 request-sp --workload tetris-medium --rates 0.5,1,2,4 "
+        "--instances 32 --plot sweep.png --json sweep.json",
+    )
+    p.add_argument("--strategies", nargs="+", required=True, metavar="SPEC", help="strategy specs (see below)")
+    p.add_argument(
+        "--rates", nargs="+", metavar="R", help="request rates in req/s, comma- or space-separated: 0.5,1,2,4"
+    )
+    _add_run_args(p, num_requests=1000)
+    p.add_argument("--plot", type=Path, help="write a PNG of P50/P99 TTFT and TBT vs rate here")
+    p.add_argument("--json", type=Path, help="write every run's summary (and the max loads) here")
+    g = p.add_argument_group("max sustainable load")
+    g.add_argument("--max-load", action="store_true", help="search each strategy's max sustainable load")
+    g.add_argument("--metric", default="ttft", choices=METRICS, help="latency the SLO is on (default ttft)")
+    g.add_argument("--percentile", default="p50", choices=PERCENTILES, help="its statistic (default p50)")
+    g.add_argument(
+        "--light-rate",
+        type=float,
+        help="light-load rate (default: halve from --start-rate until the metric stops falling by > 5%%)",
+    )
+    g.add_argument("--start-rate", type=float, default=1.0, help="where the light-load search starts (req/s)")
+    g.add_argument("--slo-scale", type=float, default=25.0, help="SLO = this x the light-load metric (default 25)")
+    g.add_argument("--max-load-slo", type=float, help="an absolute SLO in seconds instead, the same for every strategy")
+    g.add_argument("--rel-tol", type=float, default=0.05, help="bisection stops at this relative rate gap")
+    g.add_argument("--max-rate", type=float, default=1e4, help="highest rate probed (req/s)")
     return p
 
 
@@ -49,31 +114,160 @@ def _latency(args: argparse.Namespace) -> LatencyModel:
     return load_paper_calibration(key=args.calibration or "tetris-a100-llama3-8b")
 
 
+def _sim_config(args: argparse.Namespace) -> SimConfig:
+    default_prefill, default_decode = (0, 0) if args.colocated else (32, 8)
+    return SimConfig(
+        num_prefill=default_prefill if args.instances is None else args.instances,
+        num_decode=default_decode if args.decode_instances is None else args.decode_instances,
+        num_colocated=args.colocated,
+        decode_tp=args.decode_tp,
+        decode_step_s=args.decode_step_s,
+        scheduler=SchedulerConfig(max_num_requests=max(args.num_requests, 1)),
+    )
+
+
+def _slo(args: argparse.Namespace) -> Slo | None:
+    return None if args.slo_ttft is None and args.slo_tpot is None else Slo(args.slo_ttft, args.slo_tpot)
+
+
+def _strategy_spec(args: argparse.Namespace) -> str:
+    """--strategy plus the option flags given: `--strategy fixed-sp --sp 8` -> "fixed-sp:sp=8"."""
+    flags = (("sp", args.sp), ("max_sp", args.max_sp), ("chunk_size", args.chunk_size))
+    given = [f"{k}={v}" for k, v in flags if v is not None]
+    spec = args.strategy.strip()
+    if not given:
+        return spec
+    return f"{spec},{','.join(given)}" if ":" in spec else f"{spec}:{','.join(given)}"
+
+
+def split_specs(items: list[str]) -> list[str]:
+    """`--strategies` arguments -> specs: an argument with ':' is one spec, one without may list names a,b,c."""
+    specs: list[str] = []
+    for item in items:
+        parts = [item.strip()] if ":" in item else [s.strip() for s in item.split(",")]
+        specs += [s for s in parts if s]
+    if not specs:
+        raise ValueError("--strategies: no strategy given")
+    if len(set(specs)) != len(specs):
+        raise ValueError(f"--strategies: a strategy is listed twice in {specs}")
+    return specs
+
+
+def parse_rates(items: list[str]) -> list[float]:
+    try:
+        return [float(x) for item in items for x in item.split(",") if x.strip()]
+    except ValueError as e:
+        raise ValueError(f"--rates: {e}") from None
+
+
+def cluster_dict(config: SimConfig) -> dict[str, int]:
+    return {k: getattr(config, k) for k in ("num_prefill", "num_decode", "num_colocated", "decode_tp")}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["sweep"]:
+        return sweep_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         latency = _latency(args)
+        spec = _strategy_spec(args)
         trace = make_workload(args.workload, args.num_requests, args.rate, args.seed, args.arrival, args.cv)
-        config = SimConfig(
-            num_prefill=args.instances,
-            num_decode=args.decode_instances,
-            decode_step_s=args.decode_step_s,
-            scheduler=SchedulerConfig(max_num_requests=max(args.num_requests, 1)),
-        )
-        result = simulate(trace, args.strategy, latency, config)
+        result = simulate(trace, spec, latency, _sim_config(args))
+        summary = summarize(result.records, result.strategy, args.workload, args.rate, _slo(args))
     except ValueError as e:
         print(f"spindle sim: {e}", file=sys.stderr)
         return 2
-    summary = result.summary(args.workload, args.rate)
     text = summary.to_json()
     if args.json is not None:
         args.json.write_text(text + "\n")
     d = json.loads(text)
-    print(f"{args.strategy} on {args.workload} at {args.rate:g} req/s: {d['completed']}/{d['num_requests']} completed")
+    print(f"{spec} on {args.workload} at {args.rate:g} req/s: {d['completed']}/{d['num_requests']} completed")
     for key in ("ttft_s", "tbt_s", "e2e_s"):
         s = d[key]
-        print(f"  {key:7s} mean {s['mean']:.3f}  p50 {s['p50']:.3f}  p90 {s['p90']:.3f}  p99 {s['p99']:.3f}")
+        print(f"  {key:7s} mean {_f(s['mean'])}  p50 {_f(s['p50'])}  p90 {_f(s['p90'])}  p99 {_f(s['p99'])}")
+    norm = [d[k]["mean"] for k in ("normalized_input_latency_s", "normalized_output_latency_s")]
+    print(f"  normalised latency (mean s/token): input {_f(norm[0], 6)}  output {_f(norm[1], 6)}")
     print(f"  throughput {d['throughput_tok_s']:.1f} tok/s ({result.events} events, {result.wall_s:.2f} s wall)")
+    if summary.slo is not None:
+        print(
+            f"  goodput {d['goodput_req_s']:.3f} req/s, {d['goodput_tok_s']:.1f} tok/s; "
+            f"SLO attainment {100 * d['slo_attainment']:.1f} %"
+        )
+    return 0
+
+
+def _f(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _describe_max_load(m: MaxLoad) -> str:
+    metric = m.metric.replace("_", " ").upper()
+    head = f"{m.strategy}: "
+    slo = f"{metric} SLO {m.slo_s:.3g} s (light load {m.light_value:.3g} s at {m.light_rate:.3g} req/s)"
+    if m.rate is None:
+        return head + f"violates the SLO even at light load; {slo}"
+    if m.next_rate is None:
+        return head + f">= {m.rate:.3g} req/s (never violated up to the highest rate probed); {slo}"
+    return head + f"max sustainable load {m.rate:.3g} req/s ({m.next_rate:.3g} violates); {slo}"
+
+
+def sweep_main(argv: list[str]) -> int:
+    p = build_sweep_parser()
+    args = p.parse_args(argv)
+    if args.rates is None and not args.max_load:
+        p.error("give --rates, --max-load or both")
+    if args.plot is not None and args.rates is None:
+        p.error("--plot needs --rates")
+    rows: list[SweepRow] = []
+    loads: list[MaxLoad] = []
+    try:
+        latency, config, specs = _latency(args), _sim_config(args), split_specs(args.strategies)
+        common = {"num_requests": args.num_requests, "seed": args.seed, "arrival": args.arrival, "cv": args.cv}
+        if args.rates is not None:
+            rates = parse_rates(args.rates)
+            rows = sweep(specs, rates, args.workload, latency, config, slo=_slo(args), **common)
+            print(format_table(rows))
+        if args.max_load:
+            for spec in specs:
+                loads.append(
+                    max_sustainable_load(
+                        spec,
+                        args.workload,
+                        latency,
+                        config,
+                        metric=args.metric,
+                        percentile=args.percentile,
+                        light_rate=args.light_rate,
+                        slo_scale=args.slo_scale,
+                        slo_s=args.max_load_slo,
+                        start_rate=args.start_rate,
+                        rel_tol=args.rel_tol,
+                        max_rate=args.max_rate,
+                        **common,
+                    )
+                )
+                print(_describe_max_load(loads[-1]))
+        if args.plot is not None:
+            from .plot import plot_sweep, sweep_title
+
+            plot_sweep(rows, args.plot, sweep_title(args.workload, config, args.num_requests))
+            print(f"plot: {args.plot}")
+    except (ValueError, RuntimeError) as e:
+        print(f"spindle sim sweep: {e}", file=sys.stderr)
+        return 2
+    if args.json is not None:
+        slo = _slo(args)
+        doc = {
+            "workload": args.workload,
+            "num_requests": args.num_requests,
+            "seed": args.seed,
+            "cluster": cluster_dict(config),
+            "slo": None if slo is None else asdict(slo),
+            "rows": rows_to_dicts(rows),
+            "max_load": [strict_json({**asdict(m), "saturated": m.saturated}) for m in loads],
+        }
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
     return 0
 
 

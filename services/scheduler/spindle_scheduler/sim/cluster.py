@@ -1,4 +1,5 @@
-"""Simulated instances: FCFS prefill instances and continuous-batching decode instances with block-counted KV.
+"""Simulated instances with block-counted KV: prefill instances that run chunks in SP groups, continuous-batching
+decode instances, and colocated (elastic) instances that mix prefill chunks into their decode batches.
 
 They only keep state; the executor (executor.py) decides when things happen and tells the core.
 """
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from spindle_protocol.messages import InstanceInfo
 from spindle_protocol.registry import HEARTBEAT_S
 
+from ..actions import PrefillChunk, RunPrefill
 from ..core import SchedulerConfig
 from .metrics import RequestRecord
 
@@ -21,9 +23,12 @@ LLAMA3_8B_KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV 
 class SimConfig:
     num_prefill: int = 2
     num_decode: int = 2
+    num_colocated: int = 0  # elastic instances that prefill and decode (Sarathi / vLLM style)
+    decode_tp: int = 1  # tensor-parallel degree of each decode instance (picks the decode model's coefficients)
+    gpus_per_node: int = 8  # instances are packed onto nodes in rank order (prefill, then decode, then colocated)
     block_size: int = 16
     prefill_kv_blocks: int = 32768  # per prefill instance (512K tokens at block size 16)
-    decode_kv_blocks: int = 32768  # per decode instance
+    decode_kv_blocks: int = 32768  # per decode or colocated instance
     kv_bytes_per_token: int = LLAMA3_8B_KV_BYTES_PER_TOKEN  # sizes the prefill -> decode transfer
     decode_step_s: float = 0.02  # decode step time when the latency model has no decode part
     heartbeat_s: float = HEARTBEAT_S  # virtual seconds between heartbeats of every instance
@@ -33,8 +38,15 @@ class SimConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        if self.num_prefill < 1 or self.num_decode < 1:
-            raise ValueError(f"need >= 1 prefill and decode instance, got {self.num_prefill}, {self.num_decode}")
+        if min(self.num_prefill, self.num_decode, self.num_colocated) < 0:
+            raise ValueError("instance counts must be >= 0")
+        if (self.num_prefill < 1 or self.num_decode < 1) and self.num_colocated < 1:
+            raise ValueError(
+                f"need >= 1 prefill and >= 1 decode instance, or >= 1 colocated instance; got "
+                f"{self.num_prefill} prefill, {self.num_decode} decode, {self.num_colocated} colocated"
+            )
+        if self.decode_tp < 1 or self.gpus_per_node < 1:
+            raise ValueError(f"decode_tp and gpus_per_node must be >= 1, got {self.decode_tp}, {self.gpus_per_node}")
         if self.block_size < 1 or self.prefill_kv_blocks < 1 or self.decode_kv_blocks < 1:
             raise ValueError("block_size and KV block counts must be >= 1")
         if self.kv_bytes_per_token < 0:
@@ -49,7 +61,10 @@ class SimConfig:
             raise ValueError(f"max_model_len must be in [0, {self.capacity_tokens()}], got {self.max_model_len}")
 
     def capacity_tokens(self) -> int:
-        return min(self.prefill_kv_blocks, self.decode_kv_blocks) * self.block_size
+        """The longest sequence one instance can hold (a prompt on an SP group is split, but decode is not)."""
+        if self.num_prefill and self.num_decode:
+            return min(self.prefill_kv_blocks, self.decode_kv_blocks) * self.block_size
+        return self.decode_kv_blocks * self.block_size
 
     def context_len(self) -> int:
         return self.max_model_len or self.capacity_tokens()
@@ -58,7 +73,24 @@ class SimConfig:
         return -(-tokens // self.block_size)
 
 
-@dataclass
+@dataclass(eq=False)
+class ChunkJob:
+    """One chunk of a request's prefill plan, queued on every instance of its group."""
+
+    rec: RequestRecord
+    plan: RunPrefill
+    index: int  # position in plan.chunks
+
+    @property
+    def chunk(self) -> PrefillChunk:
+        return self.plan.chunks[self.index]
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == len(self.plan.chunks) - 1
+
+
+@dataclass(eq=False)
 class SimInstance:
     id: str
     role: str
@@ -69,10 +101,12 @@ class SimInstance:
     used_blocks: int = 0
     peak_blocks: int = 0
     held: dict[str, int] = field(default_factory=dict)  # request id -> blocks
+    busy_spans: list[tuple[float, float]] = field(default_factory=list)  # prefill chunk runs, for invariant checks
+    node: str = ""
 
     def alloc(self, rid: str, blocks: int) -> None:
-        assert rid not in self.held and self.used_blocks + blocks <= self.total_blocks, "KV capacity exceeded"
-        self.held[rid] = blocks
+        assert self.used_blocks + blocks <= self.total_blocks, f"KV capacity of {self.id} exceeded"
+        self.held[rid] = self.held.get(rid, 0) + blocks
         self.used_blocks += blocks
         self.peak_blocks = max(self.peak_blocks, self.used_blocks)
 
@@ -95,6 +129,8 @@ class SimInstance:
             kv_blocks_used=self.used_blocks,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
+            node=self.node,
+            tp_size=getattr(self, "tp", 1),
             **self._load(),
         )
 
@@ -102,13 +138,14 @@ class SimInstance:
         return {}
 
 
-@dataclass
+@dataclass(eq=False)
 class SimPrefill(SimInstance):
-    """Runs one prefill at a time, FCFS. Holds a request's prompt KV from its start until the transfer ends."""
+    """Runs one chunk at a time, FCFS; a chunk on an SP group starts when it heads every member's queue and all
+    members are idle. Holds its share of a request's prompt KV from the chunk's start until the transfer ends."""
 
-    queue: deque[RequestRecord] = field(default_factory=deque)
-    running: RequestRecord | None = None
-    queued_tokens: int = 0  # prompt tokens accepted and not yet computed (queue + running)
+    queue: deque[ChunkJob] = field(default_factory=deque)
+    running: ChunkJob | None = None
+    queued_tokens: int = 0  # this instance's share of chunk tokens accepted and not yet computed
 
     def _load(self) -> dict[str, int]:
         return {
@@ -118,11 +155,12 @@ class SimPrefill(SimInstance):
         }
 
 
-@dataclass
+@dataclass(eq=False)
 class SimDecode(SimInstance):
     """Continuous batching. A request joins when blocks for prompt + all its output tokens fit (FIFO, no
     preemption); until then its KV is parked (in the kvstore). One step yields one token per running request."""
 
+    tp: int = 1
     waiting: deque[RequestRecord] = field(default_factory=deque)
     running: list[RequestRecord] = field(default_factory=list)
     kv_tokens: int = 0  # context tokens of the running batch
@@ -130,3 +168,21 @@ class SimDecode(SimInstance):
 
     def _load(self) -> dict[str, int]:
         return {"num_running": len(self.running), "num_waiting": len(self.waiting)}
+
+
+@dataclass(eq=False)
+class SimColocated(SimDecode):
+    """An elastic instance: each step runs the running decodes plus, when one is ready, the head prefill chunk
+    (Sarathi-style mixed batch). A request takes blocks for its whole sequence when its first chunk starts."""
+
+    prefills: deque[ChunkJob] = field(default_factory=deque)
+    queued_tokens: int = 0
+    step_chunk: ChunkJob | None = None  # the chunk in the step now running
+    step_batch: list[RequestRecord] = field(default_factory=list)  # the decodes in the step now running
+
+    def _load(self) -> dict[str, int]:
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.prefills),
+            "queued_tokens": self.queued_tokens,
+        }

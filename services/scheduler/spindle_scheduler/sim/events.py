@@ -11,9 +11,9 @@ class EventKind(enum.IntEnum):
     HEARTBEAT = 0  # every instance publishes its InstanceInfo into the core
     TICK = 1  # core.tick (dead-instance detection)
     ARRIVAL = 2
-    PREFILL_DONE = 3
+    CHUNK_DONE = 3  # a prefill chunk finished on its SP group
     TRANSFER_DONE = 4
-    DECODE_STEP = 5
+    DECODE_STEP = 5  # a decode (or colocated mixed) step finished
 
 
 class EventQueue:

@@ -1,9 +1,13 @@
 """The simulated executor: drives the real `SchedulerCore` and strategy with a virtual clock.
 
 It plays the part service.py plays against NATS: heartbeats and worker events go into the core, the core's
-actions (RunPrefill, FailRequest, Reject) are carried out on simulated instances. Lifecycle of a request:
-arrival -> core.admit -> FCFS queue on its prefill instance -> prefill (first token) -> KV transfer ->
-wait (parked, FIFO) for decode blocks -> continuous-batching decode steps -> finished, blocks freed.
+actions (RunPrefill, FailRequest, Reject) are carried out on simulated instances.
+
+Disaggregated lifecycle: arrival -> core.admit -> the plan's chunks queue FCFS on their SP groups -> each
+chunk runs when its whole group is free (first token after the last chunk) -> KV transfer from every holder
+in parallel -> wait (parked, FIFO) for decode blocks -> continuous-batching decode steps -> finished.
+Colocated lifecycle (plan and decode on one elastic instance): chunks are mixed one per step into the
+instance's decode batches; the KV never moves.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 from spindle_protocol.messages import (
     DecodeStarted,
     PrefillDone,
+    PrefillProgress,
     Prompt,
     RequestFinished,
     RequestSpec,
@@ -29,9 +34,9 @@ from ..core import SchedulerCore
 from ..latency import LatencyModel
 from ..strategy import Strategy, create_strategy
 from ..workloads import TraceRequest
-from .cluster import SimConfig, SimDecode, SimInstance, SimPrefill
+from .cluster import ChunkJob, SimColocated, SimConfig, SimDecode, SimInstance, SimPrefill
 from .events import EventKind, EventQueue
-from .metrics import RequestRecord, SimSummary, summarize
+from .metrics import RequestRecord, SimSummary, Slo, summarize
 
 
 @dataclass
@@ -43,37 +48,59 @@ class SimResult:
     end_time: float  # virtual time of the last event
     wall_s: float
 
-    def summary(self, workload: str = "", rate: float | None = None) -> SimSummary:
-        return summarize(self.records, self.strategy, workload, rate)
+    def summary(self, workload: str = "", rate: float | None = None, slo: Slo | None = None) -> SimSummary:
+        return summarize(self.records, self.strategy, workload, rate, slo)
+
+
+def _share(num_tokens: int, sp: int, k: int) -> int:
+    """Tokens of a chunk that member `k` of an SP group computes and holds."""
+    return num_tokens // sp + (1 if k < num_tokens % sp else 0)
 
 
 class Simulator:
-    """One simulated run. Prefill time is `latency.prefill` at SP 1 with no history; decode steps use
-    `latency.decode` at (tp 1, kvp 1), or `config.decode_step_s` when it is absent; transfers use
-    `latency.transfer` (instant when absent)."""
+    """One simulated run. A chunk takes `latency.prefill.predict(sp, start, length)`; decode steps use
+    `latency.decode` at (config.decode_tp, 1) — (1, 1) on colocated instances — or `config.decode_step_s`
+    when it is absent; a mixed colocated step costs its chunk plus its decodes; transfers use
+    `latency.transfer` per source instance, in parallel (instant when absent)."""
 
     def __init__(self, strategy: Strategy | str, latency: LatencyModel, config: SimConfig | None = None) -> None:
+        self.config = cfg = config or SimConfig()
         if latency.prefill is None or 1 not in latency.prefill.coeffs:
             raise ValueError("the simulator needs a prefill latency model for SP size 1")
-        if latency.decode is not None and (1, 1) not in latency.decode.coeffs:
-            raise ValueError("the decode latency model has no (tp=1, kvp=1) configuration")
-        self.config = cfg = config or SimConfig()
+        if latency.decode is not None:
+            need = ([(cfg.decode_tp, 1)] if cfg.num_decode else []) + ([(1, 1)] if cfg.num_colocated else [])
+            if missing := [k for k in need if k not in latency.decode.coeffs]:
+                raise ValueError(f"the decode latency model has no (tp, kvp) = {missing[0]} configuration")
         self.latency = latency
-        self.core = SchedulerCore(create_strategy(strategy) if isinstance(strategy, str) else strategy, cfg.scheduler)
-        ctx = cfg.context_len()
-        self.prefills = [
-            SimPrefill(f"prefill-{i}", "prefill", 1 + i, cfg.prefill_kv_blocks, cfg.block_size, ctx)
-            for i in range(cfg.num_prefill)
+        self.core = SchedulerCore(
+            create_strategy(strategy, latency) if isinstance(strategy, str) else strategy, cfg.scheduler
+        )
+        ctx, bs = cfg.context_len(), cfg.block_size
+        n_p, n_d = cfg.num_prefill, cfg.num_decode
+        prefills = [SimPrefill(f"prefill-{i}", "prefill", 1 + i, cfg.prefill_kv_blocks, bs, ctx) for i in range(n_p)]
+        decodes = [
+            SimDecode(f"decode-{j}", "decode", 1 + n_p + j, cfg.decode_kv_blocks, bs, ctx, tp=cfg.decode_tp)
+            for j in range(n_d)
         ]
-        self.decodes = [
-            SimDecode(f"decode-{j}", "decode", 1 + cfg.num_prefill + j, cfg.decode_kv_blocks, cfg.block_size, ctx)
-            for j in range(cfg.num_decode)
+        colocated = [
+            SimColocated(f"elastic-{k}", "elastic", 1 + n_p + n_d + k, cfg.decode_kv_blocks, bs, ctx)
+            for k in range(cfg.num_colocated)
         ]
+        gpus = 0
+        for inst in [*prefills, *decodes, *colocated]:  # pack onto nodes; an instance never straddles two
+            width = getattr(inst, "tp", 1)
+            if gpus % cfg.gpus_per_node + width > cfg.gpus_per_node:
+                gpus += cfg.gpus_per_node - gpus % cfg.gpus_per_node
+            inst.node = f"node-{gpus // cfg.gpus_per_node}"
+            gpus += width
         # the kvstore only appears in the registry: parked KV waits in decode FIFOs, its memory is not modelled
-        kvstore = [SimInstance("kvstore-0", "kvstore", 0, 0, cfg.block_size, 0)] if cfg.with_kvstore else []
-        self.instances: dict[str, SimInstance] = {i.id: i for i in [*kvstore, *self.prefills, *self.decodes]}
+        kvstore = [SimInstance("kvstore-0", "kvstore", 0, 0, bs, 0)] if cfg.with_kvstore else []
+        self.instances: dict[str, SimInstance] = {i.id: i for i in [*kvstore, *prefills, *decodes, *colocated]}
         self.queue = EventQueue()
         self.records: dict[str, RequestRecord] = {}
+        self.plans: dict[str, RunPrefill] = {}
+        self._next_chunk: dict[str, int] = {}  # request id -> index of its next chunk to run
+        self._running: set[str] = set()  # requests with a chunk executing now
         self._remaining = 0
         self._ran = False
 
@@ -95,9 +122,9 @@ class Simulator:
             EventKind.HEARTBEAT: self._on_heartbeat,
             EventKind.TICK: self._on_tick,
             EventKind.ARRIVAL: self._on_arrival,
-            EventKind.PREFILL_DONE: self._on_prefill_done,
+            EventKind.CHUNK_DONE: self._on_chunk_done,
             EventKind.TRANSFER_DONE: self._on_transfer_done,
-            EventKind.DECODE_STEP: self._on_decode_step,
+            EventKind.DECODE_STEP: self._on_step,
         }
         events = 0
         while q:
@@ -106,7 +133,7 @@ class Simulator:
             events += 1
         assert self._remaining == 0, f"{self._remaining} requests never reached a terminal state"
         return SimResult(
-            strategy=self.core.strategy.name,
+            strategy=self.core.strategy.describe(),
             records=list(self.records.values()),
             peak_kv_blocks={i.id: (i.peak_blocks, i.total_blocks) for i in self.instances.values()},
             events=events,
@@ -148,7 +175,7 @@ class Simulator:
             rec.finished_at = now
         self._remaining -= 1
 
-    # ---- arrival and prefill ----
+    # ---- arrival and placement ----
 
     def _on_arrival(self, now: float, rec: RequestRecord) -> None:
         spec = RequestSpec(
@@ -162,78 +189,151 @@ class Simulator:
 
     def _run_prefill(self, a: RunPrefill, now: float) -> None:
         rec = self.records[a.spec.request_id]
-        prefill, decode = self.instances[a.prefill_instance], self.instances[a.decode_instance]
-        assert isinstance(prefill, SimPrefill) and isinstance(decode, SimDecode), f"bad placement {a}"
-        rec.prefill_instance, rec.decode_instance = prefill.id, decode.id
-        prefill.queue.append(rec)
-        prefill.queued_tokens += rec.num_prefill_tokens
-        self._start_prefill(prefill, now)
+        if rec.state != "pending":  # a FailRequest came first
+            return
+        dst = self.instances.get(a.decode_instance)
+        members = [self.instances.get(i) for i in a.prefill_instances]
+        rec.prefill_instance, rec.prefill_instances = a.chunks[0].instances[0], a.prefill_instances
+        rec.decode_instance, rec.max_sp = a.decode_instance, max(c.sp for c in a.chunks)
+        self.plans[rec.request_id] = a
+        self._next_chunk[rec.request_id] = 0
+        jobs = [ChunkJob(rec, a, i) for i in range(len(a.chunks))]
+        if isinstance(dst, SimColocated):
+            assert all(m is dst for m in members), f"a colocated plan runs on its decode instance: {a}"
+            dst.prefills.extend(jobs)
+            dst.queued_tokens += rec.num_prefill_tokens
+            self._start_step(dst, now)
+            return
+        assert isinstance(dst, SimDecode) and all(isinstance(m, SimPrefill) for m in members), f"bad placement {a}"
+        for job in jobs:
+            for k, iid in enumerate(job.chunk.instances):
+                p = self.instances[iid]
+                assert isinstance(p, SimPrefill)
+                p.queue.append(job)
+                p.queued_tokens += _share(job.chunk.num_tokens, job.chunk.sp, k)
+        for m in members:
+            self._pump(m, now)  # type: ignore[arg-type]
 
-    def _start_prefill(self, p: SimPrefill, now: float) -> None:
+    # ---- prefill chunks on SP groups ----
+
+    def _pump(self, p: SimPrefill, now: float) -> None:
+        """Start the head chunk of `p` if its whole group is ready; drop chunks of ended requests."""
         while p.running is None and p.queue:
-            head = p.queue[0]
-            if head.state != "pending":  # failed while queued
+            job = p.queue[0]
+            if job.rec.state != "pending":
                 p.queue.popleft()
-                p.queued_tokens -= head.num_prefill_tokens
+                k = job.chunk.instances.index(p.id)
+                p.queued_tokens -= _share(job.chunk.num_tokens, job.chunk.sp, k)
                 continue
-            blocks = self.config.blocks(head.num_prefill_tokens)
-            if p.free_blocks < blocks:
-                return  # earlier prompts' KV is still being transferred out
-            p.queue.popleft()
-            p.alloc(head.request_id, blocks)
-            p.running = head
-            head.prefill_start = now
-            seconds = self.latency.prefill.predict(1, 0, head.num_prefill_tokens)  # type: ignore[union-attr]
-            self.queue.push(now + seconds, EventKind.PREFILL_DONE, (p, head))
+            if self._startable(job):
+                self._start_chunk(job, now)
+            return
 
-    def _on_prefill_done(self, now: float, payload: tuple[SimPrefill, RequestRecord]) -> None:
-        p, rec = payload
-        assert p.running is rec
-        p.running = None
-        p.queued_tokens -= rec.num_prefill_tokens
-        rec.prefill_end = now  # the instance was busy until now even if the request failed meanwhile
+    def _startable(self, job: ChunkJob) -> bool:
+        rid, chunk = job.rec.request_id, job.chunk
+        if self._next_chunk[rid] != job.index or rid in self._running:
+            return False
+        for k, iid in enumerate(chunk.instances):
+            m = self.instances[iid]
+            assert isinstance(m, SimPrefill)
+            if m.running is not None or not m.queue or m.queue[0] is not job:
+                return False
+            if m.free_blocks < self.config.blocks(_share(chunk.num_tokens, chunk.sp, k)):
+                return False  # earlier prompts' KV is still being transferred out
+        return True
+
+    def _start_chunk(self, job: ChunkJob, now: float) -> None:
+        rec, chunk = job.rec, job.chunk
+        seconds = self.latency.prefill.predict(chunk.sp, chunk.start, chunk.num_tokens)  # type: ignore[union-attr]
+        for k, iid in enumerate(chunk.instances):
+            m = self.instances[iid]
+            assert isinstance(m, SimPrefill)
+            m.queue.popleft()
+            m.running = job
+            m.alloc(rec.request_id, self.config.blocks(_share(chunk.num_tokens, chunk.sp, k)))
+            m.busy_spans.append((now, now + seconds))
+        self._running.add(rec.request_id)
+        if job.index == 0:
+            rec.prefill_start = now
+        self.queue.push(now + seconds, EventKind.CHUNK_DONE, job)
+
+    def _on_chunk_done(self, now: float, job: ChunkJob) -> None:
+        rec, chunk, rid = job.rec, job.chunk, job.rec.request_id
+        for k, iid in enumerate(chunk.instances):
+            m = self.instances[iid]
+            assert isinstance(m, SimPrefill) and m.running is job
+            m.running = None
+            m.queued_tokens -= _share(chunk.num_tokens, chunk.sp, k)
+        self._running.discard(rid)
+        self._next_chunk[rid] = job.index + 1
         if rec.state != "pending":
-            p.free(rec.request_id)
-        else:
-            rec.token_times.append(now)
-            finished = rec.num_decode_tokens <= 1
+            self._release_prefill(rec, now)
+        elif not job.is_last:
             self._emit(
-                PrefillDone(
-                    request_id=rec.request_id, instance_id=p.id, seconds=now - rec.prefill_start, finished=finished
+                PrefillProgress(
+                    request_id=rid,
+                    instance_id=chunk.instances[0],
+                    tokens_done=chunk.end,
+                    tokens_total=rec.num_prefill_tokens,
+                    chunk_seconds=now - (rec.prefill_start or now),
                 ),
                 now,
             )
-            if finished:
-                p.free(rec.request_id)
-                self._end(rec, "finished", now)
-            elif rec.state == "pending":
-                nbytes = rec.num_prefill_tokens * self.config.kv_bytes_per_token
-                seconds = self.latency.transfer.predict(nbytes) if self.latency.transfer else 0.0
-                self.queue.push(now + seconds, EventKind.TRANSFER_DONE, rec)
+        else:
+            self._prefill_finished(rec, chunk.instances[0], now)
+            if rec.state == "pending":
+                self.queue.push(now + self._transfer_seconds(rec), EventKind.TRANSFER_DONE, rec)
             else:
-                p.free(rec.request_id)
-        self._start_prefill(p, now)
+                self._release_prefill(rec, now)
+        nxt = self.plans[rid].chunks[job.index + 1].instances if not job.is_last else ()
+        for iid in dict.fromkeys((*chunk.instances, *nxt)):
+            self._pump(self.instances[iid], now)  # type: ignore[arg-type]
+
+    def _prefill_finished(self, rec: RequestRecord, instance_id: str, now: float) -> None:
+        """The last chunk produced the first token."""
+        rec.prefill_end = now
+        rec.token_times.append(now)
+        finished = rec.num_decode_tokens <= 1
+        seconds = now - (rec.prefill_start or now)
+        self._emit(
+            PrefillDone(request_id=rec.request_id, instance_id=instance_id, seconds=seconds, finished=finished), now
+        )
+        if finished and rec.state == "pending":
+            self._end(rec, "finished", now)
+
+    def _transfer_seconds(self, rec: RequestRecord) -> float:
+        if self.latency.transfer is None:
+            return 0.0
+        holders: dict[str, int] = {}
+        for chunk in self.plans[rec.request_id].chunks:
+            for k, iid in enumerate(chunk.instances):
+                holders[iid] = holders.get(iid, 0) + _share(chunk.num_tokens, chunk.sp, k)
+        per_token = self.config.kv_bytes_per_token
+        return max(self.latency.transfer.predict(tokens * per_token) for tokens in holders.values())
+
+    def _release_prefill(self, rec: RequestRecord, now: float) -> None:
+        """Free the prompt KV `rec` holds on prefill instances (after its transfer, or when it ended)."""
+        for iid in self.plans[rec.request_id].prefill_instances:
+            p = self.instances[iid]
+            p.free(rec.request_id)
+            self._pump(p, now)  # type: ignore[arg-type]
 
     # ---- transfer and decode ----
 
     def _on_transfer_done(self, now: float, rec: RequestRecord) -> None:
-        p = self.instances[rec.prefill_instance]
-        assert isinstance(p, SimPrefill)
-        p.free(rec.request_id)
-        self._start_prefill(p, now)
+        self._release_prefill(rec, now)
         if rec.state != "pending":
             return
         d = self.instances[rec.decode_instance]
         assert isinstance(d, SimDecode)
         rec.transfer_end = now
         parked = bool(d.waiting) or d.free_blocks < self._decode_blocks(rec)
-        nbytes = rec.num_prefill_tokens * self.config.kv_bytes_per_token
         self._emit(
             TransferDone(
                 request_id=rec.request_id,
-                src_instance=p.id,
+                src_instance=rec.prefill_instance,
                 dst_instance=d.id,
-                nbytes=nbytes,
+                nbytes=rec.num_prefill_tokens * self.config.kv_bytes_per_token,
                 seconds=now - (rec.prefill_end or now),
                 parked=parked,
             ),
@@ -259,29 +359,77 @@ class Simulator:
                 return
             d.waiting.popleft()
             d.alloc(head.request_id, blocks)
-            d.running.append(head)
-            d.kv_tokens += head.num_prefill_tokens + len(head.token_times)
-            head.decode_start = now
-            self._emit(DecodeStarted(request_id=head.request_id, instance_id=d.id), now)
+            self._start_decoding(d, head, now)
+
+    def _start_decoding(self, d: SimDecode, rec: RequestRecord, now: float) -> None:
+        d.running.append(rec)
+        d.kv_tokens += rec.num_prefill_tokens + len(rec.token_times)
+        rec.decode_start = now
+        self._emit(DecodeStarted(request_id=rec.request_id, instance_id=d.id), now)
 
     def _start_step(self, d: SimDecode, now: float) -> None:
-        if d.stepping or not d.running:
+        if d.stepping:
             return
+        chunk = self._next_colocated_chunk(d, now) if isinstance(d, SimColocated) else None
+        if not d.running and chunk is None:
+            return
+        seconds = 0.0
+        if d.running:
+            model = self.latency.decode
+            seconds = model.predict(len(d.running), d.kv_tokens, tp=d.tp) if model else self.config.decode_step_s
+        if chunk is not None:
+            assert isinstance(d, SimColocated)
+            c = chunk.chunk
+            chunk_s = self.latency.prefill.predict(1, c.start, c.num_tokens)  # type: ignore[union-attr]
+            d.busy_spans.append((now, now + chunk_s))
+            seconds += chunk_s
+            d.step_chunk = chunk
+            self._running.add(chunk.rec.request_id)
         d.stepping = True
-        model = self.latency.decode
-        seconds = model.predict(len(d.running), d.kv_tokens) if model else self.config.decode_step_s
+        if isinstance(d, SimColocated):
+            d.step_batch = list(d.running)
         self.queue.push(now + seconds, EventKind.DECODE_STEP, d)
 
-    def _on_decode_step(self, now: float, d: SimDecode) -> None:
+    def _next_colocated_chunk(self, c: SimColocated, now: float) -> ChunkJob | None:
+        """Pop the head prefill chunk if it can run now (its request's whole-sequence blocks fit)."""
+        while c.prefills:
+            job = c.prefills[0]
+            rid = job.rec.request_id
+            if job.rec.state != "pending":
+                c.prefills.popleft()
+                c.queued_tokens -= job.chunk.num_tokens
+                continue
+            if job.index == 0:
+                blocks = self._decode_blocks(job.rec)
+                if c.free_blocks < blocks:
+                    return None  # FCFS: wait for running requests to finish
+                c.alloc(rid, blocks)
+                job.rec.prefill_start = now
+            return c.prefills.popleft()
+        return None
+
+    def _on_step(self, now: float, d: SimDecode) -> None:
         d.stepping = False
-        d.kv_tokens += len(d.running)
-        still, done = [], []
-        for r in d.running:
-            r.token_times.append(now)
-            (done if len(r.token_times) >= r.num_decode_tokens else still).append(r)
-        d.running = still
-        for r in done:
+        colocated = isinstance(d, SimColocated)
+        batch = d.step_batch if colocated else d.running
+        ended = []
+        produced = 0
+        for r in batch:
+            if r.state != "pending":  # failed during the step
+                ended.append(r)
+                continue
+            times = r.token_times
+            times.append(now)
+            produced += 1
+            if len(times) >= r.num_decode_tokens:
+                ended.append(r)
+        d.kv_tokens += produced
+        finished = []
+        for r in ended:
+            if r.state == "pending":
+                finished.append(r)
             self._leave_decode(d, r)
+        for r in finished:
             self._end(r, "finished", now)
             self._emit(
                 RequestFinished(
@@ -292,24 +440,72 @@ class Simulator:
                 ),
                 now,
             )
-        self._join_decode(d, now)
+        if colocated and d.step_chunk is not None:
+            self._colocated_chunk_done(d, d.step_chunk, now)
+        if colocated:
+            d.step_batch = []
+        else:
+            self._join_decode(d, now)
         self._start_step(d, now)
+
+    def _colocated_chunk_done(self, c: SimColocated, job: ChunkJob, now: float) -> None:
+        rec, rid = job.rec, job.rec.request_id
+        c.step_chunk = None
+        c.queued_tokens -= job.chunk.num_tokens
+        self._running.discard(rid)
+        self._next_chunk[rid] = job.index + 1
+        if rec.state != "pending":
+            c.free(rid)
+        elif not job.is_last:
+            self._emit(
+                PrefillProgress(
+                    request_id=rid,
+                    instance_id=c.id,
+                    tokens_done=job.chunk.end,
+                    tokens_total=rec.num_prefill_tokens,
+                    chunk_seconds=now - (rec.prefill_start or now),
+                ),
+                now,
+            )
+        else:
+            self._prefill_finished(rec, c.id, now)
+            if rec.state == "pending":
+                rec.transfer_end = now  # the KV is already where it decodes
+                self._start_decoding(c, rec, now)
+            else:
+                c.free(rid)
 
     def _leave_decode(self, d: SimDecode, rec: RequestRecord) -> None:
         d.free(rec.request_id)
-        d.kv_tokens -= rec.num_prefill_tokens + len(rec.token_times)
+        if rec in d.running:
+            d.running.remove(rec)
+            d.kv_tokens -= rec.num_prefill_tokens + len(rec.token_times)
 
     def _fail(self, rec: RequestRecord, now: float, reason: str) -> None:
-        """Abort everywhere: queued/transferring work is dropped when reached; a decode slot is freed now."""
+        """Abort everywhere: queued work is dropped when reached; held KV is freed now unless a step or
+        chunk of the request is executing (then when it ends)."""
         if rec.state != "pending":
             return
         self._end(rec, "failed", now, reason)
-        d = self.instances.get(rec.decode_instance)
-        if isinstance(d, SimDecode) and rec in d.running:
-            d.running.remove(rec)
+        rid = rec.request_id
+        if rid not in self.plans:
+            return
+        d = self.instances[rec.decode_instance]
+        if isinstance(d, SimColocated):
+            if rid in self._running or rec in d.step_batch:
+                return  # the step in flight frees it
             self._leave_decode(d, rec)
-            self._join_decode(d, now)
             self._start_step(d, now)
+            return
+        if rid not in self._running:
+            self._release_prefill(rec, now)
+        assert isinstance(d, SimDecode)
+        if rec in d.running and not d.stepping:
+            self._leave_decode(d, rec)
+        if rec in d.running:
+            return  # leaves at the end of the step in flight
+        self._join_decode(d, now)
+        self._start_step(d, now)
 
 
 def simulate(

@@ -1,8 +1,10 @@
-"""Per-request records and the summary metrics of a simulated run (TTFT, TBT/TPOT, E2E, throughput)."""
+"""Per-request records and the summary metrics of a simulated run: TTFT, TBT/TPOT, E2E, throughput, goodput
+under an SLO and LoongServe's normalised latencies."""
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -20,7 +22,9 @@ class RequestRecord:
     num_decode_tokens: int
     state: str = "pending"  # then exactly one of TERMINAL
     reason: str = ""
-    prefill_instance: str = ""
+    prefill_instance: str = ""  # the first instance of the plan
+    prefill_instances: tuple[str, ...] = ()  # every instance that computed part of the prompt
+    max_sp: int = 0  # the largest SP group of its prefill plan
     decode_instance: str = ""
     prefill_start: float | None = None
     prefill_end: float | None = None
@@ -64,6 +68,41 @@ class Stats:
 
 
 @dataclass(frozen=True)
+class Slo:
+    """A per-request latency objective (DistServe's, as LoongServe's goodput uses): a request meets it when it
+    finished, its TTFT <= ttft_s and its TPOT (mean time per output token after the first) <= tpot_s. A limit
+    left as None is no limit; a request with a single output token has no TPOT and meets any TPOT limit."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_s", "tpot_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"SLO {name} must be > 0 seconds, got {value}")
+
+    def met_by(self, rec: RequestRecord) -> bool:
+        if rec.state != "finished":
+            return False
+        ttft, tpot = rec.ttft, rec.tpot
+        if self.ttft_s is not None and (ttft is None or ttft > self.ttft_s):
+            return False
+        return self.tpot_s is None or tpot is None or tpot <= self.tpot_s
+
+
+def strict_json(x: object) -> object:
+    """NaN (no sample) and infinities -> None, recursively, so json.dumps writes strict JSON."""
+    if isinstance(x, dict):
+        return {k: strict_json(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [strict_json(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+@dataclass(frozen=True)
 class SimSummary:
     strategy: str
     workload: str
@@ -79,24 +118,29 @@ class SimSummary:
     throughput_tok_s: float  # output tokens of completed requests / (last finish - first arrival)
     input_throughput_tok_s: float
     duration_s: float  # virtual seconds from the first arrival to the last terminal event
+    # LoongServe §7.1 normalised latencies (s/token), over completed requests; the paper plots their means
+    normalized_latency_s: Stats  # E2E / (prompt + output tokens)
+    normalized_input_latency_s: Stats  # TTFT (the prefill phase, queueing included) / prompt tokens
+    normalized_output_latency_s: Stats  # (E2E - TTFT) (the decoding phase) / output tokens
+    # goodput under `slo` (None when no SLO was given): over the same duration as the throughput
+    slo: Slo | None = None
+    goodput_req_s: float | None = None  # completed requests meeting the SLO per second
+    goodput_tok_s: float | None = None  # their output tokens per second
+    slo_attainment: float | None = None  # requests meeting the SLO / all requests (rejected and failed miss it)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def to_json(self, indent: int | None = 2) -> str:
-        # NaN (no sample) is written as null so the file is strict JSON
-        def clean(x: object) -> object:
-            if isinstance(x, dict):
-                return {k: clean(v) for k, v in x.items()}
-            if isinstance(x, float) and x != x:
-                return None
-            return x
-
-        return json.dumps(clean(self.to_dict()), indent=indent)
+        return json.dumps(strict_json(self.to_dict()), indent=indent)
 
 
 def summarize(
-    records: list[RequestRecord], strategy: str = "", workload: str = "", rate: float | None = None
+    records: list[RequestRecord],
+    strategy: str = "",
+    workload: str = "",
+    rate: float | None = None,
+    slo: Slo | None = None,
 ) -> SimSummary:
     done = [r for r in records if r.state == "finished"]
     gaps = [np.diff(r.token_times) for r in done if len(r.token_times) > 1]
@@ -105,6 +149,13 @@ def summarize(
     duration = max(ends, default=start) - start
     out_tokens = sum(len(r.token_times) for r in done)
     in_tokens = sum(r.num_prefill_tokens for r in done)
+    with_tokens = [r for r in done if r.token_times and r.finished_at is not None]
+    goodput_req = goodput_tok = attainment = None
+    if slo is not None:
+        good = [r for r in done if slo.met_by(r)]
+        goodput_req = len(good) / duration if duration > 0 else 0.0
+        goodput_tok = sum(len(r.token_times) for r in good) / duration if duration > 0 else 0.0
+        attainment = len(good) / len(records) if records else float("nan")
     return SimSummary(
         strategy=strategy,
         workload=workload,
@@ -120,4 +171,11 @@ def summarize(
         throughput_tok_s=out_tokens / duration if duration > 0 else 0.0,
         input_throughput_tok_s=in_tokens / duration if duration > 0 else 0.0,
         duration_s=duration,
+        normalized_latency_s=Stats.of([r.e2e / (r.num_prefill_tokens + len(r.token_times)) for r in with_tokens]),
+        normalized_input_latency_s=Stats.of([r.ttft / r.num_prefill_tokens for r in with_tokens]),
+        normalized_output_latency_s=Stats.of([(r.e2e - r.ttft) / len(r.token_times) for r in with_tokens]),
+        slo=slo,
+        goodput_req_s=goodput_req,
+        goodput_tok_s=goodput_tok,
+        slo_attainment=attainment,
     )

@@ -1,0 +1,42 @@
+"""`chunked`: colocated (elastic) instances that mix fixed-size prefill chunks into their decode batches,
+FCFS (Sarathi-Serve / vLLM chunked prefill). No sequence parallelism and no KV transfer.
+
+Each request goes to the elastic instance with the fewest prompt tokens waiting (ties: most free KV); the
+instance runs one `chunk_size`-token chunk of its head request per step alongside its running decodes.
+"""
+
+from __future__ import annotations
+
+from spindle_protocol.messages import RequestSpec
+
+from ..actions import Action, Admit, Reject, RunPrefill, fixed_chunks
+from ..latency import LatencyModel
+from ..state import ClusterState
+from ..strategy import Strategy, register_strategy
+from .placement import reserve_blocks
+
+
+@register_strategy("chunked")
+class ChunkedPrefillStrategy(Strategy):
+    runs_on_real_stack = False
+
+    def __init__(self, latency: LatencyModel | None = None, *, chunk_size: int = 512) -> None:
+        super().__init__(latency)
+        if chunk_size < 1:
+            raise ValueError(f"chunked: chunk_size must be >= 1, got {chunk_size}")
+        self.chunk_size = chunk_size
+
+    def describe(self) -> str:
+        return f"chunked:chunk_size={self.chunk_size}"
+
+    def plan(self, spec: RequestSpec, state: ClusterState, now: float) -> list[Action]:
+        elastic = state.live("elastic")
+        if not elastic:
+            return [Reject(spec.request_id, 503, "no live elastic (colocated) instance")]
+        inst = min(elastic, key=lambda i: (i.predicted_queue_tokens, -i.free_blocks, i.info.rank))
+        inst.planned_tokens += spec.prompt.num_tokens
+        reserve_blocks(inst, spec)
+        return [
+            Admit(spec.request_id, (inst.id,), inst.id),
+            RunPrefill(spec, fixed_chunks(spec, (inst.id,), self.chunk_size), inst.id),
+        ]

@@ -1,0 +1,33 @@
+"""Placement helpers shared by the built-in strategies (pure functions of the cluster state)."""
+
+from __future__ import annotations
+
+from spindle_protocol.messages import RequestSpec
+
+from ..state import ClusterState, InstanceState
+
+
+def pick_decode(state: ClusterState, spec: RequestSpec, role: str = "decode") -> InstanceState | None:
+    """The live decode instance with the most free KV blocks; counts the request's blocks as planned there."""
+    decodes = state.live(role)
+    if not decodes:
+        return None
+    decode = max(decodes, key=lambda i: (i.free_blocks, -i.info.rank))
+    reserve_blocks(decode, spec)
+    return decode
+
+
+def reserve_blocks(inst: InstanceState, spec: RequestSpec) -> None:
+    if inst.info.block_size:
+        tokens = spec.prompt.num_tokens + spec.sampling.max_tokens
+        inst.planned_blocks += -(-tokens // inst.info.block_size)
+
+
+def kvstore_id(state: ClusterState) -> str:
+    kvstores = state.live("kvstore")
+    return kvstores[0].id if kvstores else ""
+
+
+def group_ready_at(group: list[InstanceState], now: float) -> float:
+    """When every member of an SP group is free of the prefill work planned onto it."""
+    return max(i.busy_until(now) for i in group)
