@@ -21,7 +21,7 @@ from spindle_protocol.messages import (
 )
 from spindle_protocol.registry import DEAD_AFTER_S
 
-from .actions import Action, Admit, FailRequest, Reject
+from .actions import Action, Admit, FailRequest, Reject, RunPrefill
 from .state import DECODE_ROLES, PREFILL_ROLES, ClusterState, Phase, RequestState
 from .strategy import Strategy
 
@@ -111,10 +111,11 @@ class SchedulerCore:
                 Reject(rid, 429, f"{len(self.state.requests)} requests in flight; try again", self.config.retry_after_s)
             ]
         actions = self.strategy.plan(spec, self.state, now)
+        plans = {a.spec.request_id: a.chunks for a in actions if isinstance(a, RunPrefill)}
         for a in actions:
             if isinstance(a, Admit):
                 self.state.requests[rid] = RequestState(
-                    spec, Phase.PREFILL, a.prefill_instances, a.decode_instance, now
+                    spec, Phase.PREFILL, a.prefill_instances, a.decode_instance, now, chunks=plans.get(rid, ())
                 )
             elif isinstance(a, FailRequest):  # a strategy may give up on a request it just admitted
                 self._forget(a.request_id)

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from spindle_protocol.messages import InstanceInfo, RequestSpec
 
+from .actions import PrefillChunk
+
 PREFILL_ROLES = ("prefill", "elastic")  # an elastic instance prefills and decodes
 DECODE_ROLES = ("decode", "elastic")
 
@@ -55,6 +57,13 @@ class RequestState:
     admitted_at: float
     parked: bool = False
     tokens_done: int = 0  # prompt tokens computed so far (PrefillProgress)
+    chunks: tuple[PrefillChunk, ...] = ()  # the prefill plan
+
+    def kv_location(self) -> list[tuple[int, int, tuple[str, ...]]]:
+        """Where the KV of each computed token range lives now: `(start, end, instances)`."""
+        if self.phase is Phase.DECODE or (self.phase is Phase.TRANSFER and not self.chunks):
+            return [(0, self.spec.prompt.num_tokens, (self.decode_instance,))]
+        return [(c.start, min(c.end, self.tokens_done), c.instances) for c in self.chunks if c.start < self.tokens_done]
 
     @property
     def request_id(self) -> str:

@@ -267,3 +267,32 @@ def test_tetris_section_7_2_ordering():
         for s in ("fixed-sp:sp=16", "fixed-sp:sp=8", "request-sp")
     }
     assert p50["fixed-sp:sp=16"] > p50["request-sp"] > p50["fixed-sp:sp=8"], p50
+
+
+def test_core_tracks_chunk_progress_and_kv_location():
+    from spindle_protocol.messages import DecodeStarted, PrefillDone, PrefillProgress
+    from spindle_scheduler.state import Phase
+
+    class TwoChunks(SingleInstanceStrategy):
+        def plan(self, spec, state, now):
+            chunks = (PrefillChunk(0, 600, ("prefill-0",)), PrefillChunk(600, 1000, ("prefill-0", "prefill-1")))
+            return [
+                Admit(spec.request_id, ("prefill-0", "prefill-1"), "decode-0"),
+                RunPrefill(spec, chunks, "decode-0"),
+            ]
+
+    core = core_with("single", num_prefill=2)
+    core.strategy = TwoChunks()
+    core.admit(spec("r", 1000), 0.0)
+    req = core.state.requests["r"]
+    assert req.kv_location() == []
+    core.on_event(
+        PrefillProgress(request_id="r", instance_id="prefill-0", tokens_done=600, tokens_total=1000, chunk_seconds=0.1),
+        0.1,
+    )
+    assert req.kv_location() == [(0, 600, ("prefill-0",))]
+    core.on_event(PrefillDone(request_id="r", instance_id="prefill-0", seconds=0.2, finished=False), 0.2)
+    assert req.phase is Phase.TRANSFER
+    assert req.kv_location() == [(0, 600, ("prefill-0",)), (600, 1000, ("prefill-0", "prefill-1"))]
+    core.on_event(DecodeStarted(request_id="r", instance_id="decode-0"), 0.3)
+    assert req.kv_location() == [(0, 1000, ("decode-0",))]
