@@ -18,3 +18,7 @@ __all__ = [
     "positions",
     "slot_indices",
 ]
+
+from . import distributed  # sequence-parallel attention (ring, ulysses, SP-TP) over torch.distributed
+
+__all__ += ["distributed"]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from spindle_protocol.messages import RequestSpec
 
-LAYOUTS = ("contiguous", "striped", "zigzag")  # how a chunk's tokens are split over an SP group (issue 5)
+LAYOUTS = ("contiguous", "stripe", "zigzag")  # how a chunk's tokens are split over an SP group (issue 5)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,31 @@
+"""Sequence-parallel attention over `torch.distributed` (gloo on CPU, NCCL on GPU, same code).
+
+- `layouts`: how a chunk's tokens are split over a group (contiguous, stripe, zigzag) and their positions.
+- `ring`: ring attention with KV rotation, history KV and KV retention (LoongServe scale-down).
+- `ulysses`: all-to-all sequence <-> head resharding with uneven heads and tokens.
+- `sp_tp`: CSPS SP-TP (all-gather tokens, head-parallel attention, reduce-scatter).
+Every function records its bytes in an optional `CommStats`.
+"""
+
+from .comm import CommStats
+from .layouts import LAYOUTS, Layout, shard, shard_indices, shard_positions, unshard
+from .ring import KVRetention, ring_attention
+from .sp_tp import all_gather_tokens, reduce_scatter_tokens, sp_tp_attention
+from .ulysses import head_split, ulysses_attention
+
+__all__ = [
+    "LAYOUTS",
+    "CommStats",
+    "KVRetention",
+    "Layout",
+    "all_gather_tokens",
+    "head_split",
+    "reduce_scatter_tokens",
+    "ring_attention",
+    "shard",
+    "shard_indices",
+    "shard_positions",
+    "sp_tp_attention",
+    "ulysses_attention",
+    "unshard",
+]
