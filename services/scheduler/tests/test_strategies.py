@@ -84,7 +84,9 @@ def small_config(**kw) -> SimConfig:
 
 
 def test_strategy_specs():
-    assert parse_strategy_spec("fixed-sp:sp=8,layout=striped") == ("fixed-sp", {"sp": 8, "layout": "striped"})
+    assert parse_strategy_spec("fixed-sp:sp=8,layout=stripe") == ("fixed-sp", {"sp": 8, "layout": "stripe"})
+    with pytest.raises(ValueError, match="unknown layout 'striped'"):
+        create_strategy("request-sp:layout=striped", TETRIS)
     assert parse_strategy_spec(" single ") == ("single", {})
     assert strategy_options("fixed-sp") == {"sp": 8, "layout": "zigzag"}
     assert create_strategy("fixed-sp:sp=4", TETRIS).describe() == "fixed-sp:sp=4"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from spindle_protocol.messages import RequestSpec
 
-from ..actions import Action, Admit, Reject, RunPrefill, whole_prompt
+from ..actions import LAYOUTS, Action, Admit, Reject, RunPrefill, whole_prompt
 from ..latency import LatencyModel
 from ..state import ClusterState
 from ..strategy import Strategy, register_strategy
@@ -28,6 +28,8 @@ class FixedSPStrategy(Strategy):
         if sp not in self.latency.prefill.coeffs:
             raise ValueError(f"fixed-sp: sp={sp} has no prefill latency model (have {self.latency.prefill.sp_sizes()})")
         self.sp = sp
+        if layout not in LAYOUTS:
+            raise ValueError(f"{self.name}: unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
         self.layout = layout
 
     def describe(self) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from spindle_protocol.messages import RequestSpec
 
-from ..actions import Action, Admit, Reject, RunPrefill, whole_prompt
+from ..actions import LAYOUTS, Action, Admit, Reject, RunPrefill, whole_prompt
 from ..latency import LatencyModel
 from ..state import ClusterState
 from ..strategy import Strategy, register_strategy
@@ -31,6 +31,8 @@ class RequestSPStrategy(Strategy):
         if max_sp < 1 or not self.sizes:
             raise ValueError(f"request-sp: no SP size <= max_sp={max_sp} in {self.latency.prefill.sp_sizes()}")
         self.max_sp = max_sp
+        if layout not in LAYOUTS:
+            raise ValueError(f"{self.name}: unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
         self.layout = layout
 
     def describe(self) -> str:
