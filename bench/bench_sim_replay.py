@@ -54,7 +54,7 @@ log = logging.getLogger("bench.sim_replay")
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_OUT = ROOT / "results" / "sim_replay.json"
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPES = ("bfloat16", "float16", "float32")
 WARMUP_LENS = (32, 64, 128, 256)  # sequential untimed requests (also the idle-overhead sample)
 
 
@@ -82,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="trace and prompt seed (default: 0)")
     p.add_argument("--url", help="gateway of a running stack (default: start one)")
     p.add_argument("--model", default="smollm2", help="model of the started stack and the profile")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPE_BYTES))
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--prefill", type=int, default=2, help="prefill instances of the started stack (default: 2)")
     p.add_argument("--decode", type=int, default=1, help="decode instances of the started stack (default: 1)")
     p.add_argument("--max-model-len", type=int, default=1024, help="of the started stack (default: %(default)s)")
@@ -135,10 +135,13 @@ def profile_config(args: argparse.Namespace) -> ProfileConfig:
 
 def kv_bytes_per_token(model: str, dtype: str) -> int:
     """K and V of every layer: 2 x layers x KV heads x head dim x dtype bytes (smollm2 fp32: 46,080)."""
+    import torch
+
+    from spindle_engine.kv_cache import KVCache
     from spindle_model import resolve_model
 
     c = resolve_model(model, progress=False).config
-    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * DTYPE_BYTES[dtype]
+    return KVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, getattr(torch, dtype))
 
 
 def instance_capacities(url: str) -> dict[str, list[int]]:

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 from spindle_protocol.messages import RequestSpec
 
-LAYOUTS = ("contiguous", "stripe", "zigzag")  # how a chunk's tokens are split over an SP group (issue 5)
+# How a chunk's tokens are split over an SP group: the names of spindle_attention.distributed.LAYOUTS, repeated
+# here so the scheduler does not import torch.
+LAYOUTS = ("contiguous", "stripe", "zigzag")
 
 
 @dataclass(frozen=True)

@@ -32,33 +32,24 @@ def spec(rid: str, n: int, max_tokens: int = 10) -> RequestSpec:
     )
 
 
+def instance(iid: str, role: str, rank: int, blocks: int = 10**6, now: float = 0.0) -> InstanceInfo:
+    return InstanceInfo(
+        instance_id=iid,
+        role=role,
+        rank=rank,
+        pid=0,
+        started_at=0.0,
+        updated_at=now,
+        kv_blocks_total=blocks,
+        block_size=16,
+    )
+
+
 def core_with(strategy: str, num_prefill: int, latency: LatencyModel = TETRIS, now: float = 0.0) -> SchedulerCore:
     core = SchedulerCore(create_strategy(strategy, latency), SchedulerConfig())
     for i in range(num_prefill):
-        core.on_heartbeat(
-            InstanceInfo(
-                instance_id=f"prefill-{i}",
-                role="prefill",
-                rank=1 + i,
-                pid=0,
-                started_at=0.0,
-                updated_at=now,
-                kv_blocks_total=10**6,
-                block_size=16,
-            )
-        )
-    core.on_heartbeat(
-        InstanceInfo(
-            instance_id="decode-0",
-            role="decode",
-            rank=1 + num_prefill,
-            pid=0,
-            started_at=0.0,
-            updated_at=now,
-            kv_blocks_total=10**6,
-            block_size=16,
-        )
-    )
+        core.on_heartbeat(instance(f"prefill-{i}", "prefill", 1 + i, now=now))
+    core.on_heartbeat(instance("decode-0", "decode", 1 + num_prefill, now=now))
     return core
 
 
@@ -144,18 +135,7 @@ def test_request_sp_picks_fastest_size_given_queues():
 def test_chunked_plans_fixed_chunks_on_elastic_instances():
     core = SchedulerCore(create_strategy("chunked:chunk_size=300"), SchedulerConfig())
     for i in range(2):
-        core.on_heartbeat(
-            InstanceInfo(
-                instance_id=f"elastic-{i}",
-                role="elastic",
-                rank=1 + i,
-                pid=0,
-                started_at=0.0,
-                updated_at=0.0,
-                kv_blocks_total=1000,
-                block_size=16,
-            )
-        )
+        core.on_heartbeat(instance(f"elastic-{i}", "elastic", 1 + i, blocks=1000))
     actions = core.admit(spec("a", 700), 0.0)
     assert actions[0] == Admit("a", ("elastic-0",), "elastic-0")
     assert [(c.start, c.end) for c in plan_of(actions).chunks] == [(0, 300), (300, 600), (600, 700)]

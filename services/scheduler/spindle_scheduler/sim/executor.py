@@ -269,16 +269,7 @@ class Simulator:
         if rec.state != "pending":
             self._release_prefill(rec, now)
         elif not job.is_last:
-            self._emit(
-                PrefillProgress(
-                    request_id=rid,
-                    instance_id=chunk.instances[0],
-                    tokens_done=chunk.end,
-                    tokens_total=rec.num_prefill_tokens,
-                    chunk_seconds=now - (rec.prefill_start or now),
-                ),
-                now,
-            )
+            self._chunk_progress(rec, chunk.instances[0], chunk.end, now)
         else:
             self._prefill_finished(rec, chunk.instances[0], now)
             if rec.state == "pending":
@@ -288,6 +279,16 @@ class Simulator:
         nxt = self.plans[rid].chunks[job.index + 1].instances if not job.is_last else ()
         for iid in dict.fromkeys((*chunk.instances, *nxt)):
             self._pump(self.instances[iid], now)  # type: ignore[arg-type]
+
+    def _chunk_progress(self, rec: RequestRecord, instance_id: str, tokens_done: int, now: float) -> None:
+        progress = PrefillProgress(
+            request_id=rec.request_id,
+            instance_id=instance_id,
+            tokens_done=tokens_done,
+            tokens_total=rec.num_prefill_tokens,
+            chunk_seconds=now - (rec.prefill_start or now),
+        )
+        self._emit(progress, now)
 
     def _prefill_finished(self, rec: RequestRecord, instance_id: str, now: float) -> None:
         """The last chunk produced the first token."""
@@ -457,16 +458,7 @@ class Simulator:
         if rec.state != "pending":
             c.free(rid)
         elif not job.is_last:
-            self._emit(
-                PrefillProgress(
-                    request_id=rid,
-                    instance_id=c.id,
-                    tokens_done=job.chunk.end,
-                    tokens_total=rec.num_prefill_tokens,
-                    chunk_seconds=now - (rec.prefill_start or now),
-                ),
-                now,
-            )
+            self._chunk_progress(rec, c.id, job.chunk.end, now)
         else:
             self._prefill_finished(rec, c.id, now)
             if rec.state == "pending":
@@ -500,10 +492,10 @@ class Simulator:
         if rid not in self._running:
             self._release_prefill(rec, now)
         assert isinstance(d, SimDecode)
-        if rec in d.running and not d.stepping:
-            self._leave_decode(d, rec)
         if rec in d.running:
-            return  # leaves at the end of the step in flight
+            if d.stepping:
+                return  # leaves at the end of the step in flight
+            self._leave_decode(d, rec)
         self._join_decode(d, now)
         self._start_step(d, now)
 

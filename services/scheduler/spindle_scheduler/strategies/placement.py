@@ -7,9 +7,9 @@ from spindle_protocol.messages import RequestSpec
 from ..state import ClusterState, InstanceState
 
 
-def pick_decode(state: ClusterState, spec: RequestSpec, role: str = "decode") -> InstanceState | None:
+def pick_decode(state: ClusterState, spec: RequestSpec) -> InstanceState | None:
     """The live decode instance with the most free KV blocks; counts the request's blocks as planned there."""
-    decodes = state.live(role)
+    decodes = state.live("decode")
     if not decodes:
         return None
     decode = max(decodes, key=lambda i: (i.free_blocks, -i.info.rank))
