@@ -8,6 +8,7 @@ from spindle_attention.distributed import (
     LAYOUTS,
     CommStats,
     KVRetention,
+    RankGroup,
     ring_attention,
     shard_indices,
     ulysses_attention,
@@ -73,6 +74,15 @@ def _ring_worker(rank: int, ws: int) -> None:
             idx = shard_indices(277, 3, "zigzag")[rank - 1]
             for fn in (ring_attention, ulysses_attention):
                 out, lse = fn(q[idx], k[idx], v[idx], sub, q_positions=idx, k_positions=idx)
+                _close(out, lse, ref_out[idx], ref_lse[:, idx])
+        # the same without new_group: a RankGroup in member order (3, 1) talks point-to-point; 0 and 2 idle
+        if rank in (3, 1):
+            member = (3, 1).index(rank)
+            q, k, v = _qkv(101, seed=4)
+            ref_out, ref_lse = attention_fwd(q, k, v)
+            idx = shard_indices(101, 2, "stripe")[member]
+            for fn in (ring_attention, ulysses_attention):
+                out, lse = fn(q[idx], k[idx], v[idx], RankGroup((3, 1)), q_positions=idx, k_positions=idx)
                 _close(out, lse, ref_out[idx], ref_lse[:, idx])
     if ws > 1:  # ranks disagreeing on head_dim all fail with ValueError after the metadata exchange
         d = D if rank == 0 else D // 2

@@ -22,6 +22,11 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
         help="measure this machine's engine (prefill, decode, KV transfer) and write a latency profile JSON",
     )
+    sub.add_parser(
+        "verify",
+        add_help=False,
+        help="check that a sequence-parallel prefill plan gives the single-instance result (`spindle verify --help`)",
+    )
     up = sub.add_parser(
         "up",
         help="start nats-server, kvstore, scheduler, prefill and decode instances and the gateway",
@@ -111,6 +116,10 @@ def main(argv: list[str] | None = None) -> None:
         from spindle_scheduler.profile_cli import main as profile_main
 
         sys.exit(profile_main(argv[1:]))
+    if argv[:1] == ["verify"]:
+        from spindle_engine.sp.verify import main as verify_main
+
+        sys.exit(verify_main(argv[1:]))
     if argv[:1] == ["sim"]:
         from spindle_scheduler.sim.cli import main as sim_main
 

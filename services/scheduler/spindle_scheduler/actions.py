@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 from spindle_protocol.messages import RequestSpec
 
-# How a chunk's tokens are split over an SP group: the names of spindle_attention.distributed.LAYOUTS, repeated
-# here so the scheduler does not import torch.
-LAYOUTS = ("contiguous", "stripe", "zigzag")
+# How a chunk's tokens are split over an SP group: the names of spindle_engine.sp.SP_LAYOUTS (ring layouts, and
+# all-to-all for Ulysses attention), repeated here so the scheduler does not import torch.
+LAYOUTS = ("contiguous", "stripe", "zigzag", "all-to-all")
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,11 @@
 - `ring`: ring attention with KV rotation, history KV and KV retention (LoongServe scale-down).
 - `ulysses`: all-to-all sequence <-> head resharding with uneven heads and tokens.
 - `sp_tp`: CSPS SP-TP (all-gather tokens, head-parallel attention, reduce-scatter).
-Every function records its bytes in an optional `CommStats`.
+Every function records its bytes in an optional `CommStats`. A group is a `ProcessGroup`, None (the world) or a
+`RankGroup` (any set of global ranks, point-to-point over the world group, no `new_group` needed).
 """
 
-from .comm import CommStats
+from .comm import CommStats, RankGroup
 from .layouts import LAYOUTS, Layout, shard, shard_indices, shard_positions, unshard
 from .ring import KVRetention, ring_attention
 from .sp_tp import all_gather_tokens, reduce_scatter_tokens, sp_tp_attention
@@ -18,6 +19,7 @@ __all__ = [
     "CommStats",
     "KVRetention",
     "Layout",
+    "RankGroup",
     "all_gather_tokens",
     "head_split",
     "reduce_scatter_tokens",

@@ -14,7 +14,25 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-Group = dist.ProcessGroup | None
+
+@dataclass(frozen=True)
+class RankGroup:
+    """A group named by its global ranks that talks over the default group with point-to-point ops only.
+
+    It needs no `new_group` (a collective over the whole world, or, with local synchronisation, broken on
+    gloo in torch 2.13), so any set of ranks can form one at any moment, as SP chunks of a serving cluster
+    do. Its traffic uses tags from `TAG_BASE` up, apart from the small tags other code uses.
+    """
+
+    ranks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.ranks or len(set(self.ranks)) != len(self.ranks) or min(self.ranks) < 0:
+            raise ValueError(f"a rank group needs distinct non-negative ranks, got {self.ranks}")
+
+
+RANK_GROUP_TAG = 1 << 30  # RankGroup traffic: ring steps use this tag, metadata and all-to-all the next ones
+Group = dist.ProcessGroup | RankGroup | None
 
 
 @dataclass
@@ -60,22 +78,71 @@ class Timer:
 
 
 def group_rank_size(group: Group) -> tuple[int, int]:
+    if isinstance(group, RankGroup):
+        me = dist.get_rank()
+        if me not in group.ranks:
+            raise ValueError(f"rank {me} is not a member of {group}")
+        return group.ranks.index(me), len(group.ranks)
     return dist.get_rank(group), dist.get_world_size(group)
 
 
 def global_rank(group: Group, rank: int) -> int:
     """The global rank of group-local `rank` (what `P2POp` and `isend` expect as the peer)."""
+    if isinstance(group, RankGroup):
+        return group.ranks[rank]
     if group is None or group is dist.group.WORLD:
         return rank
     return dist.get_global_rank(group, rank)
 
 
+def p2p_args(group: Group, tag: int = 0) -> tuple[dist.ProcessGroup | None, int]:
+    """(group, tag) for a `P2POp`: a RankGroup sends on the default group under its own tag range."""
+    if isinstance(group, RankGroup):
+        return None, RANK_GROUP_TAG + tag
+    return group, tag
+
+
+def exchange(sends: list[Tensor], recvs: list[Tensor], group: Group, tag: int) -> None:
+    """Send `sends[p]` to and receive `recvs[p]` from every other group rank p (own entries are ignored)."""
+    rank, size = group_rank_size(group)
+    pg, t = p2p_args(group, tag)
+    ops = []
+    for p in range(size):
+        if p != rank:
+            peer = global_rank(group, p)
+            ops += [dist.P2POp(dist.isend, sends[p], peer, pg, t), dist.P2POp(dist.irecv, recvs[p], peer, pg, t)]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def all_to_all_bytes(recv: Tensor, send: Tensor, recv_sizes: list[int], send_sizes: list[int], group: Group) -> None:
+    """`all_to_all_single` on flat uint8 buffers; over point-to-point ops for a RankGroup."""
+    if not isinstance(group, RankGroup):
+        dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
+        return
+    rank, _ = group_rank_size(group)
+    send_parts, recv_parts = list(send.split(send_sizes)), list(recv.split(recv_sizes))
+    recv_parts[rank].copy_(send_parts[rank])
+    # zero-byte messages still travel (1 byte) so both sides always post a matching pair
+    sends = [p if p.numel() else send.new_zeros(1) for p in send_parts]
+    bufs = [p if p.numel() else recv.new_empty(1) for p in recv_parts]
+    exchange(sends, bufs, group, tag=2)
+    for part, buf in zip(recv_parts, bufs, strict=True):
+        if part.numel() and part.data_ptr() != buf.data_ptr():
+            part.copy_(buf)
+
+
 def all_gather_ints(values: list[int], group: Group, device: torch.device, stats: CommStats | None) -> list[list[int]]:
     """All-gather a short list of ints from every rank; returns one list per rank (rank order)."""
-    _, size = group_rank_size(group)
+    rank, size = group_rank_size(group)
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     out = [torch.empty_like(mine) for _ in range(size)]
-    dist.all_gather(out, mine, group=group)
+    if isinstance(group, RankGroup):
+        out[rank] = mine
+        exchange([mine] * size, out, group, tag=1)
+    else:
+        dist.all_gather(out, mine, group=group)
     if stats is not None:
         stats.meta_bytes += mine.numel() * 8 * max(size - 1, 0)
     return [[int(x) for x in t.tolist()] for t in out]

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from ..merge import merge_attn_states
 from ..reference import attention_fwd
-from .comm import CommStats, Group, Timer, all_gather_ints, global_rank, group_rank_size, pack, unpack
+from .comm import CommStats, Group, Timer, all_gather_ints, global_rank, group_rank_size, p2p_args, pack, unpack
 
 # Called with (k [n, Hkv, D], v [n, Hkv, D], positions int64 [n]) for every block that visits this rank.
 RetainFn = Callable[[Tensor, Tensor, Tensor], None]
@@ -177,7 +177,8 @@ def ring_attention(
             n_next = meta[nsrc][0]
             send = cur if n_cur else torch.zeros(block_bytes, dtype=torch.uint8, device=dev)
             recv = torch.empty(max(n_next, 1) * block_bytes, dtype=torch.uint8, device=dev)
-            ops = [dist.P2POp(dist.isend, send, nxt, group), dist.P2POp(dist.irecv, recv, prv, group)]
+            pg, tag = p2p_args(group)
+            ops = [dist.P2POp(dist.isend, send, nxt, pg, tag), dist.P2POp(dist.irecv, recv, prv, pg, tag)]
             reqs = dist.batch_isend_irecv(ops)
             if stats is not None:
                 stats.record(send.numel(), recv.numel(), n_cur * block_bytes)

@@ -21,11 +21,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from ..reference import attention_fwd
-from .comm import CommStats, Group, Timer, all_gather_ints, group_rank_size, pack, unpack
+from .comm import CommStats, Group, Timer, all_gather_ints, all_to_all_bytes, group_rank_size, pack, unpack
 from .layouts import _runs
 from .ring import History, _check_history, check_inputs
 
@@ -109,7 +108,7 @@ def ulysses_attention(
     send = torch.cat(parts)
     recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=dev)
     with Timer(stats, "wait_s"):
-        dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
+        all_to_all_bytes(recv, send, recv_sizes, send_sizes, group)
     if stats is not None:
         remote = sum(send_sizes) - send_sizes[rank]
         stats.record(remote, sum(recv_sizes) - recv_sizes[rank], remote)
@@ -148,7 +147,7 @@ def ulysses_attention(
     send = torch.cat([pack(list(p)) for p in back_send])
     recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=dev)
     with Timer(stats, "wait_s"):
-        dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
+        all_to_all_bytes(recv, send, recv_sizes, send_sizes, group)
     if stats is not None:
         remote = sum(send_sizes) - send_sizes[rank]
         stats.record(remote, sum(recv_sizes) - recv_sizes[rank], remote)

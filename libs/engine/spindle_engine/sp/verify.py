@@ -1,0 +1,259 @@
+"""`spindle verify`: run a prompt under an SP prefill plan on local processes and compare with one instance.
+
+Starts one process per plan member plus the decode instance's TP ranks (gloo on loopback), runs the plan,
+hands the KV to decode (or retains it in place), decodes greedily, then computes the same prompt on the
+single-instance engine here and compares the last prompt token's logits, the greedy tokens and, with
+`--dump-kv`, the whole prompt KV. Prints the differences and MATCH or MISMATCH; exits 1 on a mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor
+
+from spindle_model import LlamaModel, load_state_dict, resolve_model
+
+from ..config import DTYPES, EngineConfig
+from ..engine import Engine
+from ..sampling_params import SamplingParams
+from .kv_parts import decode_heads
+from .plan import SP_LAYOUTS
+from .verify_worker import BLOCK_SIZE, VerifySpec
+
+FAILURE_GRACE_S = 15.0  # after one rank fails, how long the others get to fail on their own before being killed
+TOLERANCE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 5e-2}  # relative to the largest |logit|
+
+
+@dataclass
+class VerifyResult:
+    match: bool
+    logit_max_abs_diff: float
+    logit_scale: float
+    tokens: list[int]
+    reference_tokens: list[int]
+    kv_max_abs_diff: float | None
+    seconds: float
+    ranks: list[dict] = field(default_factory=list)
+
+    def summary(self) -> str:
+        lines = [
+            f"max |logit diff| {self.logit_max_abs_diff:.3e} (largest |logit| {self.logit_scale:.1f})",
+            f"greedy tokens  {self.tokens}",
+            f"single engine  {self.reference_tokens}",
+        ]
+        if self.kv_max_abs_diff is not None:
+            lines.append(f"max |KV diff|  {self.kv_max_abs_diff:.3e}")
+        for r in self.ranks:
+            if r.get("role") == "prefill":
+                for c in r["chunks"]:
+                    lines.append(
+                        f"member {r['member']} chunk {c['index']}: {c['tokens']} tokens sp={c['sp']} {c['layout']} "
+                        f"{c['seconds']:.2f}s ring {c['ring_bytes']} B rebalance {c['rebalance_bytes']} B"
+                    )
+                lines.append(f"member {r['member']}: sent {r['transfer_bytes']} B of KV to decode")
+        lines.append("MATCH" if self.match else "MISMATCH")
+        return "\n".join(lines)
+
+
+class _Recording:
+    """Causal attention that also keeps every layer's K/V (the single-instance reference)."""
+
+    def __init__(self) -> None:
+        self.kv: list[tuple[Tensor, Tensor]] = []
+
+    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        from spindle_model import CausalAttention
+
+        self.kv.append((k.clone(), v.clone()))
+        return CausalAttention().attention(layer, q, k, v)
+
+
+@torch.inference_mode()
+def reference(spec: VerifySpec) -> tuple[Tensor, list[int], Tensor]:
+    """Single instance: last-token logits `[vocab]`, greedy tokens, KV `[2, L, N, Hkv, D]`."""
+    source = resolve_model(spec.model)
+    dtype = DTYPES[spec.dtype]
+    model = LlamaModel(source.config, dtype=dtype)
+    model.load_weights(load_state_dict(source.path, dtype=dtype))
+    ids = torch.tensor(spec.token_ids)
+    rec = _Recording()
+    hidden = model(torch.arange(len(ids)), rec, input_ids=ids)
+    logits = model.compute_logits(hidden[-1:])[0]
+    kv = torch.stack([torch.stack([k for k, _ in rec.kv]), torch.stack([v for _, v in rec.kv])])
+    room = len(ids) + spec.max_new_tokens + BLOCK_SIZE
+    engine = Engine(
+        EngineConfig(dtype=spec.dtype, block_size=BLOCK_SIZE, kv_cache_tokens=room + BLOCK_SIZE, max_model_len=room),
+        model=model,
+    )
+    engine.add_request(
+        "ref", spec.token_ids, SamplingParams(max_tokens=spec.max_new_tokens, temperature=0.0, ignore_eos=True)
+    )
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.new_token_ids
+    return logits, tokens, kv
+
+
+def launch(spec: VerifySpec, out_dir: Path, timeout_s: float = 600.0) -> list[tuple[dict[str, Tensor], dict]]:
+    """Run every rank of `spec` as a subprocess; returns each rank's (tensors, report)."""
+    from spindle_model.testing import free_port
+
+    world = spec.world_size()
+    spec_path = out_dir / "spec.json"
+    spec_path.write_text(json.dumps(asdict(spec)))
+    port = free_port()
+    procs = []
+    for r in range(world):
+        cmd = [sys.executable, "-m", "spindle_engine.sp.verify_worker", "--rank", str(r), "--world-size", str(world)]
+        cmd += ["--port", str(port), "--spec", str(spec_path), "--out", str(out_dir)]
+        log = open(out_dir / f"rank{r}.log", "w")  # noqa: SIM115 (closed below)
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
+    deadline = time.monotonic() + timeout_s
+    failed, bad = None, 0
+    try:
+        while any(p.poll() is None for p, _ in procs):
+            if time.monotonic() > deadline:
+                failed = failed or f"timed out after {timeout_s:.0f} s"
+                break
+            errors = [r for r, (p, _) in enumerate(procs) if p.returncode not in (None, 0)]
+            if errors and failed is None:  # the first rank seen failing; the others fail on its closed connections
+                failed, bad = f"rank {errors[0]} exited with an error", errors[0]
+                deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)  # let them report, then kill
+            time.sleep(0.05)
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
+    if failed or any(p.returncode != 0 for p, _ in procs):
+        tail = (out_dir / f"rank{bad}.log").read_text()[-3000:]
+        raise RuntimeError(f"verify ranks failed ({failed or 'non-zero exit'}); rank {bad} log:\n{tail}")
+    results = []
+    for r in range(world):
+        st = out_dir / f"rank{r}.safetensors"
+        results.append((load_file(str(st)) if st.exists() else {}, json.loads((out_dir / f"rank{r}.json").read_text())))
+    return results
+
+
+Reference = tuple[Tensor, list[int], Tensor]
+
+
+def verify(spec: VerifySpec, *, timeout_s: float = 600.0, ref: Reference | None = None) -> VerifyResult:
+    """Run `spec` and compare; `ref` (from `reference(spec)`) may be passed to reuse it across plans."""
+    spec.parsed_plan()  # a bad plan fails here, before any process starts
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="spindle-verify-") as tmp:
+        results = launch(spec, Path(tmp), timeout_s)
+    seconds = time.perf_counter() - t0
+    ref_logits, ref_tokens, ref_kv = ref if ref is not None else reference(spec)
+    logits = next(t["logits"] for t, _ in results if "logits" in t)
+    tokens = next(t["tokens"] for t, _ in results if "tokens" in t).tolist()
+    diff = (logits - ref_logits).abs().max().item()
+    scale = ref_logits.abs().max().item()
+    tol = TOLERANCE[spec.dtype] * max(scale, 1.0)
+    kv_diff = None
+    if spec.dump_kv and not spec.decode_in_place:
+        source = resolve_model(spec.model)
+        heads = decode_heads(source.config, spec.decode_tp)
+        parts = [t["kv"] for t, r in results if r.get("role") == "decode"]
+        kv = torch.cat(parts, dim=3)
+        assert len(parts) == len(heads)
+        kv_diff = (kv.float() - ref_kv.float()).abs().max().item()
+    leaked = sum(r.get("blocks_leaked", 0) for _, r in results)
+    ok = diff <= tol and tokens == ref_tokens and leaked == 0
+    if kv_diff is not None:
+        ok = ok and kv_diff <= tol
+    return VerifyResult(ok, diff, scale, tokens, ref_tokens, kv_diff, seconds, [r for _, r in results])
+
+
+def read_prompt(path: Path, model: str) -> list[int]:
+    """A JSON list of token ids, or text to tokenize with the model's tokenizer."""
+    text = path.read_text()
+    stripped = text.strip()
+    if stripped.startswith("["):
+        ids = json.loads(stripped)
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            raise ValueError(f"{path}: a JSON prompt must be a list of token ids")
+        return ids
+    from spindle_model import Tokenizer
+
+    return Tokenizer(resolve_model(model).path).encode(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="spindle verify",
+        description=(
+            "Run a prompt under a sequence-parallel prefill plan on local processes (gloo) and check that the "
+            "last prompt token's logits and a greedy continuation match the single-instance engine. Exits 1 "
+            "on MISMATCH."
+        ),
+        epilog="example: spindle verify --prompt-file doc.txt --plan '0:300@0;300:900@0,1;900:@0,1,2,3' --decode-tp 2",
+    )
+    ap.add_argument("--prompt-file", type=Path, required=True, help="text, or a JSON list of token ids")
+    ap.add_argument(
+        "--plan",
+        required=True,
+        help="chunks START:END@MEMBERS[/LAYOUT] separated by ';' (END empty = prompt end), each group containing "
+        "the previous one's, e.g. '0:300@0;300:900@0,1;900:@0,1,2,3'",
+    )
+    ap.add_argument("--layout", default="zigzag", choices=SP_LAYOUTS, help="layout of chunks that name none")
+    ap.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel size of the decode instance")
+    ap.add_argument(
+        "--retain",
+        default=None,
+        help="members that keep the KV after the last chunk (LoongServe scale-down), e.g. '0' to decode in place",
+    )
+    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    ap.add_argument("--model", default="smollm2", help="model name, HF Llama directory or .gguf file")
+    ap.add_argument("--max-new-tokens", type=int, default=8, help="greedy tokens to compare")
+    ap.add_argument("--dump-kv", action="store_true", help="also compare the whole prompt KV the decode side got")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--json", type=Path, help="write the result (with per-chunk bytes and times) here")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are killed")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        ids = read_prompt(args.prompt_file, args.model)
+        if args.decode_tp < 1:
+            raise ValueError(f"--decode-tp must be >= 1, got {args.decode_tp}")
+        if args.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        retain = [int(m) for m in args.retain.split(",")] if args.retain else None
+        spec = VerifySpec(
+            args.model, args.dtype, args.plan, args.layout, ids, args.decode_tp, retain, args.max_new_tokens,
+            args.dump_kv, args.threads,
+        )  # fmt: skip
+        plan = spec.parsed_plan()
+        if retain is not None and not set(retain) <= set(plan.members):
+            raise ValueError(f"--retain members {retain} are not all in the plan {plan.members}")
+    except (ValueError, OSError) as e:
+        print(f"spindle verify: error: {e}", file=sys.stderr)
+        return 2
+    print(f"plan {plan.format()} ({len(ids)} tokens), decode TP {spec.decode_tp}, {spec.world_size()} processes")
+    result = verify(spec, timeout_s=args.timeout)
+    print(result.summary())
+    if args.json:
+        args.json.write_text(json.dumps(asdict(result), indent=1))
+    return 0 if result.match else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""One process of `spindle verify`: a prefill member running its side of the plan, or a decode TP rank.
+
+Ranks `0..P-1` are the plan's members (sorted), ranks `P..P+T-1` the decode instance's TP ranks (none when
+the KV is retained on one member, which then decodes in place). Every holder sends each decode rank its
+heads of the KV it holds (no header exchange: both sides derive every size from the plan). Results go to
+`<out>/rank<r>.safetensors` and `<out>/rank<r>.json`; nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import Tensor
+
+from spindle_model import LlamaModel, ModelConfig, load_state_dict, resolve_model
+
+from ..config import DTYPES, EngineConfig
+from ..engine import Engine
+from ..kv_cache import BlockAllocator, KVCache
+from ..sampling_params import SamplingParams
+from .kv_parts import assemble_kv, decode_heads, split_for_decode
+from .plan import SPPlan, retention_targets
+from .runner import SPPrefill
+
+TAG_KV, TAG_FIRST = 7, 8
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class VerifySpec:
+    model: str
+    dtype: str
+    plan: str
+    layout: str
+    token_ids: list[int]
+    decode_tp: int = 1
+    retain: list[int] | None = None
+    max_new_tokens: int = 8
+    dump_kv: bool = False
+    threads: int = 1
+
+    def parsed_plan(self) -> SPPlan:
+        return SPPlan.parse(self.plan, len(self.token_ids), self.layout)
+
+    @property
+    def decode_in_place(self) -> bool:
+        return self.retain is not None and len(self.retain) == 1 and self.decode_tp == 1
+
+    def world_size(self) -> int:
+        return len(self.parsed_plan().members) + (0 if self.decode_in_place else self.decode_tp)
+
+    def placement(self) -> dict[int, Tensor]:
+        plan = self.parsed_plan()
+        if self.retain is not None:
+            targets = retention_targets(plan.num_tokens, tuple(self.retain))
+            return {m: targets.get(m, torch.empty(0, dtype=torch.int64)) for m in plan.members}
+        return plan.final_placement()
+
+
+def _tp_group(first: int, size: int) -> dist.ProcessGroup | None:
+    """The decode instance's TP group. `new_group` is collective over the world, so every rank calls this."""
+    return dist.new_group(list(range(first, first + size))) if size > 1 else None
+
+
+def _inject_fault(model: LlamaModel, member: int) -> None:
+    """Test hook: `SPINDLE_VERIFY_KILL=MEMBER:LAYER` kills that member the first time it reaches LAYER (mid-chunk)."""
+    where = os.environ.get("SPINDLE_VERIFY_KILL")
+    if not where:
+        return
+    victim, layer = (int(x) for x in where.split(":"))
+    if victim != member:
+        return
+    target = model.layers[layer]
+    forward = target.forward
+    calls = {"n": 0}
+
+    def dying_forward(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            print(f"member {member}: killed at layer {layer} (SPINDLE_VERIFY_KILL)", flush=True)
+            os._exit(137)
+        return forward(*args, **kwargs)
+
+    target.forward = dying_forward
+
+
+def _load_model(spec: VerifySpec, config: ModelConfig, path: Path, tp_group: dist.ProcessGroup | None) -> LlamaModel:
+    dtype = DTYPES[spec.dtype]
+    model = LlamaModel(config, dtype=dtype, tp_group=tp_group)
+    model.load_weights(load_state_dict(path, dtype=dtype))
+    return model.eval()
+
+
+def _decode(spec: VerifySpec, model: LlamaModel, kv: Tensor, first: int) -> list[int]:
+    """Greedy continuation on an engine that imports the prompt's KV, as a decode instance does."""
+    n = len(spec.token_ids)
+    room = n + spec.max_new_tokens + BLOCK_SIZE
+    cfg = EngineConfig(dtype=spec.dtype, block_size=BLOCK_SIZE, kv_cache_tokens=room + BLOCK_SIZE, max_model_len=room)
+    engine = Engine(cfg, model=model)
+    params = SamplingParams(max_tokens=spec.max_new_tokens, temperature=0.0, ignore_eos=True)
+    assert engine.reserve("verify", n)
+    engine.add_prefilled("verify", spec.token_ids, first, kv, params)
+    tokens = [first]
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.new_token_ids
+    assert engine.allocator.num_used == 0, "the decode engine leaked blocks"
+    return tokens
+
+
+def run_prefill(spec: VerifySpec, member: int, ranks: dict[int, int], config: ModelConfig, path: Path) -> tuple:
+    plan = spec.parsed_plan()
+    model = _load_model(spec, config, path, None)
+    n = plan.num_tokens
+    num_blocks = 2 * (-(-n // BLOCK_SIZE)) + 2  # history + chunk + retention copies never exceed 2x the prompt
+    cache = KVCache(len(model.layers), num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim, DTYPES[spec.dtype])
+    allocator = BlockAllocator(num_blocks, BLOCK_SIZE)
+    retain = retention_targets(n, tuple(spec.retain)) if spec.retain is not None else None
+    sp = SPPrefill(model, cache, allocator, "verify", spec.token_ids, plan, member, ranks, retain)
+    _inject_fault(model, member)
+    try:
+        logits = sp.run()
+    except RuntimeError as e:  # a peer died mid-chunk; the runner has freed this member's blocks
+        print(f"member {member}: prefill failed ({e}); blocks still held: {allocator.num_used}", flush=True)
+        raise
+    tensors: dict[str, Tensor] = {}
+    report: dict = {
+        "role": "prefill",
+        "member": member,
+        "chunks": [r.as_dict() for r in sp.reports],
+        "transfer_bytes": 0,
+    }
+    first_holder = next(m for m, pos in plan.steps()[-1].shards.items() if bool((pos == n - 1).any()))
+    first = torch.empty(1, dtype=torch.int64)
+    if logits is not None:
+        tensors["logits"] = logits
+        first[0] = int(logits.argmax())
+    kv = sp.held.export()  # [2, L, n_m, Hkv, D] in held order
+    assert torch.equal(sp.held.positions, spec.placement()[member]), "held KV differs from the plan's placement"
+    world = spec.world_size()
+    P = len(plan.members)
+    if spec.decode_in_place:
+        owner = spec.retain[0]
+        if member == first_holder and member != owner:
+            dist.send(first, ranks[owner], tag=TAG_FIRST)
+        if member == owner:
+            if member != first_holder:
+                dist.recv(first, ranks[first_holder], tag=TAG_FIRST)
+            full = assemble_kv([(sp.held.positions, kv)], n)
+            sp.release()
+            tensors["tokens"] = torch.tensor(_decode(spec, model, full, int(first[0])))
+    else:
+        works, sent = [], 0
+        if len(sp.held):
+            for t, part in enumerate(split_for_decode(kv, decode_heads(config, spec.decode_tp))):
+                works.append(dist.isend(part, P + t, tag=TAG_KV))
+                sent += part.numel() * part.element_size()
+        if member == first_holder:
+            works += [dist.isend(first, P + t, tag=TAG_FIRST) for t in range(world - P)]
+        for w in works:
+            w.wait()
+        report["transfer_bytes"] = sent
+    sp.release()
+    report["blocks_leaked"] = allocator.num_used
+    report["held_tokens"] = int(kv.shape[2])
+    return tensors, report
+
+
+def run_decode(
+    spec: VerifySpec, t: int, ranks: dict[int, int], config: ModelConfig, path: Path, tp_group: dist.ProcessGroup | None
+) -> tuple:
+    plan = spec.parsed_plan()
+    T = spec.decode_tp
+    model = _load_model(spec, config, path, tp_group)
+    lo, hi = decode_heads(config, T)[t]
+    dtype = DTYPES[spec.dtype]
+    n = plan.num_tokens
+    first_holder = next(m for m, pos in plan.steps()[-1].shards.items() if bool((pos == n - 1).any()))
+    parts, works = [], []
+    for m, pos in spec.placement().items():
+        if pos.numel():
+            buf = torch.empty(2, len(model.layers), pos.numel(), hi - lo, config.head_dim, dtype=dtype)
+            works.append(dist.irecv(buf, ranks[m], tag=TAG_KV))
+            parts.append((pos, buf))
+    first = torch.empty(1, dtype=torch.int64)
+    works.append(dist.irecv(first, ranks[first_holder], tag=TAG_FIRST))
+    for w in works:
+        w.wait()
+    kv = assemble_kv(parts, n)
+    tensors = {"tokens": torch.tensor(_decode(spec, model, kv, int(first[0])))}
+    if spec.dump_kv:
+        tensors["kv"] = kv
+    received = sum(b.numel() * b.element_size() for _, b in parts)
+    return tensors, {"role": "decode", "tp_rank": t, "received_bytes": received}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="one process of `spindle verify` (started by it, not by hand)")
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world-size", type=int, required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--spec", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    spec = VerifySpec(**json.loads(args.spec.read_text()))
+    torch.set_num_threads(spec.threads)
+    if sys.platform == "linux":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    store = dist.TCPStore("127.0.0.1", args.port, args.world_size, args.rank == 0, timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world_size)
+    try:
+        source = resolve_model(spec.model)
+        members = sorted(spec.parsed_plan().members)
+        ranks = {m: i for i, m in enumerate(members)}
+        tp_group = None if spec.decode_in_place else _tp_group(len(members), spec.decode_tp)
+        if args.rank < len(members):
+            tensors, report = run_prefill(spec, members[args.rank], ranks, source.config, source.path)
+        else:
+            tensors, report = run_decode(spec, args.rank - len(members), ranks, source.config, source.path, tp_group)
+        if tensors:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(args.out / f"rank{args.rank}.safetensors"))
+        (args.out / f"rank{args.rank}.json").write_text(json.dumps(report))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
