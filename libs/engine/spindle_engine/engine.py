@@ -185,10 +185,10 @@ class Engine:
         return self.release(request_id) or self.cancel_reservation(request_id)
 
     def blocks_held(self) -> dict[str, int]:
-        """Blocks per request id, over running, waiting (maybe 0 blocks), held and reserved requests."""
-        out = {rid: len(seq.block_table) for rid, seq in self.requests.items()}
-        out.update({rid: len(seq.block_table) for rid, seq in self.held.items()})
-        out.update({rid: len(table) for rid, table in self.reserved.items()})
+        """Blocks per request id, from the allocator (so KV held for SP prefill counts too), plus 0 for
+        requests that hold none yet."""
+        out = dict.fromkeys(self.requests, 0)
+        out.update(self.allocator.blocks_by_owner())
         return out
 
     def has_unfinished(self) -> bool:

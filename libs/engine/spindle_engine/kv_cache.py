@@ -58,6 +58,12 @@ class BlockAllocator:
             self._free.append(block)
         table.clear()
 
+    def blocks_by_owner(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for owner in self._owner.values():
+            out[owner] = out.get(owner, 0) + 1
+        return out
+
     def check_invariants(self) -> None:
         free = set(self._free)
         assert len(free) == len(self._free), "a block is on the free list twice"

@@ -106,14 +106,29 @@ class ClusterStatus(msgspec.Struct, frozen=True, kw_only=True):
 # ---- scheduler -> workers ----
 
 
+class SPChunkSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Prompt tokens [start, end) computed by `members` (instance ids) as one sequence-parallel group."""
+
+    start: int
+    end: int
+    members: list[str]
+    layout: str = "zigzag"  # contiguous | stripe | zigzag (ring attention) | all-to-all (Ulysses)
+
+
 class RunPrefill(msgspec.Struct, frozen=True, kw_only=True):
-    """Prefill `request` and hand its KV to `decode_instance` (data-plane rank `decode_rank`)."""
+    """Prefill `request` and hand its KV to `decode_instance` (data-plane rank `decode_rank`).
+
+    With `chunks`, the prompt runs as a sequence-parallel plan: every member receives the same command, runs
+    its part of each chunk it belongs to with the group (`ranks` maps member ids to data-plane ranks), and
+    hands the KV it ends up holding to the decode instance itself (a `ReserveKV` with `part`)."""
 
     request: RequestSpec
     decode_instance: str
     decode_rank: int
     kvstore_instance: str = ""  # where the KV parks when the decode instance has no room
     kvstore_rank: int = -1
+    chunks: list[SPChunkSpec] = []
+    ranks: dict[str, int] = {}
 
 
 class Abort(msgspec.Struct, frozen=True, kw_only=True):
@@ -136,9 +151,19 @@ class ReserveKV(msgspec.Struct, frozen=True, kw_only=True):
     """Ask the decode instance to reserve blocks for `request` and post a receive from `src_rank`."""
 
     request: RequestSpec
-    first_token: int  # sampled by the prefill instance from the last prompt position
+    first_token: int  # sampled by the prefill instance from the last prompt position (-1: another part has it)
     src_rank: int
-    kv: TensorHeader  # [2, layers, prompt_tokens, kv_heads, head_dim]
+    kv: TensorHeader  # [2, layers, prompt_tokens, kv_heads, head_dim] (a part: its tokens only)
+    part: KVPart | None = None  # set when the KV comes from several SP holders
+
+
+class KVPart(msgspec.Struct, frozen=True, kw_only=True):
+    """One holder's share of an SP-prefilled prompt's KV. The receiver derives the positions it covers from the
+    plan (`spindle_engine.sp.SPPlan.final_placement`), so no position list travels."""
+
+    member: str  # the holder's instance id
+    num_parts: int  # how many holders send a part
+    chunks: list[SPChunkSpec]
 
 
 class ReserveReply(msgspec.Struct, frozen=True, kw_only=True):

@@ -38,6 +38,8 @@ from spindle_telemetry import extract
 from spindle_transfer import dtype_name
 from spindle_worker import Instance, Job, sampling_params
 
+from . import sp_receive
+
 log = logging.getLogger("spindle.decode")
 
 RECEIVE_TIMEOUT_S = 120.0
@@ -55,6 +57,8 @@ class DecodeInstance(Instance):
         self.parked: OrderedDict[str, tuple[KVParked, DecodeJob]] = OrderedDict()
         self.blocks_freed = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
+        self.sp_parts: dict[str, sp_receive.PartsInFlight] = {}  # multi-source receives in flight
+        self.sp_refused: dict[str, float] = {}  # SP requests refused for lack of room (their other parts too)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -66,6 +70,7 @@ class DecodeInstance(Instance):
         await self.bus.subscribe(subjects.decode_reserve(self.id), ReserveKV, self._on_reserve)
         await self.bus.subscribe(subjects.decode_parked(self.id), KVParked, self._on_parked)
         self._spawn(self._pump_parked())
+        self._spawn(sp_receive.sweep_refused(self))
 
     def _expected_header(self, num_tokens: int) -> TensorHeader:
         return header_for(dtype_name(self.engine.cache.k.dtype), self.engine.kv_shape(num_tokens))
@@ -81,6 +86,8 @@ class DecodeInstance(Instance):
     # ---- direct hand-off ----
 
     async def _on_reserve(self, msg: ReserveKV, raw: Msg) -> ReserveReply:
+        if msg.part is not None:
+            return await sp_receive.on_reserve_part(self, msg, raw)
         spec = msg.request
         rid = spec.request_id
         n = spec.prompt.num_tokens
@@ -182,6 +189,7 @@ class DecodeInstance(Instance):
 
     async def on_abort_job(self, request_id: str) -> None:
         self.parked.pop(request_id, None)
+        sp_receive.forget(self, request_id)
         job = self.jobs.get(request_id)
         if isinstance(job, DecodeJob):
             job.cancel.set()

@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = up.add_argument_group("instances and scheduling")
     c.add_argument("--prefill", type=int, default=2, help="prefill instances (%(default)s)")
     c.add_argument("--decode", type=int, default=1, help="decode instances (%(default)s)")
-    c.add_argument("--strategy", default="single", help="scheduler strategy (%(default)s)")
+    c.add_argument("--strategy", default="single", help="scheduler strategy, NAME or NAME:key=value,... (%(default)s)")
+    c.add_argument("--profile", default=None, help="latency profile JSON (`spindle profile`) for fixed-sp / request-sp")
     n = up.add_argument_group("network and operations")
     n.add_argument("--host", default="127.0.0.1", help="gateway bind address (%(default)s)")
     n.add_argument("--port", type=int, default=8000, help="gateway port (%(default)s; 0 = any free port)")
@@ -69,6 +70,7 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         port=args.port,
         nats_port=args.nats_port,
         strategy=args.strategy,
+        profile=args.profile,
         kv_cache_tokens=args.kv_cache_tokens,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         decode_kv_cache_tokens=args.decode_kv_cache_tokens,

@@ -14,6 +14,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 ROLES = ("kvstore", "scheduler", "prefill", "decode", "gateway")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_STRATEGY_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}(:[A-Za-z0-9_.,=-]{1,200})?$")  # NAME or NAME:key=value,...
 
 
 def _port(value: int, what: str, allow_zero: bool) -> None:
@@ -38,6 +39,7 @@ class StackConfig:
     port: int = 8000  # gateway port; 0 = a free port chosen at start
     nats_port: int | None = None  # None = a free port
     strategy: str = "single"
+    profile: str | None = None  # latency profile JSON for strategies that predict (fixed-sp, request-sp)
     kv_cache_tokens: int | None = None
     kv_cache_memory_gb: float | None = None
     decode_kv_cache_tokens: int | None = None  # overrides kv_cache_tokens on decode instances
@@ -63,8 +65,8 @@ class StackConfig:
         _port(self.port, "port", allow_zero=True)
         if self.nats_port is not None:
             _port(self.nats_port, "nats_port", allow_zero=False)
-        if not _NAME_RE.match(self.strategy):
-            raise ValueError(f"strategy must be a name of [A-Za-z0-9_-], got {self.strategy!r}")
+        if not _STRATEGY_RE.match(self.strategy):
+            raise ValueError(f"strategy must be NAME or NAME:key=value,... (e.g. fixed-sp:sp=2), got {self.strategy!r}")
         for what in ("kv_cache_tokens", "decode_kv_cache_tokens", "max_model_len"):
             value = getattr(self, what)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -156,7 +158,10 @@ def build_plan(config: StackConfig, runtime: Runtime, python: str = sys.executab
     if config.kvstore_memory_gb is not None:
         kvstore += ["--memory-gb", _num(config.kvstore_memory_gb)]
     add("kvstore-0", "kvstore", kvstore)
-    add("scheduler", "scheduler", ["--strategy", config.strategy, "--model", config.model])
+    scheduler = ["--strategy", config.strategy, "--model", config.model]
+    if config.profile is not None:
+        scheduler += ["--profile", str(config.profile)]
+    add("scheduler", "scheduler", scheduler)
     for i in range(config.prefill):
         add(f"prefill-{i}", "prefill", worker(f"prefill-{i}", 1 + i) + engine(config.kv_cache_tokens))
     decode_tokens = config.decode_kv_cache_tokens or config.kv_cache_tokens

@@ -22,6 +22,7 @@ from spindle_telemetry import extract
 from spindle_worker import Instance, Job, sampling_params
 
 from .handoff import hand_off
+from .sp_prefill import SPQueue
 
 log = logging.getLogger("spindle.prefill")
 
@@ -34,18 +35,22 @@ class PrefillJob(Job):
 
 class PrefillInstance(Instance):
     async def serve(self) -> None:
+        self.sp_queue = SPQueue(self)
         await self.bus.subscribe(subjects.prefill_run(self.id), RunPrefill, self._on_run)
 
     async def _on_run(self, cmd: RunPrefill, raw: Msg) -> None:
         spec = cmd.request
         rid = spec.request_id
-        if self.is_aborted(rid) or rid in self.jobs:
-            return
+        if rid in self.jobs or (self.is_aborted(rid) and not cmd.chunks):
+            return  # an SP job runs even when aborted: its group would wait for this member otherwise
         span = self.tracer.start_span("prefill", context=extract(raw.headers))
         span.set_attribute("spindle.request_id", rid)
         span.set_attribute("spindle.instance", self.id)
         job = PrefillJob(spec, span, command=cmd)
         self.jobs[rid] = job
+        if cmd.chunks:
+            self.sp_queue.submit(job)
+            return
         try:
             prompt = await load_prompt(self.bus, spec.prompt)
             params = sampling_params(spec.sampling)

@@ -20,6 +20,7 @@ from spindle_protocol.messages import (
     AdmitRequest,
     ClusterStatus,
     InstanceInfo,
+    SPChunkSpec,
     StatusQuery,
     StreamEvent,
     WorkerEvent,
@@ -138,28 +139,36 @@ class SchedulerService:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def _run_prefill(self, a: RunPrefill) -> None:
+        """Send the plan to its instance, or to every member of an SP plan, all before the next plan: members
+        run SP jobs in arrival order, and NATS keeps this publisher's order per subscriber."""
+        assert self.bus is not None
+        state = self.core.state
+        decode = state.instances[a.decode_instance].info
+        kvstore = state.instances.get(a.kvstore_instance)
+        chunks, ranks = [], {}
+        if not a.is_single:
+            chunks = [
+                SPChunkSpec(start=c.start, end=c.end, members=list(c.instances), layout=c.layout) for c in a.chunks
+            ]
+            ranks = {i: state.instances[i].info.rank for i in a.prefill_instances}
+        msg = RunPrefillMsg(
+            request=a.spec,
+            decode_instance=a.decode_instance,
+            decode_rank=decode.rank,
+            kvstore_instance=a.kvstore_instance,
+            kvstore_rank=kvstore.info.rank if kvstore else -1,
+            chunks=chunks,
+            ranks=ranks,
+        )
+        for instance in a.prefill_instances:
+            await self.bus.publish(subjects.prefill_run(instance), msg)
+
     async def _execute(self, actions: list[Action]) -> None:
         assert self.bus is not None
         for a in actions:
-            if isinstance(a, RunPrefill) and not a.is_single:
-                self.core.on_abort(a.spec.request_id)
-                await self._execute(
-                    [FailRequest(a.spec.request_id, 501, "this plan needs sequence-parallel prefill (not available)")]
-                )
-            elif isinstance(a, RunPrefill):
-                state = self.core.state
-                decode = state.instances[a.decode_instance].info
-                kvstore = state.instances.get(a.kvstore_instance)
-                await self.bus.publish(
-                    subjects.prefill_run(a.chunks[0].instances[0]),
-                    RunPrefillMsg(
-                        request=a.spec,
-                        decode_instance=a.decode_instance,
-                        decode_rank=decode.rank,
-                        kvstore_instance=a.kvstore_instance,
-                        kvstore_rank=kvstore.info.rank if kvstore else -1,
-                    ),
-                )
+            if isinstance(a, RunPrefill):
+                await self._run_prefill(a)
             elif isinstance(a, FailRequest):
                 log.warning("failing %s: %s", a.request_id, a.message)
                 await self.bus.publish(

@@ -133,19 +133,23 @@ class SPPrefill:
         )  # fmt: skip
         return logits
 
+    def run_chunk_or_release(self, index: int) -> Tensor | None:
+        """`run_chunk`, giving back every block held for the request if it fails (e.g. a peer died)."""
+        try:
+            return self.run_chunk(index)
+        except BaseException:
+            self.release()
+            raise
+
     def run(self) -> Tensor | None:
         """Run every chunk this member takes part in; returns the last token's logits where computed here.
 
         If a chunk fails (a peer died: its connections close and our waits raise), every block this member
         held for the request is given back before the error propagates."""
         logits = None
-        try:
-            for k in self.chunk_indices:
-                out = self.run_chunk(k)
-                logits = out if out is not None else logits
-        except BaseException:
-            self.release()
-            raise
+        for k in self.chunk_indices:
+            out = self.run_chunk_or_release(k)
+            logits = out if out is not None else logits
         return logits
 
     def _keep_retained(self, ctx: SPAttentionContext) -> None:

@@ -20,7 +20,6 @@ from .placement import group_ready_at, kvstore_id, pick_decode
 @register_strategy("fixed-sp")
 class FixedSPStrategy(Strategy):
     needs_latency = True
-    runs_on_real_stack = False
 
     def __init__(self, latency: LatencyModel | None = None, *, sp: int = 8, layout: str = "zigzag") -> None:
         super().__init__(latency)

@@ -22,7 +22,6 @@ from .placement import kvstore_id, pick_decode
 @register_strategy("request-sp")
 class RequestSPStrategy(Strategy):
     needs_latency = True
-    runs_on_real_stack = False
 
     def __init__(self, latency: LatencyModel | None = None, *, max_sp: int = 16, layout: str = "zigzag") -> None:
         super().__init__(latency)

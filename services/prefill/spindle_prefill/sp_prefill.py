@@ -1,0 +1,181 @@
+"""Sequence-parallel prefill on a prefill instance: this instance's side of a multi-instance plan.
+
+Every member of a plan gets the same `RunPrefill` (with `chunks`). Members run their chunks on the engine
+thread, blocking it, collectively with the group (ring or all-to-all over the data plane), so two members
+must run their SP jobs in the same order or they would wait on each other forever: the scheduler publishes
+each plan to all its members before the next plan, NATS keeps that order per subscriber, and each instance
+runs its SP jobs one at a time in arrival order (`SPQueue`). Once queued, a job always runs its chunks even
+if the request is aborted meanwhile (a member that skipped would leave its group waiting); the result is
+then dropped. A dead peer makes the group's waits fail, and the request fails with 503 on every member.
+
+After the last chunk the member that computed the last prompt token samples the first token and streams
+it; every member that holds KV hands its share to the decode instance (`ReserveKV` with a `KVPart`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from opentelemetry import trace
+
+from spindle_engine import Engine
+from spindle_engine.sampler import sample
+from spindle_engine.sequence import Sequence
+from spindle_engine.sp import SPPrefill
+from spindle_protocol import subjects
+from spindle_protocol.messages import Abort, KVPart, PrefillDone, PrefillProgress, ReserveKV, ReserveReply, TransferDone
+from spindle_protocol.prompts import load_prompt
+from spindle_transfer import header_of
+from spindle_worker import sampling_params
+from spindle_worker.sp_plan import plan_from_chunks
+
+from .handoff import HANDSHAKE_TIMEOUT_S, HandOffError
+
+if TYPE_CHECKING:
+    from .instance import PrefillInstance, PrefillJob
+
+log = logging.getLogger("spindle.prefill.sp")
+
+
+class SPQueue:
+    """Runs this instance's SP jobs one at a time, in the order their commands arrived."""
+
+    def __init__(self, inst: PrefillInstance) -> None:
+        self.inst = inst
+        self.queue: asyncio.Queue[PrefillJob] = asyncio.Queue()
+        self.task: asyncio.Task | None = None
+
+    def submit(self, job: PrefillJob) -> None:
+        """Queue `job` now, before any await, so the arrival order is kept."""
+        self.queue.put_nowait(job)
+        if self.task is None:
+            self.task = asyncio.get_running_loop().create_task(self._consume())
+
+    async def _consume(self) -> None:
+        while True:
+            job = await self.queue.get()
+            try:
+                await run_sp_job(self.inst, job)
+            except Exception:
+                log.exception("SP prefill of %s failed", job.request_id)
+
+
+async def run_sp_job(inst: PrefillInstance, job: PrefillJob) -> None:
+    cmd = job.command
+    assert cmd is not None
+    spec, rid = cmd.request, job.request_id
+    try:
+        plan, ids = plan_from_chunks(cmd.chunks)
+        member = ids.index(inst.id)
+        ranks = {i: cmd.ranks[m] for i, m in enumerate(ids)}
+        prompt = await load_prompt(inst.bus, spec.prompt)
+        params = sampling_params(spec.sampling)
+    except (ValueError, KeyError) as e:  # members would wait for us until their data-plane timeout
+        await inst.fail(job, 400, f"bad SP plan: {e}")
+        return
+
+    def work(engine: Engine) -> tuple[int | None, torch.Tensor, list]:
+        engine.validate_prompt(prompt)
+        sp = SPPrefill(engine.model, engine.cache, engine.allocator, rid, prompt, plan, member, ranks)
+        for k in sp.chunk_indices:
+            t0 = time.time()
+            logits = sp.run_chunk_or_release(k)
+            done = plan.chunks[k].end
+            inst.from_thread(_progress(inst, job, done, time.time() - t0))
+        first = None
+        if logits is not None:
+            seq = Sequence(rid, list(prompt), params)
+            first = sample(logits[None], [params], [seq.step_generator()], engine.generator)[0]
+        kv = sp.held.export()  # [2, L, n, Hkv, D]
+        sp.release()
+        return first, kv, sp.reports
+
+    t0 = time.time()
+    try:
+        first, kv, reports = await inst.call(work)
+    except Exception as e:  # gloo reports a dead peer as a closed or reset connection
+        cause = str(e).split(". This is typically", 1)[0]
+        cause = cause.split("] ", 1)[-1] if cause.startswith("[") else cause
+        await inst.fail(job, 503, f"sequence-parallel prefill failed (a group member died or is unreachable?): {cause}")
+        return
+    if inst.is_aborted(rid) or inst.jobs.get(rid) is not job:
+        inst.jobs.pop(rid, None)
+        return  # aborted or failed meanwhile: the KV is dropped (its blocks are already free)
+    job.stats["prefill_ms"] = (time.time() - t0) * 1e3
+    job.span.set_attribute("spindle.sp_chunks", len(reports))
+    if first is not None:
+        await inst.publish_tokens(job, [first])
+        seq = Sequence(rid, [*prompt, first], params, num_prompt_tokens=len(prompt))
+        reason = inst.engine._stop_reason(seq, first)
+        await inst.bus.publish(
+            subjects.EVENTS,
+            PrefillDone(request_id=rid, instance_id=inst.id, seconds=time.time() - job.started, finished=bool(reason)),
+        )
+        if reason:  # nothing to decode: end here and tell the other members to drop their KV
+            await inst.finish(job, [], reason)
+            await inst.bus.publish(subjects.ABORT, Abort(request_id=rid, reason="finished at the first token"))
+            return
+    holders = [m for m, pos in plan.final_placement().items() if pos.numel()]
+    if kv.shape[2] == 0:
+        inst.jobs.pop(rid, None)
+        job.span.end()
+        return
+    part = KVPart(member=inst.id, num_parts=len(holders), chunks=cmd.chunks)
+    try:
+        await hand_off_part(inst, job, -1 if first is None else first, kv, part)
+    except Exception as e:
+        if inst.jobs.get(rid) is job:
+            log.exception("hand-off of %s's KV part failed", rid)
+            await inst.fail(job, 503, f"KV hand-off failed: {e}")
+        return
+    if inst.jobs.pop(rid, None) is not None:
+        job.span.end()
+
+
+async def _progress(inst: PrefillInstance, job: PrefillJob, done: int, seconds: float) -> None:
+    await inst.bus.publish(
+        subjects.EVENTS,
+        PrefillProgress(
+            request_id=job.request_id,
+            instance_id=inst.id,
+            tokens_done=done,
+            tokens_total=job.spec.prompt.num_tokens,
+            chunk_seconds=seconds,
+        ),
+    )
+
+
+async def hand_off_part(
+    inst: PrefillInstance, job: PrefillJob, first_token: int, kv: torch.Tensor, part: KVPart
+) -> None:
+    """Reserve on the decode instance and send this member's share (no parking for parts: no room fails)."""
+    cmd = job.command
+    assert cmd is not None
+    header = header_of(kv)
+    with inst.tracer.start_as_current_span("kv.transfer", context=trace.set_span_in_context(job.span)) as span:
+        span.set_attribute("spindle.bytes", header.nbytes)
+        span.set_attribute("spindle.dst", cmd.decode_instance)
+        t0 = time.time()
+        reply = await inst.bus.request(
+            subjects.decode_reserve(cmd.decode_instance),
+            ReserveKV(request=cmd.request, first_token=first_token, src_rank=inst.dp.rank, kv=header, part=part),
+            ReserveReply,
+            timeout=HANDSHAKE_TIMEOUT_S,
+        )
+        if not reply.accepted:
+            raise HandOffError(f"decode instance {cmd.decode_instance} refused the KV part: {reply.reason}")
+        await inst.dp.send_async(kv, cmd.decode_rank, reply.tag, header)
+    await inst.bus.publish(
+        subjects.EVENTS,
+        TransferDone(
+            request_id=job.request_id,
+            src_instance=inst.id,
+            dst_instance=cmd.decode_instance,
+            nbytes=header.nbytes,
+            seconds=time.time() - t0,
+        ),
+    )
