@@ -247,6 +247,8 @@ class PrefillProgress(msgspec.Struct, frozen=True, kw_only=True, tag="prefill_pr
     tokens_done: int
     tokens_total: int
     chunk_seconds: float
+    ring_bytes: int = 0  # SP chunks: bytes this instance sent for ring / all-to-all attention (all layers)
+    rebalance_bytes: int = 0  # SP chunks: history bytes this instance sent to new group members first
 
 
 class PrefillDone(msgspec.Struct, frozen=True, kw_only=True, tag="prefill_done"):

@@ -20,4 +20,3 @@ def plan_from_chunks(chunks: list[SPChunkSpec]) -> tuple[SPPlan, list[str]]:
     if missing:
         raise ValueError(f"instances {sorted(missing)} are in a chunk but not in the last (largest) group")
     return SPPlan(tuple(SPChunk(c.start, c.end, tuple(index[m] for m in c.members), c.layout) for c in chunks)), ids
-

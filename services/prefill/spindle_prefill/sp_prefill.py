@@ -25,7 +25,7 @@ from opentelemetry import trace
 from spindle_engine import Engine
 from spindle_engine.sampler import sample
 from spindle_engine.sequence import Sequence
-from spindle_engine.sp import SPPrefill
+from spindle_engine.sp import ChunkReport, SPPrefill
 from spindle_protocol import subjects
 from spindle_protocol.messages import Abort, KVPart, PrefillDone, PrefillProgress, ReserveKV, ReserveReply, TransferDone
 from spindle_protocol.prompts import load_prompt
@@ -82,10 +82,8 @@ async def run_sp_job(inst: PrefillInstance, job: PrefillJob) -> None:
         engine.validate_prompt(prompt)
         sp = SPPrefill(engine.model, engine.cache, engine.allocator, rid, prompt, plan, member, ranks)
         for k in sp.chunk_indices:
-            t0 = time.time()
             logits = sp.run_chunk_or_release(k)
-            done = plan.chunks[k].end
-            inst.from_thread(_progress(inst, job, done, time.time() - t0))
+            inst.from_thread(_progress(inst, job, plan.chunks[k].end, sp.reports[-1]))
         first = None
         if logits is not None:
             seq = Sequence(rid, list(prompt), params)
@@ -136,7 +134,7 @@ async def run_sp_job(inst: PrefillInstance, job: PrefillJob) -> None:
         job.span.end()
 
 
-async def _progress(inst: PrefillInstance, job: PrefillJob, done: int, seconds: float) -> None:
+async def _progress(inst: PrefillInstance, job: PrefillJob, done: int, report: ChunkReport) -> None:
     await inst.bus.publish(
         subjects.EVENTS,
         PrefillProgress(
@@ -144,7 +142,9 @@ async def _progress(inst: PrefillInstance, job: PrefillJob, done: int, seconds: 
             instance_id=inst.id,
             tokens_done=done,
             tokens_total=job.spec.prompt.num_tokens,
-            chunk_seconds=seconds,
+            chunk_seconds=report.seconds,
+            ring_bytes=report.ring_bytes,
+            rebalance_bytes=report.rebalance_bytes,
         ),
     )
 

@@ -34,6 +34,12 @@ def add_profile_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--repeats", type=int, default=None, help=f"prefill repeats, median kept ({d.repeats})")
     g.add_argument("--warmup", type=int, default=None, help=f"untimed warm-up rounds ({d.warmup})")
     g.add_argument("--no-transfer", action="store_true", help="skip the 2-rank gloo transfer benchmark")
+    g.add_argument(
+        "--sp-sizes",
+        type=_ints,
+        default=None,
+        help=f"prefill SP sizes, 1 included; each size > 1 spawns that many local processes {d.sp_sizes}",
+    )
     g.add_argument("--seed", type=int, default=None, help=f"token and KV seed ({d.seed})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -53,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="spindle profile",
         description="Measure the real engine on this machine (prefill chunks over a (history C, chunk L) grid, "
         "decode steps over (batch, KV tokens), KV transfers between 2 gloo ranks), fit the scheduler's "
-        "LatencyModel and write {machine, samples, model, fit_error} as JSON. Prefill with SP > 1 is not "
-        "measured yet.",
+        "LatencyModel and write {machine, samples, model, fit_error} as JSON. With --sp-sizes 1,2,4 the prefill "
+        "grid also runs on local sequence-parallel groups (what fixed-sp and request-sp need).",
     )
     return add_profile_args(p)
 

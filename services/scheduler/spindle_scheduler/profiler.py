@@ -3,8 +3,8 @@
 Three measurements, each repeated with the median kept:
 - prefill chunks (SP size 1): per history C, one prefill-only request whose steps compute C tokens, then
   each chunk L of the grid in turn; every step is one sample (history before it, tokens it computed), so
-  the history prefill is itself a C = 0 sample and no compute is wasted. SP > 1 needs sequence-parallel
-  prefill (a later issue) and is recorded as not measured.
+  the history prefill is itself a C = 0 sample and no compute is wasted. SP sizes > 1 (`sp_sizes`) run the
+  same grid on spawned SP groups (`profile_sp.py`).
 - decode steps over (batch size, KV tokens per request): requests enter with random KV through the
   decode-side hand-off API (`reserve` + `add_prefilled`), so no prefill is needed to set them up.
 - KV transfers between two spawned ranks of a real gloo group through `spindle_transfer.DataPlane`.
@@ -25,8 +25,9 @@ from typing import Any
 import numpy as np
 
 from .latency import DecodeStepModel, LatencyModel, PrefillLatencyModel, TransferModel
+from .profile_sp import measure_sp_prefill
 
-SP_NOT_MEASURED = "prefill for SP > 1 needs sequence-parallel prefill (a later issue); not measured yet"
+SP_NOT_MEASURED = "prefill for SP > 1 not measured (pass sp_sizes / --sp-sizes, e.g. 1,2,4)"
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class ProfileConfig:
     warmup: int = 1
     transfer: bool = True
     seed: int = 0
+    sp_sizes: tuple[int, ...] = (1,)  # prefill SP sizes; > 1 runs on spawned local SP groups
 
     def __post_init__(self) -> None:
         if not self.chunks or min(self.chunks) < 1:
@@ -54,6 +56,8 @@ class ProfileConfig:
             raise ValueError(f"decode KV tokens must be >= 1, got {self.decode_kv_tokens}")
         if self.transfer and (not self.transfer_bytes or min(self.transfer_bytes) < 1):
             raise ValueError(f"transfer sizes must be >= 1 byte, got {self.transfer_bytes}")
+        if 1 not in self.sp_sizes or min(self.sp_sizes) < 1 or len(set(self.sp_sizes)) != len(self.sp_sizes):
+            raise ValueError(f"sp_sizes must be distinct sizes >= 1 including 1, got {self.sp_sizes}")
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {self.repeats}, {self.warmup}")
 
@@ -279,10 +283,17 @@ def run_profile(cfg: ProfileConfig, *, model: Any = None, progress: bool = True)
     plan_steps = len(cfg.histories) * len(cfg.chunks) + sum(1 for h in cfg.histories if h)
     total = cfg.warmup + cfg.repeats * plan_steps
     total += len(cfg.decode_batches) * len(cfg.decode_kv_tokens) * (cfg.warmup + cfg.decode_steps)
-    bar = tqdm(total=total + (len(cfg.transfer_bytes) if cfg.transfer else 0), disable=not progress, unit="step")
+    sp_sizes = [s for s in cfg.sp_sizes if s > 1]
+    total += len(sp_sizes) + (len(cfg.transfer_bytes) if cfg.transfer else 0)
+    bar = tqdm(total=total, disable=not progress, unit="step")
     try:
         bar.set_description("prefill")
         prefill_rows = measure_prefill(engine, cfg, bar.update)
+        grid = {k: getattr(cfg, k) for k in ("model", "dtype", "histories", "chunks", "repeats", "warmup", "seed")}
+        for sp in sp_sizes:
+            bar.set_description(f"prefill SP={sp}")
+            prefill_rows += measure_sp_prefill(grid, sp)
+            bar.update(1)
         bar.set_description("decode")
         decode_rows = measure_decode(engine, cfg, bar.update)
         transfer_rows: list[list[float]] = []
@@ -294,7 +305,7 @@ def run_profile(cfg: ProfileConfig, *, model: Any = None, progress: bool = True)
         bar.close()
     prefill = PrefillLatencyModel.fit([tuple(r) for r in prefill_rows])
     decode = DecodeStepModel.fit([tuple(r) for r in decode_rows])
-    not_measured = {"prefill_sp_gt_1": SP_NOT_MEASURED}
+    not_measured = {} if sp_sizes else {"prefill_sp_gt_1": SP_NOT_MEASURED}
     transfer = None
     if not cfg.transfer:
         not_measured["transfer"] = "disabled"

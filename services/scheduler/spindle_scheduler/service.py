@@ -53,12 +53,13 @@ class SchedulerService:
         strategy = create_strategy(config.strategy, config.latency)
         if not strategy.runs_on_real_stack:
             raise ValueError(
-                f"strategy {strategy.name!r} plans sequence-parallel prefill, which the prefill service cannot run "
-                "yet; use it in `spindle sim`"
+                f"strategy {strategy.name!r} plans colocated instances (prefill chunks mixed into decode batches), "
+                "which the services cannot run yet; use it in `spindle sim`"
             )
         self.core = SchedulerCore(strategy, config.core)
         self.bus: Bus | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._plan_lock = asyncio.Lock()
 
     async def run(self, stop: asyncio.Event) -> None:
         setup("spindle-scheduler", self.config.otlp_endpoint)
@@ -161,8 +162,9 @@ class SchedulerService:
             chunks=chunks,
             ranks=ranks,
         )
-        for instance in a.prefill_instances:
-            await self.bus.publish(subjects.prefill_run(instance), msg)
+        async with self._plan_lock:  # another admission's plan must not interleave with this one's commands
+            for instance in a.prefill_instances:
+                await self.bus.publish(subjects.prefill_run(instance), msg)
 
     async def _execute(self, actions: list[Action]) -> None:
         assert self.bus is not None

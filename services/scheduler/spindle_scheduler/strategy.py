@@ -24,7 +24,7 @@ _REGISTRY: dict[str, type[Strategy]] = {}
 class Strategy(ABC):
     name: str = ""
     needs_latency: bool = False  # plans with predicted times: needs a LatencyModel with a prefill part
-    runs_on_real_stack: bool = True  # False: its plans need SP prefill, which the real prefill service lacks yet
+    runs_on_real_stack: bool = True  # False: its plans need colocated instances, which the services lack yet
 
     def __init__(self, latency: LatencyModel | None = None) -> None:
         if self.needs_latency and (latency is None or latency.prefill is None):

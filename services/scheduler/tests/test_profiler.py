@@ -70,3 +70,21 @@ def test_bad_config(tiny_model) -> None:
         ProfileConfig(repeats=0)
     with pytest.raises(ValueError, match="context"):
         run_profile(replace(QUICK, histories=(0, 500), transfer=False), model=tiny_model, progress=False)
+
+
+def test_sp_sizes_are_measured_on_real_sp_groups(tmp_path: Path) -> None:
+    hf, _ = tiny_llama(0)
+    hf.save_pretrained(tmp_path / "tiny", safe_serialization=True)
+    cfg = replace(QUICK, model=str(tmp_path / "tiny"), transfer=False, sp_sizes=(1, 2))
+    doc = run_profile(cfg, progress=False)
+    rows = doc["samples"]["prefill"]["rows"]
+    sp2 = {(r[1], r[2]) for r in rows if r[0] == 2}
+    assert sp2 == {(0, 8), (8, 16), (0, 32), (32, 8), (40, 16)} and all(r[3] > 0 for r in rows)
+    assert "prefill_sp_gt_1" not in doc["not_measured"]
+    assert load_profile_from(doc).prefill.sp_sizes() == [1, 2]
+    with pytest.raises(ValueError, match="including 1"):
+        ProfileConfig(sp_sizes=(2,))
+
+
+def load_profile_from(doc: dict) -> LatencyModel:
+    return LatencyModel.from_json(json.dumps(doc["model"]))

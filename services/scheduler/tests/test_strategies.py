@@ -94,9 +94,11 @@ def test_strategy_specs():
         create_strategy("chunked:chunk_size=0")
 
 
-def test_real_service_refuses_sp_strategies():
-    with pytest.raises(ValueError, match="sequence-parallel prefill"):
-        SchedulerService(SchedulerServiceConfig(nats_url="nats://127.0.0.1:1", strategy="fixed-sp", latency=TETRIS))
+def test_real_service_takes_sp_strategies_and_refuses_colocated_ones():
+    with pytest.raises(ValueError, match="colocated"):
+        SchedulerService(SchedulerServiceConfig(nats_url="nats://127.0.0.1:1", strategy="chunked", latency=TETRIS))
+    SchedulerService(SchedulerServiceConfig(nats_url="nats://127.0.0.1:1", strategy="fixed-sp:sp=2", latency=TETRIS))
+    SchedulerService(SchedulerServiceConfig(nats_url="nats://127.0.0.1:1", strategy="request-sp", latency=TETRIS))
     SchedulerService(SchedulerServiceConfig(nats_url="nats://127.0.0.1:1", strategy="single"))
 
 

@@ -27,7 +27,10 @@ from .rebalance import Rebalance
 
 @dataclass
 class ChunkReport:
-    """What one member measured for one chunk (bytes this member sent; host seconds)."""
+    """What one member measured for one chunk (bytes this member sent; host seconds).
+
+    `seconds` runs from when this member starts the chunk, so it includes waiting for members that start
+    later (`spindle profile` puts a barrier first and keeps the slowest member's time)."""
 
     index: int
     tokens: int  # this member's shard
