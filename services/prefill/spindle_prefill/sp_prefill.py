@@ -73,13 +73,13 @@ async def run_sp_job(inst: PrefillInstance, job: PrefillJob) -> None:
         member = ids.index(inst.id)
         ranks = {i: cmd.ranks[m] for i, m in enumerate(ids)}
         prompt = await load_prompt(inst.bus, spec.prompt)
+        inst.engine.validate_prompt(prompt)  # reads only the engine's fixed limits
         params = sampling_params(spec.sampling)
     except (ValueError, KeyError) as e:  # members would wait for us until their data-plane timeout
-        await inst.fail(job, 400, f"bad SP plan: {e}")
+        await inst.fail(job, 400, f"bad SP request: {e}")
         return
 
     def work(engine: Engine) -> tuple[int | None, torch.Tensor, list]:
-        engine.validate_prompt(prompt)
         sp = SPPrefill(engine.model, engine.cache, engine.allocator, rid, prompt, plan, member, ranks)
         for k in sp.chunk_indices:
             logits = sp.run_chunk_or_release(k)
