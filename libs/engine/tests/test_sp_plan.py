@@ -58,6 +58,12 @@ def test_placement_covers_every_position_once_and_balances_history(text, layout)
     assert torch.equal(torch.sort(final).values, torch.arange(1001))
 
 
+def test_last_token_member():
+    assert SPPlan.parse("0:10@2;10:@2,1", 25).last_token_member() == 2  # zigzag: member 0 of the group has the tail
+    assert SPPlan.parse("0:10@2;10:@2,1", 25, "contiguous").last_token_member() == 1
+    assert SPPlan.parse("0:@3", 5).last_token_member() == 3
+
+
 def test_rebalance_moves_fill_new_members_from_surplus_in_order():
     moves = rebalance_moves({0: 300, 1: 0, 2: 0}, (0, 1, 2))
     assert [(m.src, m.dst, m.lo, m.hi) for m in moves] == [(0, 1, 100, 200), (0, 2, 200, 300)]

@@ -58,7 +58,6 @@ class DecodeInstance(Instance):
         self.blocks_freed = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self.sp_parts: dict[str, sp_receive.PartsInFlight] = {}  # multi-source receives in flight
-        self.sp_refused: dict[str, float] = {}  # SP requests refused for lack of room (their other parts too)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -70,7 +69,6 @@ class DecodeInstance(Instance):
         await self.bus.subscribe(subjects.decode_reserve(self.id), ReserveKV, self._on_reserve)
         await self.bus.subscribe(subjects.decode_parked(self.id), KVParked, self._on_parked)
         self._spawn(self._pump_parked())
-        self._spawn(sp_receive.sweep_refused(self))
 
     def _expected_header(self, num_tokens: int) -> TensorHeader:
         return header_for(dtype_name(self.engine.cache.k.dtype), self.engine.kv_shape(num_tokens))
@@ -122,14 +120,18 @@ class DecodeInstance(Instance):
             params = sampling_params(job.spec.sampling)
             await self.call(lambda e: e.add_prefilled(rid, prompt, first_token, kv, params))
         except Exception as e:
-            with contextlib.suppress(Exception):
-                await self.call(lambda e: e.cancel_reservation(rid))
-            if self.jobs.get(rid) is job:
-                await self.fail(job, 503, f"KV receive failed: {e}")
+            await self.give_up(job, e)
             return
         job.decoding = True
         job.started = time.time()
         await self.bus.publish(subjects.EVENTS, DecodeStarted(request_id=rid, instance_id=self.id))
+
+    async def give_up(self, job: DecodeJob, error: Exception) -> None:
+        """A receive failed (or the request went away): free the reservation, fail the request if still ours."""
+        with contextlib.suppress(Exception):
+            await self.call(lambda e: e.cancel_reservation(job.request_id))
+        if self.jobs.get(job.request_id) is job:
+            await self.fail(job, 503, f"KV receive failed: {error}")
 
     # ---- parked in the kvstore ----
 

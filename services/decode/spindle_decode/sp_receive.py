@@ -4,13 +4,11 @@ The first part's `ReserveKV` reserves blocks for the whole prompt (first-handsha
 asks first gets the blocks); every part then gets its own receive. Each holder's positions follow from the
 plan it names, so the header of a part is checked against exactly the tokens that holder must have. When
 all parts are in, they are put in place by position and the request joins the batch. A request refused
-for lack of room stays refused for its other parts, so no part can take a half reservation.
+for lack of room is remembered like an aborted one (its holders fail it), so no later part can reserve.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -49,7 +47,7 @@ async def on_reserve_part(inst: DecodeInstance, msg: ReserveKV, raw: Msg) -> Res
     spec, part = msg.request, msg.part
     assert part is not None
     rid, n = spec.request_id, spec.prompt.num_tokens
-    if inst.is_aborted(rid) or rid in inst.sp_refused:
+    if inst.is_aborted(rid):
         return ReserveReply(accepted=False, reason="aborted or refused")
     entry = inst.sp_parts.get(rid)
     if entry is None:
@@ -64,7 +62,7 @@ async def on_reserve_part(inst: DecodeInstance, msg: ReserveKV, raw: Msg) -> Res
         except ValueError as e:
             return ReserveReply(accepted=False, reason=str(e))
         if not ok:
-            inst.sp_refused[rid] = time.time()
+            inst.aborted[rid] = time.time()
             return ReserveReply(accepted=False, reason="no_space")
         entry = PartsInFlight(inst._new_job(spec, raw.headers), part.num_parts, placement)
         inst.sp_parts[rid] = entry
@@ -106,10 +104,7 @@ async def _receive_part(
     except Exception as e:
         job.cancel.set()  # the other parts' receives stop too
         inst.sp_parts.pop(rid, None)
-        with contextlib.suppress(Exception):
-            await inst.call(lambda e: e.cancel_reservation(rid))
-        if inst.jobs.get(rid) is job:
-            await inst.fail(job, 503, f"KV receive failed: {e}")
+        await inst.give_up(job, e)
         return
     job.decoding = True
     job.started = time.time()
@@ -120,12 +115,3 @@ def forget(inst: DecodeInstance, request_id: str) -> None:
     entry = inst.sp_parts.pop(request_id, None)
     if entry is not None:
         entry.job.cancel.set()
-
-
-async def sweep_refused(inst: DecodeInstance, keep_s: float = 120.0) -> None:
-    while True:
-        await asyncio.sleep(5.0)
-        now = time.time()
-        for rid, t in list(inst.sp_refused.items()):
-            if now - t > keep_s:
-                del inst.sp_refused[rid]

@@ -3,7 +3,8 @@
 1. Ask the decode instance to reserve blocks (`ReserveKV`); it posts a receive and answers with a tag.
 2. Send the KV tensor on the data plane under that tag.
 If the decode instance has no room, the KV parks in the kvstore (`KVPut`, then the tensor) and the decode
-instance is told where it waits (`KVParked`); it pulls the KV when blocks free.
+instance is told where it waits (`KVParked`); it pulls the KV when blocks free. One holder's share of an SP
+prefill (`part`) does not park: no room fails the request.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from opentelemetry import trace
 
 from spindle_protocol import subjects
-from spindle_protocol.messages import KVParked, KVPut, ReserveKV, ReserveReply, TransferDone
+from spindle_protocol.messages import KVParked, KVPart, KVPut, ReserveKV, ReserveReply, TransferDone
 from spindle_transfer import header_of
 
 if TYPE_CHECKING:
@@ -28,7 +29,9 @@ class HandOffError(RuntimeError):
     pass
 
 
-async def hand_off(inst: PrefillInstance, job: PrefillJob, first_token: int, kv: torch.Tensor) -> None:
+async def hand_off(
+    inst: PrefillInstance, job: PrefillJob, first_token: int, kv: torch.Tensor, part: KVPart | None = None
+) -> None:
     cmd = job.command
     assert cmd is not None
     spec = cmd.request
@@ -40,14 +43,14 @@ async def hand_off(inst: PrefillInstance, job: PrefillJob, first_token: int, kv:
         t0 = time.time()
         reply = await inst.bus.request(
             subjects.decode_reserve(cmd.decode_instance),
-            ReserveKV(request=spec, first_token=first_token, src_rank=inst.dp.rank, kv=header),
+            ReserveKV(request=spec, first_token=first_token, src_rank=inst.dp.rank, kv=header, part=part),
             ReserveReply,
             timeout=HANDSHAKE_TIMEOUT_S,
         )
         if reply.accepted:
             await inst.dp.send_async(kv, cmd.decode_rank, reply.tag, header)
             parked = False
-        elif reply.reason == "no_space" and cmd.kvstore_instance:
+        elif reply.reason == "no_space" and cmd.kvstore_instance and part is None:
             span.set_attribute("spindle.parked", cmd.kvstore_instance)
             put = await inst.bus.request(
                 subjects.kvstore_put(cmd.kvstore_instance),

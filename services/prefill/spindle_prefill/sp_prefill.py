@@ -20,20 +20,18 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
-from opentelemetry import trace
 
 from spindle_engine import Engine
 from spindle_engine.sampler import sample
 from spindle_engine.sequence import Sequence
 from spindle_engine.sp import ChunkReport, SPPrefill
 from spindle_protocol import subjects
-from spindle_protocol.messages import Abort, KVPart, PrefillDone, PrefillProgress, ReserveKV, ReserveReply, TransferDone
+from spindle_protocol.messages import Abort, KVPart, PrefillDone, PrefillProgress
 from spindle_protocol.prompts import load_prompt
-from spindle_transfer import header_of
 from spindle_worker import sampling_params
 from spindle_worker.sp_plan import plan_from_chunks
 
-from .handoff import HANDSHAKE_TIMEOUT_S, HandOffError
+from .handoff import hand_off
 
 if TYPE_CHECKING:
     from .instance import PrefillInstance, PrefillJob
@@ -124,7 +122,7 @@ async def run_sp_job(inst: PrefillInstance, job: PrefillJob) -> None:
         return
     part = KVPart(member=inst.id, num_parts=len(holders), chunks=cmd.chunks)
     try:
-        await hand_off_part(inst, job, -1 if first is None else first, kv, part)
+        await hand_off(inst, job, -1 if first is None else first, kv, part)
     except Exception as e:
         if inst.jobs.get(rid) is job:
             log.exception("hand-off of %s's KV part failed", rid)
@@ -145,37 +143,5 @@ async def _progress(inst: PrefillInstance, job: PrefillJob, done: int, report: C
             chunk_seconds=report.seconds,
             ring_bytes=report.ring_bytes,
             rebalance_bytes=report.rebalance_bytes,
-        ),
-    )
-
-
-async def hand_off_part(
-    inst: PrefillInstance, job: PrefillJob, first_token: int, kv: torch.Tensor, part: KVPart
-) -> None:
-    """Reserve on the decode instance and send this member's share (no parking for parts: no room fails)."""
-    cmd = job.command
-    assert cmd is not None
-    header = header_of(kv)
-    with inst.tracer.start_as_current_span("kv.transfer", context=trace.set_span_in_context(job.span)) as span:
-        span.set_attribute("spindle.bytes", header.nbytes)
-        span.set_attribute("spindle.dst", cmd.decode_instance)
-        t0 = time.time()
-        reply = await inst.bus.request(
-            subjects.decode_reserve(cmd.decode_instance),
-            ReserveKV(request=cmd.request, first_token=first_token, src_rank=inst.dp.rank, kv=header, part=part),
-            ReserveReply,
-            timeout=HANDSHAKE_TIMEOUT_S,
-        )
-        if not reply.accepted:
-            raise HandOffError(f"decode instance {cmd.decode_instance} refused the KV part: {reply.reason}")
-        await inst.dp.send_async(kv, cmd.decode_rank, reply.tag, header)
-    await inst.bus.publish(
-        subjects.EVENTS,
-        TransferDone(
-            request_id=job.request_id,
-            src_instance=inst.id,
-            dst_instance=cmd.decode_instance,
-            nbytes=header.nbytes,
-            seconds=time.time() - t0,
         ),
     )

@@ -15,6 +15,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -80,21 +81,26 @@ def _sp_rank(rank: int, world: int, port: int, out_dir: str, spec: dict) -> None
 def measure_sp_prefill(spec: dict, sp: int, timeout_s: float = 900.0) -> list[list[float]]:
     """[[sp, C, L, median seconds], ...] on `sp` spawned members. `spec`: model, dtype, histories, chunks,
     repeats, warmup, seed."""
-    import torch.multiprocessing as mp
-
     from spindle_transfer.testing import free_port
 
     if sp < 2:
         raise ValueError(f"SP sizes measured here must be >= 2, got {sp}")
     with tempfile.TemporaryDirectory() as d:
-        ctx = mp.start_processes(_sp_rank, args=(sp, free_port(), d, spec), nprocs=sp, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not ctx.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the SP={sp} prefill measurement did not finish in {timeout_s} s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
+        run_ranks(_sp_rank, sp, (sp, free_port(), d, spec), timeout_s, f"the SP={sp} prefill measurement")
         return json.loads((Path(d) / "sp.json").read_text())
+
+
+def run_ranks(fn: Callable[..., None], nprocs: int, args: tuple, timeout_s: float, what: str) -> None:
+    """Run `fn(rank, *args)` in `nprocs` spawned processes; kill them all if they take over `timeout_s`."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} did not finish in {timeout_s} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from .latency import DecodeStepModel, LatencyModel, PrefillLatencyModel, TransferModel
-from .profile_sp import measure_sp_prefill
+from .profile_sp import measure_sp_prefill, run_ranks
 
 SP_NOT_MEASURED = "prefill for SP > 1 not measured (pass sp_sizes / --sp-sizes, e.g. 1,2,4)"
 
@@ -218,22 +218,11 @@ def _transfer_rank(rank: int, world: int, port: int, out_dir: str, sizes: list[i
 
 def measure_transfer(cfg: ProfileConfig, timeout_s: float = 300.0) -> list[list[float]]:
     """[[bytes, median seconds], ...] from rank 0 to rank 1 of a spawned 2-rank gloo group (receiver's clock)."""
-    import torch.multiprocessing as mp
-
     from spindle_transfer.testing import free_port
 
     with tempfile.TemporaryDirectory() as d:
         args = (2, free_port(), d, list(cfg.transfer_bytes), cfg.decode_steps, cfg.warmup)
-        ctx = mp.start_processes(_transfer_rank, args=args, nprocs=2, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not ctx.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the transfer benchmark did not finish in {timeout_s} s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
+        run_ranks(_transfer_rank, 2, args, timeout_s, "the transfer benchmark")
         return json.loads((Path(d) / "transfer.json").read_text())
 
 

@@ -138,6 +138,13 @@ class SPPlan:
                 held[m] = torch.cat([held.get(m, _EMPTY), pos])
         return out
 
+    def last_token_member(self) -> int:
+        """The member that computes the prompt's last token (and so its logits and the first output token)."""
+        last = self.chunks[-1]
+        return next(
+            m for m, pos in zip(last.members, last.shard_positions(), strict=True) if bool((pos == last.end - 1).any())
+        )
+
     def final_placement(self) -> dict[int, Tensor]:
         """Positions each member holds after the last chunk (its history order, then its last shard)."""
         last = self.steps()[-1]

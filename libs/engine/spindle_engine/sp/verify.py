@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from spindle_model import LlamaModel, load_state_dict, resolve_model
+from spindle_model import CausalAttention, LlamaModel, load_state_dict, resolve_model
 
 from ..config import DTYPES, EngineConfig
 from ..engine import Engine
@@ -73,8 +73,6 @@ class _Recording:
         self.kv: list[tuple[Tensor, Tensor]] = []
 
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        from spindle_model import CausalAttention
-
         self.kv.append((k.clone(), v.clone()))
         return CausalAttention().attention(layer, q, k, v)
 

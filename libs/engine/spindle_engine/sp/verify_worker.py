@@ -139,7 +139,7 @@ def run_prefill(spec: VerifySpec, member: int, ranks: dict[int, int], config: Mo
         "chunks": [r.as_dict() for r in sp.reports],
         "transfer_bytes": 0,
     }
-    first_holder = next(m for m, pos in plan.steps()[-1].shards.items() if bool((pos == n - 1).any()))
+    first_holder = plan.last_token_member()
     first = torch.empty(1, dtype=torch.int64)
     if logits is not None:
         tensors["logits"] = logits
@@ -184,7 +184,7 @@ def run_decode(
     lo, hi = decode_heads(config, T)[t]
     dtype = DTYPES[spec.dtype]
     n = plan.num_tokens
-    first_holder = next(m for m, pos in plan.steps()[-1].shards.items() if bool((pos == n - 1).any()))
+    first_holder = plan.last_token_member()
     parts, works = [], []
     for m, pos in spec.placement().items():
         if pos.numel():
