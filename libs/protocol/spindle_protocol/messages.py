@@ -218,6 +218,21 @@ class KVFreeReply(msgspec.Struct, frozen=True, kw_only=True):
     freed_bytes: int
 
 
+class PreemptDecode(msgspec.Struct, frozen=True, kw_only=True):
+    """Take a decoding request out of the batch, store its KV (prompt and outputs so far) in the kvstore and
+    free its blocks; it resumes on this instance, FIFO with other parked requests, when blocks free."""
+
+    request_id: str
+    kvstore_instance: str
+    kvstore_rank: int
+
+
+class PreemptReply(msgspec.Struct, frozen=True, kw_only=True):
+    accepted: bool
+    num_tokens: int = 0  # KV tokens parked
+    reason: str = ""  # "unknown" (not decoding here), "kvstore_full", ...
+
+
 # ---- worker -> gateway: the token stream ----
 
 
@@ -286,7 +301,17 @@ class RequestFailed(msgspec.Struct, frozen=True, kw_only=True, tag="request_fail
     status: int = 500
 
 
-WorkerEvent = PrefillProgress | PrefillDone | TransferDone | DecodeStarted | RequestFinished | RequestFailed
+class Preempted(msgspec.Struct, frozen=True, kw_only=True, tag="preempted"):
+    """A decoding request left the batch; its KV (`num_tokens` tokens) waits in the kvstore until it resumes on
+    the same instance (a new DecodeStarted)."""
+
+    request_id: str
+    instance_id: str
+    num_tokens: int
+    seconds: float  # from the command to the KV stored and the blocks freed
+
+
+WorkerEvent = PrefillProgress | PrefillDone | TransferDone | DecodeStarted | Preempted | RequestFinished | RequestFailed
 
 
 class StatsQuery(msgspec.Struct, frozen=True, kw_only=True):

@@ -52,6 +52,11 @@ def decode_parked(instance_id: str) -> str:
     return f"{PREFIX}.decode.{check_token(instance_id, 'instance id')}.parked"
 
 
+def decode_preempt(instance_id: str) -> str:
+    """scheduler -> one decode instance, request-reply: PreemptDecode -> PreemptReply."""
+    return f"{PREFIX}.decode.{check_token(instance_id, 'instance id')}.preempt"
+
+
 def kvstore_put(instance_id: str) -> str:
     """prefill (any worker) -> kvstore, request-reply: KVPut -> ReserveReply; the tensor follows on the data plane."""
     return f"{PREFIX}.kvstore.{check_token(instance_id, 'instance id')}.put"

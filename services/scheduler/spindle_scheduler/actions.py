@@ -103,4 +103,14 @@ class FailRequest:
     message: str
 
 
-Action = Admit | Reject | RunPrefill | FailRequest
+@dataclass(frozen=True)
+class Preempt:
+    """Take a decoding request out of `instance`'s batch: its KV (prompt and outputs so far) moves to
+    `kvstore_instance` and its blocks free; it resumes on `instance`, FIFO with the requests parked there."""
+
+    request_id: str
+    instance: str
+    kvstore_instance: str
+
+
+Action = Admit | Reject | RunPrefill | FailRequest | Preempt

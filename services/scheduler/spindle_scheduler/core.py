@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from spindle_protocol.messages import (
     DecodeStarted,
     InstanceInfo,
+    Preempted,
     PrefillDone,
     PrefillProgress,
     RequestFailed,
@@ -21,7 +22,7 @@ from spindle_protocol.messages import (
 )
 from spindle_protocol.registry import DEAD_AFTER_S
 
-from .actions import Action, Admit, FailRequest, Reject, RunPrefill
+from .actions import Action, Admit, FailRequest, Preempt, Reject, RunPrefill
 from .state import DECODE_ROLES, PREFILL_ROLES, ClusterState, Phase, RequestState
 from .strategy import Strategy
 
@@ -74,7 +75,22 @@ class SchedulerCore:
         for req in list(self.state.requests.values()):
             if now > req.spec.deadline + 5.0:  # the gateway ended it; forget it even if no event came
                 self._forget(req.request_id)
+        return actions + self._track(self.strategy.on_tick(self.state, now))
+
+    def _track(self, actions: list[Action]) -> list[Action]:
+        """Note what the strategy's actions change before an executor carries them out."""
+        for a in actions:
+            if isinstance(a, Preempt):
+                req = self.state.requests.get(a.request_id)
+                assert req is not None and req.phase is Phase.DECODE, f"preempting a request not decoding: {a}"
+                req.preempting = True
         return actions
+
+    def preempt_refused(self, request_id: str, reason: str) -> None:
+        """The decode instance did not preempt (the request finished meanwhile, or the kvstore is full)."""
+        if (req := self.state.requests.get(request_id)) is not None:
+            log.info("preempting %s refused: %s", request_id, reason)
+            req.preempting = False
 
     def _lose(self, instance_id: str, now: float, why: str) -> list[Action]:
         inst = self.state.instances[instance_id]
@@ -117,6 +133,7 @@ class SchedulerCore:
                 self.state.requests[rid] = RequestState(
                     spec, Phase.PREFILL, a.prefill_instances, a.decode_instance, now, chunks=plans.get(rid, ())
                 )
+                self._expect(self.state.requests[rid])
             elif isinstance(a, FailRequest):  # a strategy may give up on a request it just admitted
                 self._forget(a.request_id)
         return actions
@@ -136,9 +153,19 @@ class SchedulerCore:
                 self.state.work_done(req.prefill_instances, req.request_id)
             case TransferDone(parked=parked):
                 req.parked = parked
+                req.parked_since = now if parked else None
             case DecodeStarted():
+                self._arrived(req)
                 req.phase = Phase.DECODE
                 req.parked = False
+                req.parked_since = None
+                req.decoding_since = now
+            case Preempted():
+                req.phase = Phase.TRANSFER
+                req.parked, req.parked_since, req.decoding_since = True, now, None
+                req.preempting = False
+                req.num_preemptions += 1
+                self._expect(req)
             case RequestFinished() | RequestFailed():
                 self._forget(req.request_id)
         return []
@@ -150,3 +177,14 @@ class SchedulerCore:
         req = self.state.requests.pop(request_id, None)
         if req is not None:
             self.state.work_done(req.prefill_instances, request_id)
+            self._arrived(req)
+
+    def _expect(self, req: RequestState) -> None:
+        """Count the request's decode blocks as virtual usage on its decode instance until it decodes there."""
+        inst = self.state.instances.get(req.decode_instance)
+        if inst is not None and inst.role == "decode":
+            inst.incoming[req.request_id] = inst.blocks_for(req.spec.prompt.num_tokens + req.spec.sampling.max_tokens)
+
+    def _arrived(self, req: RequestState) -> None:
+        if (inst := self.state.instances.get(req.decode_instance)) is not None:
+            inst.incoming.pop(req.request_id, None)

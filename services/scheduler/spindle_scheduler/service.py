@@ -20,6 +20,8 @@ from spindle_protocol.messages import (
     AdmitRequest,
     ClusterStatus,
     InstanceInfo,
+    PreemptDecode,
+    PreemptReply,
     SPChunkSpec,
     StatusQuery,
     StreamEvent,
@@ -29,12 +31,14 @@ from spindle_protocol.messages import RunPrefill as RunPrefillMsg
 from spindle_protocol.registry import watch_registry
 from spindle_telemetry import extract, inject, setup, shutdown, tracer
 
-from .actions import Action, Admit, FailRequest, Reject, RunPrefill
+from .actions import Action, Admit, FailRequest, Preempt, Reject, RunPrefill
 from .core import SchedulerConfig, SchedulerCore
 from .latency import LatencyModel
 from .strategy import create_strategy
 
 log = logging.getLogger("spindle.scheduler")
+
+PREEMPT_TIMEOUT_S = 30.0  # storing a long request's KV in the kvstore is a large transfer
 
 
 @dataclass(frozen=True)
@@ -166,11 +170,33 @@ class SchedulerService:
             for instance in a.prefill_instances:
                 await self.bus.publish(subjects.prefill_run(instance), msg)
 
+    async def _preempt(self, a: Preempt) -> None:
+        assert self.bus is not None
+        kvstore = self.core.state.instances.get(a.kvstore_instance)
+        try:
+            if kvstore is None or not kvstore.alive:
+                raise RuntimeError(f"kvstore {a.kvstore_instance} is not live")
+            reply = await self.bus.request(
+                subjects.decode_preempt(a.instance),
+                PreemptDecode(
+                    request_id=a.request_id, kvstore_instance=a.kvstore_instance, kvstore_rank=kvstore.info.rank
+                ),
+                PreemptReply,
+                timeout=PREEMPT_TIMEOUT_S,
+            )
+        except Exception as e:  # a timeout or a dead instance: the request keeps running, or the loss fails it
+            self.core.preempt_refused(a.request_id, f"{type(e).__name__}: {e}")
+            return
+        if not reply.accepted:
+            self.core.preempt_refused(a.request_id, reply.reason)
+
     async def _execute(self, actions: list[Action]) -> None:
         assert self.bus is not None
         for a in actions:
             if isinstance(a, RunPrefill):
                 await self._run_prefill(a)
+            elif isinstance(a, Preempt):
+                self._spawn(self._preempt(a))  # its reply must not hold up the tick loop
             elif isinstance(a, FailRequest):
                 log.warning("failing %s: %s", a.request_id, a.message)
                 await self.bus.publish(

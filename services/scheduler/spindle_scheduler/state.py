@@ -24,8 +24,11 @@ class InstanceState:
     info: InstanceInfo
     alive: bool = True
     planned_tokens: int = 0  # prompt tokens we sent since its last heartbeat (it has not counted them yet)
-    planned_blocks: int = 0  # KV blocks we expect it to take for requests planned onto it
+    planned_blocks: int = 0  # KV blocks we expect it to take for requests planned onto it (until a heartbeat)
     planned: dict[str, float] = field(default_factory=dict)  # request id -> predicted end of its prefill work here
+    # "virtual usage" (Llumnix, Tetris §5.2): blocks of requests placed here for decode that have not started
+    # decoding yet (prefilling, in transfer, parked), which the instance's own count does not hold yet
+    incoming: dict[str, int] = field(default_factory=dict)
 
     @property
     def id(self) -> str:
@@ -37,7 +40,16 @@ class InstanceState:
 
     @property
     def free_blocks(self) -> int:
-        return self.info.kv_blocks_total - self.info.kv_blocks_used - self.planned_blocks
+        """Free KV blocks, virtual usage excluded."""
+        return self.info.kv_blocks_total - self.info.kv_blocks_used - self.planned_blocks - sum(self.incoming.values())
+
+    @property
+    def freeness(self) -> float:
+        """Free blocks (virtual usage excluded) per request of its active batch, those on their way included."""
+        return self.free_blocks / max(1, self.info.num_running + len(self.incoming))
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // (self.info.block_size or 1))
 
     @property
     def predicted_queue_tokens(self) -> int:
@@ -58,10 +70,15 @@ class RequestState:
     parked: bool = False
     tokens_done: int = 0  # prompt tokens computed so far (PrefillProgress)
     chunks: tuple[PrefillChunk, ...] = ()  # the prefill plan
+    parked_since: float | None = None  # waiting for blocks on its decode instance, its KV in the kvstore
+    decoding_since: float | None = None  # in its decode instance's batch since (DecodeStarted)
+    preempting: bool = False  # a Preempt was sent and its Preempted event has not come yet
+    num_preemptions: int = 0
 
     def kv_location(self) -> list[tuple[int, int, tuple[str, ...]]]:
-        """Where the KV of each computed token range lives now: `(start, end, instances)`."""
-        if self.phase is Phase.DECODE or (self.phase is Phase.TRANSFER and not self.chunks):
+        """Where the KV of each computed token range lives now: `(start, end, instances)` (a parked request's
+        is listed at its decode instance, which pulls it back from the kvstore)."""
+        if self.phase is Phase.DECODE or self.num_preemptions or (self.phase is Phase.TRANSFER and not self.chunks):
             return [(0, self.spec.prompt.num_tokens, (self.decode_instance,))]
         return [(c.start, min(c.end, self.tokens_done), c.instances) for c in self.chunks if c.start < self.tokens_done]
 
@@ -71,7 +88,7 @@ class RequestState:
 
     def holders(self) -> set[str]:
         """Instances whose loss ends this request."""
-        if self.phase is Phase.DECODE:
+        if self.phase is Phase.DECODE or self.num_preemptions:
             return {self.decode_instance}
         return {*self.prefill_instances, self.decode_instance}
 
@@ -122,6 +139,14 @@ class ClusterState:
     def max_model_len(self) -> int:
         lens = [i.info.max_model_len for i in self.instances.values() if i.alive and i.info.max_model_len > 0]
         return min(lens) if lens else 0
+
+    def decoding_on(self, instance_id: str) -> list[RequestState]:
+        return [r for r in self.requests.values() if r.phase is Phase.DECODE and r.decode_instance == instance_id]
+
+    def parked_on(self, instance_id: str) -> list[RequestState]:
+        """Requests waiting for blocks on `instance_id`, longest-waiting first."""
+        parked = [r for r in self.requests.values() if r.parked_since is not None and r.decode_instance == instance_id]
+        return sorted(parked, key=lambda r: r.parked_since)  # type: ignore[arg-type,return-value]
 
     def num_running(self) -> int:
         return sum(1 for r in self.requests.values() if r.phase is Phase.DECODE)

@@ -16,6 +16,7 @@ from spindle_protocol.messages import RequestSpec
 
 from .actions import Action
 from .latency import LatencyModel
+from .preemption import time_slice_preemptions
 from .state import ClusterState
 
 _REGISTRY: dict[str, type[Strategy]] = {}
@@ -26,21 +27,31 @@ class Strategy(ABC):
     needs_latency: bool = False  # plans with predicted times: needs a LatencyModel with a prefill part
     runs_on_real_stack: bool = True  # False: its plans need colocated instances, which the services lack yet
 
-    def __init__(self, latency: LatencyModel | None = None) -> None:
+    def __init__(self, latency: LatencyModel | None = None, *, preempt_after_s: float = 0.0) -> None:
         if self.needs_latency and (latency is None or latency.prefill is None):
             raise ValueError(f"strategy {self.name!r} needs a latency model with prefill coefficients")
+        if not preempt_after_s >= 0:
+            raise ValueError(f"{self.name}: preempt_after_s must be >= 0, got {preempt_after_s}")
         self.latency = latency
+        self.preempt_after_s = preempt_after_s
 
     @abstractmethod
     def plan(self, spec: RequestSpec, state: ClusterState, now: float) -> list[Action]:
         """Place a new request: `[Admit, RunPrefill, ...]` or `[Reject]`. Live instances exist for each role."""
+
+    def on_tick(self, state: ClusterState, now: float) -> list[Action]:
+        """Periodic decisions (about every 0.25 s). By default: time-sliced decode when `preempt_after_s` > 0
+        (a request parked on a full decode instance longer than that swaps running requests out)."""
+        if self.preempt_after_s > 0:
+            return time_slice_preemptions(state, now, self.preempt_after_s)
+        return []
 
     def on_instance_lost(self, instance_id: str, state: ClusterState, now: float) -> list[Action]:
         """Extra actions when an instance dies (the core already fails the requests it held)."""
         return []
 
     def describe(self) -> str:
-        return self.name
+        return self.name + (f":preempt_after_s={self.preempt_after_s:g}" if self.preempt_after_s else "")
 
 
 def register_strategy(name: str) -> Callable[[type[Strategy]], type[Strategy]]:

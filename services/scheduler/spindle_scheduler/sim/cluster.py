@@ -157,14 +157,16 @@ class SimPrefill(SimInstance):
 
 @dataclass(eq=False)
 class SimDecode(SimInstance):
-    """Continuous batching. A request joins when blocks for prompt + all its output tokens fit (FIFO, no
-    preemption); until then its KV is parked (in the kvstore). One step yields one token per running request."""
+    """Continuous batching. A request joins when blocks for prompt + all its output tokens fit (FIFO); until
+    then its KV is parked (in the kvstore). One step yields one token per running request. A `Preempt` swaps a
+    running request's KV out to the kvstore (after the step in flight) and queues it again at the back."""
 
     tp: int = 1
     waiting: deque[RequestRecord] = field(default_factory=deque)
     running: list[RequestRecord] = field(default_factory=list)
     kv_tokens: int = 0  # context tokens of the running batch
     stepping: bool = False
+    preempt_after_step: set[str] = field(default_factory=set)  # request ids to swap out when the step ends
 
     def _load(self) -> dict[str, int]:
         return {"num_running": len(self.running), "num_waiting": len(self.waiting)}

@@ -14,6 +14,8 @@ class EventKind(enum.IntEnum):
     CHUNK_DONE = 3  # a prefill chunk finished on its SP group
     TRANSFER_DONE = 4
     DECODE_STEP = 5  # a decode (or colocated mixed) step finished
+    SWAP_OUT_DONE = 6  # a preempted request's KV reached the kvstore; its decode blocks free
+    SWAP_IN_DONE = 7  # a preempted request's KV is back on its decode instance; it rejoins the batch
 
 
 class EventQueue:

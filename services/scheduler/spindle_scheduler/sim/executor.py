@@ -5,7 +5,9 @@ actions (RunPrefill, FailRequest, Reject) are carried out on simulated instances
 
 Disaggregated lifecycle: arrival -> core.admit -> the plan's chunks queue FCFS on their SP groups -> each
 chunk runs when its whole group is free (first token after the last chunk) -> KV transfer from every holder
-in parallel -> wait (parked, FIFO) for decode blocks -> continuous-batching decode steps -> finished.
+in parallel -> wait (parked, FIFO) for decode blocks -> continuous-batching decode steps -> finished. A
+`Preempt` swaps a decoding request's KV out to the kvstore and queues it again; it resumes (after the KV
+comes back) when its blocks are free.
 Colocated lifecycle (plan and decode on one elastic instance): chunks are mixed one per step into the
 instance's decode batches; the KV never moves.
 """
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 from spindle_protocol.messages import (
     DecodeStarted,
+    Preempted,
     PrefillDone,
     PrefillProgress,
     Prompt,
@@ -29,7 +32,7 @@ from spindle_protocol.messages import (
     WorkerEvent,
 )
 
-from ..actions import Action, Admit, FailRequest, Reject, RunPrefill
+from ..actions import Action, Admit, FailRequest, Preempt, Reject, RunPrefill
 from ..core import SchedulerCore
 from ..latency import LatencyModel
 from ..strategy import Strategy, create_strategy
@@ -101,6 +104,7 @@ class Simulator:
         self.plans: dict[str, RunPrefill] = {}
         self._next_chunk: dict[str, int] = {}  # request id -> index of its next chunk to run
         self._running: set[str] = set()  # requests with a chunk executing now
+        self._swapped: set[str] = set()  # preempted requests whose KV is in the kvstore
         self._remaining = 0
         self._ran = False
 
@@ -125,6 +129,8 @@ class Simulator:
             EventKind.CHUNK_DONE: self._on_chunk_done,
             EventKind.TRANSFER_DONE: self._on_transfer_done,
             EventKind.DECODE_STEP: self._on_step,
+            EventKind.SWAP_OUT_DONE: self._on_swap_out_done,
+            EventKind.SWAP_IN_DONE: self._on_swap_in_done,
         }
         events = 0
         while q:
@@ -165,6 +171,8 @@ class Simulator:
                 self._end(self.records[a.request_id], "rejected", now, f"{a.status}: {a.reason}")
             elif isinstance(a, FailRequest):
                 self._fail(self.records[a.request_id], now, f"{a.status}: {a.message}")
+            elif isinstance(a, Preempt):
+                self._preempt(a, now)
             elif not isinstance(a, Admit):  # Admit only answers the gateway; RunPrefill carries the placement
                 raise AssertionError(f"unexpected action {a!r}")
 
@@ -360,7 +368,11 @@ class Simulator:
                 return
             d.waiting.popleft()
             d.alloc(head.request_id, blocks)
-            self._start_decoding(d, head, now)
+            if head.request_id in self._swapped:  # its KV comes back from the kvstore first
+                self._swapped.discard(head.request_id)
+                self.queue.push(now + self._kv_seconds(self._context(head)), EventKind.SWAP_IN_DONE, (d, head))
+            else:
+                self._start_decoding(d, head, now)
 
     def _start_decoding(self, d: SimDecode, rec: RequestRecord, now: float) -> None:
         d.running.append(rec)
@@ -446,6 +458,13 @@ class Simulator:
         if colocated:
             d.step_batch = []
         else:
+            for rid in d.preempt_after_step:
+                r = self.records[rid]
+                if r.state == "pending" and r in d.running:
+                    self._swap_out(d, r, now)
+                else:
+                    self.core.preempt_refused(rid, "it ended before the step did")
+            d.preempt_after_step.clear()
             self._join_decode(d, now)
         self._start_step(d, now)
 
@@ -466,6 +485,59 @@ class Simulator:
                 self._start_decoding(c, rec, now)
             else:
                 c.free(rid)
+
+    # ---- preemption (swap to the kvstore) ----
+
+    @staticmethod
+    def _context(rec: RequestRecord) -> int:
+        """KV tokens of a decoding request: the prompt and every output but the last (not fed back yet)."""
+        return rec.num_prefill_tokens + len(rec.token_times) - 1
+
+    def _kv_seconds(self, tokens: int) -> float:
+        transfer = self.latency.transfer
+        return 0.0 if transfer is None else transfer.predict(tokens * self.config.kv_bytes_per_token)
+
+    def _preempt(self, a: Preempt, now: float) -> None:
+        rec, d = self.records[a.request_id], self.instances.get(a.instance)
+        decoding = isinstance(d, SimDecode) and not isinstance(d, SimColocated) and rec in d.running
+        if rec.state != "pending" or not decoding:
+            self.core.preempt_refused(a.request_id, "not decoding there")
+            return
+        assert isinstance(d, SimDecode)
+        if d.stepping:
+            d.preempt_after_step.add(rec.request_id)
+        else:
+            self._swap_out(d, rec, now)
+
+    def _swap_out(self, d: SimDecode, rec: RequestRecord, now: float) -> None:
+        """Out of the batch now; its blocks free once the KV is in the kvstore."""
+        d.running.remove(rec)
+        d.kv_tokens -= rec.num_prefill_tokens + len(rec.token_times)
+        rec.preemptions += 1
+        self.queue.push(now + self._kv_seconds(self._context(rec)), EventKind.SWAP_OUT_DONE, (d, rec, now))
+
+    def _on_swap_out_done(self, now: float, payload: tuple[SimDecode, RequestRecord, float]) -> None:
+        d, rec, started = payload
+        d.free(rec.request_id)
+        if rec.state == "pending":
+            event = Preempted(
+                request_id=rec.request_id, instance_id=d.id, num_tokens=self._context(rec), seconds=now - started
+            )
+            self._emit(event, now)
+        if rec.state == "pending":
+            self._swapped.add(rec.request_id)
+            d.waiting.append(rec)
+        self._join_decode(d, now)
+        self._start_step(d, now)
+
+    def _on_swap_in_done(self, now: float, payload: tuple[SimDecode, RequestRecord]) -> None:
+        d, rec = payload
+        if rec.state == "pending":
+            self._start_decoding(d, rec, now)
+        else:
+            d.free(rec.request_id)
+            self._join_decode(d, now)
+        self._start_step(d, now)
 
     def _leave_decode(self, d: SimDecode, rec: RequestRecord) -> None:
         d.free(rec.request_id)

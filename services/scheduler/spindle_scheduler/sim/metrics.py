@@ -32,6 +32,7 @@ class RequestRecord:
     decode_start: float | None = None
     finished_at: float | None = None
     token_times: list[float] = field(default_factory=list)
+    preemptions: int = 0  # times its decode was swapped out to the kvstore
 
     @property
     def ttft(self) -> float | None:
@@ -127,6 +128,7 @@ class SimSummary:
     goodput_req_s: float | None = None  # completed requests meeting the SLO per second
     goodput_tok_s: float | None = None  # their output tokens per second
     slo_attainment: float | None = None  # requests meeting the SLO / all requests (rejected and failed miss it)
+    preemptions: int = 0  # decode swap-outs to the kvstore, all requests
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -178,4 +180,5 @@ def summarize(
         goodput_req_s=goodput_req,
         goodput_tok_s=goodput_tok,
         slo_attainment=attainment,
+        preemptions=sum(r.preemptions for r in records),
     )

@@ -21,8 +21,10 @@ from .placement import group_ready_at, kvstore_id, pick_decode
 class FixedSPStrategy(Strategy):
     needs_latency = True
 
-    def __init__(self, latency: LatencyModel | None = None, *, sp: int = 8, layout: str = "zigzag") -> None:
-        super().__init__(latency)
+    def __init__(
+        self, latency: LatencyModel | None = None, *, sp: int = 8, layout: str = "zigzag", preempt_after_s: float = 0.0
+    ) -> None:
+        super().__init__(latency, preempt_after_s=preempt_after_s)
         assert self.latency is not None and self.latency.prefill is not None
         if sp not in self.latency.prefill.coeffs:
             raise ValueError(f"fixed-sp: sp={sp} has no prefill latency model (have {self.latency.prefill.sp_sizes()})")
@@ -32,7 +34,7 @@ class FixedSPStrategy(Strategy):
         self.layout = layout
 
     def describe(self) -> str:
-        return f"fixed-sp:sp={self.sp}"
+        return f"fixed-sp:sp={self.sp}" + (f",preempt_after_s={self.preempt_after_s:g}" if self.preempt_after_s else "")
 
     def plan(self, spec: RequestSpec, state: ClusterState, now: float) -> list[Action]:
         prefills = state.live("prefill")

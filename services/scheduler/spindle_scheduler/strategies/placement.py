@@ -8,13 +8,17 @@ from ..state import ClusterState, InstanceState
 
 
 def pick_decode(state: ClusterState, spec: RequestSpec) -> InstanceState | None:
-    """The live decode instance with the most free KV blocks; counts the request's blocks as planned there."""
+    """Tetris §5.2 routing: of the live decode instances where the request's blocks fit (virtual usage
+    excluded), the one with the highest freeness; when it fits nowhere, the one with the most free blocks (it
+    parks there until blocks free). The core then counts the request as virtual usage there."""
     decodes = state.live("decode")
     if not decodes:
         return None
-    decode = max(decodes, key=lambda i: (i.free_blocks, -i.info.rank))
-    reserve_blocks(decode, spec)
-    return decode
+    need = spec.prompt.num_tokens + spec.sampling.max_tokens
+    fits = [i for i in decodes if i.free_blocks >= i.blocks_for(need)]
+    if fits:
+        return max(fits, key=lambda i: (i.freeness, -i.info.rank))
+    return max(decodes, key=lambda i: (i.free_blocks, -i.info.rank))
 
 
 def reserve_blocks(inst: InstanceState, spec: RequestSpec) -> None:

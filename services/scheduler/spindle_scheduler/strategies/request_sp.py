@@ -23,8 +23,15 @@ from .placement import kvstore_id, pick_decode
 class RequestSPStrategy(Strategy):
     needs_latency = True
 
-    def __init__(self, latency: LatencyModel | None = None, *, max_sp: int = 16, layout: str = "zigzag") -> None:
-        super().__init__(latency)
+    def __init__(
+        self,
+        latency: LatencyModel | None = None,
+        *,
+        max_sp: int = 16,
+        layout: str = "zigzag",
+        preempt_after_s: float = 0.0,
+    ) -> None:
+        super().__init__(latency, preempt_after_s=preempt_after_s)
         assert self.latency is not None and self.latency.prefill is not None
         self.sizes = [s for s in self.latency.prefill.sp_sizes() if s <= max_sp]
         if max_sp < 1 or not self.sizes:
@@ -35,7 +42,8 @@ class RequestSPStrategy(Strategy):
         self.layout = layout
 
     def describe(self) -> str:
-        return f"request-sp:max_sp={self.max_sp}"
+        preempt = f",preempt_after_s={self.preempt_after_s:g}" if self.preempt_after_s else ""
+        return f"request-sp:max_sp={self.max_sp}{preempt}"
 
     def plan(self, spec: RequestSpec, state: ClusterState, now: float) -> list[Action]:
         prefills = sorted(state.live("prefill"), key=lambda i: (i.busy_until(now), i.info.rank))

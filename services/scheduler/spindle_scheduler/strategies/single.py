@@ -2,7 +2,8 @@
 
 Prefill goes to the instance with the least predicted queue (prompt tokens waiting there, counting what
 was planned since its last heartbeat); decode goes to the instance with the most free KV blocks.
-Needs no latency model, so it runs on the real stack without a profile.
+Needs no latency model, so it runs on the real stack without a profile. `preempt_after_s` > 0 time-slices
+full decode instances (preemption.py), as in the other disaggregated strategies.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from spindle_protocol.messages import RequestSpec
 
 from ..actions import Action, Admit, Reject, RunPrefill, whole_prompt
+from ..latency import LatencyModel
 from ..state import ClusterState
 from ..strategy import Strategy, register_strategy
 from .placement import kvstore_id, pick_decode
@@ -17,6 +19,9 @@ from .placement import kvstore_id, pick_decode
 
 @register_strategy("single")
 class SingleInstanceStrategy(Strategy):
+    def __init__(self, latency: LatencyModel | None = None, *, preempt_after_s: float = 0.0) -> None:
+        super().__init__(latency, preempt_after_s=preempt_after_s)
+
     def plan(self, spec: RequestSpec, state: ClusterState, now: float) -> list[Action]:
         prefills = state.live("prefill")
         decode = pick_decode(state, spec) if prefills else None
