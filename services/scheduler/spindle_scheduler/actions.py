@@ -56,6 +56,15 @@ class Reject:
 
 
 @dataclass(frozen=True)
+class KVShard:
+    """Prompt tokens [start, end) of a request's KV held by decode `instance` (KV-parallel decode)."""
+
+    instance: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
 class RunPrefill:
     """Prefill `spec` chunk by chunk, in order; its KV goes to `decode_instance` (or parks in `kvstore_instance`).
 
@@ -66,11 +75,24 @@ class RunPrefill:
     chunks: tuple[PrefillChunk, ...]
     decode_instance: str
     kvstore_instance: str = ""
+    # KV-parallel decode: the prompt's KV split over decode instances, in token order; `decode_instance` (the
+    # master) holds the first shard, the last one (the tail) also takes every new token. Empty: all on one.
+    decode_shards: tuple[KVShard, ...] = ()
 
     def __post_init__(self) -> None:
         assert self.chunks and self.chunks[0].start == 0, "a plan starts at token 0"
         assert all(a.end == b.start for a, b in itertools.pairwise(self.chunks)), "chunks must tile the prompt"
         assert self.chunks[-1].end == self.spec.prompt.num_tokens, "chunks must cover the prompt"
+        if s := self.decode_shards:
+            assert s[0].instance == self.decode_instance and s[0].start == 0, "the master holds the first shard"
+            assert all(a.end == b.start for a, b in itertools.pairwise(s)), "shards must tile the prompt"
+            assert s[-1].end == self.spec.prompt.num_tokens and all(x.start < x.end for x in s), "bad shards"
+            assert len({x.instance for x in s}) == len(s), "one shard per instance"
+
+    @property
+    def decode_holders(self) -> tuple[KVShard, ...]:
+        """Every decode instance's shard (one shard when the KV is not split)."""
+        return self.decode_shards or (KVShard(self.decode_instance, 0, self.spec.prompt.num_tokens),)
 
     @property
     def prefill_instances(self) -> tuple[str, ...]:

@@ -127,13 +127,22 @@ class SchedulerCore:
                 Reject(rid, 429, f"{len(self.state.requests)} requests in flight; try again", self.config.retry_after_s)
             ]
         actions = self.strategy.plan(spec, self.state, now)
-        plans = {a.spec.request_id: a.chunks for a in actions if isinstance(a, RunPrefill)}
+        plans = {a.spec.request_id: a for a in actions if isinstance(a, RunPrefill)}
         for a in actions:
             if isinstance(a, Admit):
+                plan = plans.get(rid)
                 self.state.requests[rid] = RequestState(
-                    spec, Phase.PREFILL, a.prefill_instances, a.decode_instance, now, chunks=plans.get(rid, ())
+                    spec,
+                    Phase.PREFILL,
+                    a.prefill_instances,
+                    a.decode_instance,
+                    now,
+                    chunks=plan.chunks if plan else (),
+                    decode_shards=plan.decode_shards if plan else (),
                 )
                 self._expect(self.state.requests[rid])
+                if (master := self.state.instances.get(a.decode_instance)) is not None:
+                    master.mastering.add(rid)
             elif isinstance(a, FailRequest):  # a strategy may give up on a request it just admitted
                 self._forget(a.request_id)
         return actions
@@ -178,13 +187,17 @@ class SchedulerCore:
         if req is not None:
             self.state.work_done(req.prefill_instances, request_id)
             self._arrived(req)
+            if (master := self.state.instances.get(req.decode_instance)) is not None:
+                master.mastering.discard(request_id)
 
     def _expect(self, req: RequestState) -> None:
-        """Count the request's decode blocks as virtual usage on its decode instance until it decodes there."""
-        inst = self.state.instances.get(req.decode_instance)
-        if inst is not None and inst.role == "decode":
-            inst.incoming[req.request_id] = inst.blocks_for(req.spec.prompt.num_tokens + req.spec.sampling.max_tokens)
+        """Count the request's decode blocks as virtual usage on its decode instances until it decodes there."""
+        for iid in req.decode_instances():
+            inst = self.state.instances.get(iid)
+            if inst is not None and inst.role == "decode":
+                inst.incoming[req.request_id] = req.decode_blocks(inst.info.block_size)[iid]
 
     def _arrived(self, req: RequestState) -> None:
-        if (inst := self.state.instances.get(req.decode_instance)) is not None:
-            inst.incoming.pop(req.request_id, None)
+        for iid in req.decode_instances():
+            if (inst := self.state.instances.get(iid)) is not None:
+                inst.incoming.pop(req.request_id, None)

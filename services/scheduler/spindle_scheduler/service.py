@@ -55,10 +55,10 @@ class SchedulerService:
     def __init__(self, config: SchedulerServiceConfig) -> None:
         self.config = config
         strategy = create_strategy(config.strategy, config.latency)
-        if not strategy.runs_on_real_stack:
+        if strategy.real_stack_gap:
             raise ValueError(
-                f"strategy {strategy.name!r} plans colocated instances (prefill chunks mixed into decode batches), "
-                "which the services cannot run yet; use it in `spindle sim`"
+                f"strategy {strategy.describe()!r} cannot run on the services yet: {strategy.real_stack_gap}; "
+                "use it in `spindle sim`"
             )
         self.core = SchedulerCore(strategy, config.core)
         self.bus: Bus | None = None

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from spindle_protocol.messages import InstanceInfo, RequestSpec
 
-from .actions import PrefillChunk
+from .actions import KVShard, PrefillChunk
 
 PREFILL_ROLES = ("prefill", "elastic")  # an elastic instance prefills and decodes
 DECODE_ROLES = ("decode", "elastic")
@@ -29,6 +29,7 @@ class InstanceState:
     # "virtual usage" (Llumnix, Tetris §5.2): blocks of requests placed here for decode that have not started
     # decoding yet (prefilling, in transfer, parked), which the instance's own count does not hold yet
     incoming: dict[str, int] = field(default_factory=dict)
+    mastering: set[str] = field(default_factory=set)  # requests whose decode it leads (KV-parallel: the master)
 
     @property
     def id(self) -> str:
@@ -70,6 +71,7 @@ class RequestState:
     parked: bool = False
     tokens_done: int = 0  # prompt tokens computed so far (PrefillProgress)
     chunks: tuple[PrefillChunk, ...] = ()  # the prefill plan
+    decode_shards: tuple[KVShard, ...] = ()  # KV-parallel decode: the KV split over decode instances
     parked_since: float | None = None  # waiting for blocks on its decode instance, its KV in the kvstore
     decoding_since: float | None = None  # in its decode instance's batch since (DecodeStarted)
     preempting: bool = False  # a Preempt was sent and its Preempted event has not come yet
@@ -79,6 +81,8 @@ class RequestState:
         """Where the KV of each computed token range lives now: `(start, end, instances)` (a parked request's
         is listed at its decode instance, which pulls it back from the kvstore)."""
         if self.phase is Phase.DECODE or self.num_preemptions or (self.phase is Phase.TRANSFER and not self.chunks):
+            if self.decode_shards:
+                return [(s.start, s.end, (s.instance,)) for s in self.decode_shards]
             return [(0, self.spec.prompt.num_tokens, (self.decode_instance,))]
         return [(c.start, min(c.end, self.tokens_done), c.instances) for c in self.chunks if c.start < self.tokens_done]
 
@@ -88,9 +92,21 @@ class RequestState:
 
     def holders(self) -> set[str]:
         """Instances whose loss ends this request."""
+        decode = set(self.decode_instances())
         if self.phase is Phase.DECODE or self.num_preemptions:
-            return {self.decode_instance}
-        return {*self.prefill_instances, self.decode_instance}
+            return decode
+        return {*self.prefill_instances, *decode}
+
+    def decode_instances(self) -> tuple[str, ...]:
+        """The decode instances holding its KV: the master first."""
+        return tuple(s.instance for s in self.decode_shards) or (self.decode_instance,)
+
+    def decode_blocks(self, block_size: int) -> dict[str, int]:
+        """Blocks each decode instance holds for this request once it decodes (the tail: new tokens too)."""
+        shards = self.decode_shards or (KVShard(self.decode_instance, 0, self.spec.prompt.num_tokens),)
+        out = {s.instance: s.end - s.start for s in shards}
+        out[shards[-1].instance] += self.spec.sampling.max_tokens
+        return {i: -(-tokens // max(1, block_size)) for i, tokens in out.items()}
 
 
 @dataclass

@@ -25,15 +25,22 @@ _REGISTRY: dict[str, type[Strategy]] = {}
 class Strategy(ABC):
     name: str = ""
     needs_latency: bool = False  # plans with predicted times: needs a LatencyModel with a prefill part
-    runs_on_real_stack: bool = True  # False: its plans need colocated instances, which the services lack yet
+    real_stack_gap: str = ""  # why the services cannot run its plans yet ("" when they can)
 
-    def __init__(self, latency: LatencyModel | None = None, *, preempt_after_s: float = 0.0) -> None:
+    def __init__(
+        self, latency: LatencyModel | None = None, *, preempt_after_s: float = 0.0, kvp_tokens: int = 0
+    ) -> None:
         if self.needs_latency and (latency is None or latency.prefill is None):
             raise ValueError(f"strategy {self.name!r} needs a latency model with prefill coefficients")
         if not preempt_after_s >= 0:
             raise ValueError(f"{self.name}: preempt_after_s must be >= 0, got {preempt_after_s}")
+        if kvp_tokens < 0:
+            raise ValueError(f"{self.name}: kvp_tokens must be >= 0, got {kvp_tokens}")
         self.latency = latency
         self.preempt_after_s = preempt_after_s
+        self.kvp_tokens = kvp_tokens  # > 0: a prompt longer than this is split over several decode instances
+        if kvp_tokens:
+            self.real_stack_gap = "its plans split a request's KV over several decode instances (KV-parallel decode)"
 
     @abstractmethod
     def plan(self, spec: RequestSpec, state: ClusterState, now: float) -> list[Action]:
@@ -50,8 +57,14 @@ class Strategy(ABC):
         """Extra actions when an instance dies (the core already fails the requests it held)."""
         return []
 
+    def options(self) -> dict[str, object]:
+        """The options `describe` names, besides the common ones."""
+        return {}
+
     def describe(self) -> str:
-        return self.name + (f":preempt_after_s={self.preempt_after_s:g}" if self.preempt_after_s else "")
+        opts = self.options() | {"preempt_after_s": self.preempt_after_s, "kvp_tokens": self.kvp_tokens}
+        text = ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in opts.items() if v)
+        return f"{self.name}:{text}" if text else self.name
 
 
 def register_strategy(name: str) -> Callable[[type[Strategy]], type[Strategy]]:

@@ -105,6 +105,8 @@ class Simulator:
         self._next_chunk: dict[str, int] = {}  # request id -> index of its next chunk to run
         self._running: set[str] = set()  # requests with a chunk executing now
         self._swapped: set[str] = set()  # preempted requests whose KV is in the kvstore
+        self._split_masters: set[SimDecode] = set()  # masters whose queue head waits for blocks elsewhere
+        self._tails: dict[str, SimDecode] = {}
         self._remaining = 0
         self._ran = False
 
@@ -213,6 +215,8 @@ class Simulator:
             self._start_step(dst, now)
             return
         assert isinstance(dst, SimDecode) and all(isinstance(m, SimPrefill) for m in members), f"bad placement {a}"
+        holders = [self.instances.get(h.instance) for h in a.decode_holders]
+        assert all(isinstance(h, SimDecode) and not isinstance(h, SimColocated) for h in holders), f"bad shards {a}"
         for job in jobs:
             for k, iid in enumerate(job.chunk.instances):
                 p = self.instances[iid]
@@ -336,7 +340,7 @@ class Simulator:
         d = self.instances[rec.decode_instance]
         assert isinstance(d, SimDecode)
         rec.transfer_end = now
-        parked = bool(d.waiting) or d.free_blocks < self._decode_blocks(rec)
+        parked = bool(d.waiting) or not self._fits(rec)
         self._emit(
             TransferDone(
                 request_id=rec.request_id,
@@ -357,17 +361,64 @@ class Simulator:
         # blocks for the whole sequence are taken at join, so a running batch never needs preemption
         return self.config.blocks(rec.num_prefill_tokens + rec.num_decode_tokens)
 
+    # ---- KV-parallel decode: a request's KV split over decode instances ----
+
+    def _shards(self, rec: RequestRecord) -> list[tuple[SimDecode, int]]:
+        """(instance, tokens it holds now) per decode holder, the master first; the tail holds the outputs."""
+        holders = self.plans[rec.request_id].decode_holders
+        out = [(self.instances[h.instance], h.end - h.start) for h in holders]
+        tail, tokens = out[-1]
+        out[-1] = (tail, tokens + len(rec.token_times))
+        return out  # type: ignore[return-value]
+
+    def _tail(self, rec: RequestRecord) -> SimDecode:
+        """The holder that takes the request's new tokens."""
+        tail = self._tails.get(rec.request_id)
+        if tail is None:
+            tail = self._tails[rec.request_id] = self.instances[self.plans[rec.request_id].decode_holders[-1].instance]
+        return tail  # type: ignore[return-value]
+
+    def _shard_blocks(self, rec: RequestRecord) -> list[tuple[SimDecode, int]]:
+        """Blocks each holder takes at join: its shard, and on the tail room for every output token too."""
+        holders = self._shards(rec)
+        tail = len(holders) - 1
+        outputs = len(rec.token_times)
+        return [
+            (inst, self.config.blocks(tokens + (rec.num_decode_tokens - outputs if k == tail else 0)))
+            for k, (inst, tokens) in enumerate(holders)
+        ]
+
+    def _fits(self, rec: RequestRecord) -> bool:
+        return all(inst.free_blocks >= blocks for inst, blocks in self._shard_blocks(rec))
+
+    def _add_kv(self, rec: RequestRecord, sign: int) -> None:
+        for inst, tokens in self._shards(rec):
+            inst.kv_tokens += sign * tokens
+
+    def _free_decode(self, rec: RequestRecord) -> None:
+        for inst, _ in self._shards(rec):
+            inst.free(rec.request_id)
+
+    def _retry_split_joins(self, now: float) -> None:
+        """A split request heading a master's queue may wait for blocks on another instance: retry them all."""
+        for d in list(self._split_masters):
+            self._join_decode(d, now)
+            self._start_step(d, now)
+
     def _join_decode(self, d: SimDecode, now: float) -> None:
         while d.waiting:
             head = d.waiting[0]
             if head.state != "pending":
                 d.waiting.popleft()
                 continue
-            blocks = self._decode_blocks(head)
-            if d.free_blocks < blocks:
+            if not self._fits(head):
+                if self.plans[head.request_id].decode_shards:
+                    self._split_masters.add(d)
                 return
+            self._split_masters.discard(d)
             d.waiting.popleft()
-            d.alloc(head.request_id, blocks)
+            for inst, blocks in self._shard_blocks(head):
+                inst.alloc(head.request_id, blocks)
             if head.request_id in self._swapped:  # its KV comes back from the kvstore first
                 self._swapped.discard(head.request_id)
                 self.queue.push(now + self._kv_seconds(self._context(head)), EventKind.SWAP_IN_DONE, (d, head))
@@ -376,7 +427,7 @@ class Simulator:
 
     def _start_decoding(self, d: SimDecode, rec: RequestRecord, now: float) -> None:
         d.running.append(rec)
-        d.kv_tokens += rec.num_prefill_tokens + len(rec.token_times)
+        self._add_kv(rec, +1)
         rec.decode_start = now
         self._emit(DecodeStarted(request_id=rec.request_id, instance_id=d.id), now)
 
@@ -388,8 +439,7 @@ class Simulator:
             return
         seconds = 0.0
         if d.running:
-            model = self.latency.decode
-            seconds = model.predict(len(d.running), d.kv_tokens, tp=d.tp) if model else self.config.decode_step_s
+            seconds = self._decode_step_seconds(d)
         if chunk is not None:
             assert isinstance(d, SimColocated)
             c = chunk.chunk
@@ -402,6 +452,24 @@ class Simulator:
         if isinstance(d, SimColocated):
             d.step_batch = list(d.running)
         self.queue.push(now + seconds, EventKind.DECODE_STEP, d)
+
+    def _decode_step_seconds(self, d: SimDecode) -> float:
+        """The step of `d`'s batch over its local KV; with split requests in the batch, the step also waits
+        for the other holders' partial attention over their shards (run in parallel: the slowest counts)."""
+        model = self.latency.decode
+        if model is None:
+            return self.config.decode_step_s
+        seconds = model.predict(len(d.running), d.kv_tokens, tp=d.tp)
+        remote: dict[str, tuple[int, int]] = {}  # holder -> (split requests of this batch, their tokens there)
+        for r in d.running:
+            if self.plans[r.request_id].decode_shards:
+                for inst, tokens in self._shards(r):
+                    if inst is not d:
+                        n, t = remote.get(inst.id, (0, 0))
+                        remote[inst.id] = (n + 1, t + tokens)
+        for n, tokens in remote.values():
+            seconds = max(seconds, model.predict(n, tokens, tp=d.tp))
+        return seconds
 
     def _next_colocated_chunk(self, c: SimColocated, now: float) -> ChunkJob | None:
         """Pop the head prefill chunk if it can run now (its request's whole-sequence blocks fit)."""
@@ -426,17 +494,15 @@ class Simulator:
         colocated = isinstance(d, SimColocated)
         batch = d.step_batch if colocated else d.running
         ended = []
-        produced = 0
         for r in batch:
             if r.state != "pending":  # failed during the step
                 ended.append(r)
                 continue
             times = r.token_times
             times.append(now)
-            produced += 1
+            self._tail(r).kv_tokens += 1  # the new token's KV lands on the tail holder
             if len(times) >= r.num_decode_tokens:
                 ended.append(r)
-        d.kv_tokens += produced
         finished = []
         for r in ended:
             if r.state == "pending":
@@ -467,6 +533,8 @@ class Simulator:
             d.preempt_after_step.clear()
             self._join_decode(d, now)
         self._start_step(d, now)
+        if ended and self._split_masters:
+            self._retry_split_joins(now)
 
     def _colocated_chunk_done(self, c: SimColocated, job: ChunkJob, now: float) -> None:
         rec, rid = job.rec, job.rec.request_id
@@ -512,13 +580,13 @@ class Simulator:
     def _swap_out(self, d: SimDecode, rec: RequestRecord, now: float) -> None:
         """Out of the batch now; its blocks free once the KV is in the kvstore."""
         d.running.remove(rec)
-        d.kv_tokens -= rec.num_prefill_tokens + len(rec.token_times)
+        self._add_kv(rec, -1)
         rec.preemptions += 1
         self.queue.push(now + self._kv_seconds(self._context(rec)), EventKind.SWAP_OUT_DONE, (d, rec, now))
 
     def _on_swap_out_done(self, now: float, payload: tuple[SimDecode, RequestRecord, float]) -> None:
         d, rec, started = payload
-        d.free(rec.request_id)
+        self._free_decode(rec)
         if rec.state == "pending":
             event = Preempted(
                 request_id=rec.request_id, instance_id=d.id, num_tokens=self._context(rec), seconds=now - started
@@ -529,21 +597,23 @@ class Simulator:
             d.waiting.append(rec)
         self._join_decode(d, now)
         self._start_step(d, now)
+        self._retry_split_joins(now)
 
     def _on_swap_in_done(self, now: float, payload: tuple[SimDecode, RequestRecord]) -> None:
         d, rec = payload
         if rec.state == "pending":
             self._start_decoding(d, rec, now)
         else:
-            d.free(rec.request_id)
+            self._free_decode(rec)
             self._join_decode(d, now)
+            self._retry_split_joins(now)
         self._start_step(d, now)
 
     def _leave_decode(self, d: SimDecode, rec: RequestRecord) -> None:
-        d.free(rec.request_id)
+        self._free_decode(rec)
         if rec in d.running:
             d.running.remove(rec)
-            d.kv_tokens -= rec.num_prefill_tokens + len(rec.token_times)
+            self._add_kv(rec, -1)
 
     def _fail(self, rec: RequestRecord, now: float, reason: str) -> None:
         """Abort everywhere: queued work is dropped when reached; held KV is freed now unless a step or
@@ -570,6 +640,7 @@ class Simulator:
             self._leave_decode(d, rec)
         self._join_decode(d, now)
         self._start_step(d, now)
+        self._retry_split_joins(now)
 
 
 def simulate(

@@ -18,7 +18,7 @@ from .placement import reserve_blocks
 
 @register_strategy("chunked")
 class ChunkedPrefillStrategy(Strategy):
-    runs_on_real_stack = False
+    real_stack_gap = "its plans need colocated instances (prefill chunks mixed into decode batches)"
 
     def __init__(self, latency: LatencyModel | None = None, *, chunk_size: int = 512) -> None:
         super().__init__(latency)
@@ -26,8 +26,8 @@ class ChunkedPrefillStrategy(Strategy):
             raise ValueError(f"chunked: chunk_size must be >= 1, got {chunk_size}")
         self.chunk_size = chunk_size
 
-    def describe(self) -> str:
-        return f"chunked:chunk_size={self.chunk_size}"
+    def options(self) -> dict[str, object]:
+        return {"chunk_size": self.chunk_size}
 
     def plan(self, spec: RequestSpec, state: ClusterState, now: float) -> list[Action]:
         elastic = state.live("elastic")

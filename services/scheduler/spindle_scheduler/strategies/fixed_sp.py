@@ -14,7 +14,7 @@ from ..actions import LAYOUTS, Action, Admit, Reject, RunPrefill, whole_prompt
 from ..latency import LatencyModel
 from ..state import ClusterState
 from ..strategy import Strategy, register_strategy
-from .placement import group_ready_at, kvstore_id, pick_decode
+from .placement import group_ready_at, kvstore_id, pick_decode_group
 
 
 @register_strategy("fixed-sp")
@@ -22,9 +22,15 @@ class FixedSPStrategy(Strategy):
     needs_latency = True
 
     def __init__(
-        self, latency: LatencyModel | None = None, *, sp: int = 8, layout: str = "zigzag", preempt_after_s: float = 0.0
+        self,
+        latency: LatencyModel | None = None,
+        *,
+        sp: int = 8,
+        layout: str = "zigzag",
+        preempt_after_s: float = 0.0,
+        kvp_tokens: int = 0,
     ) -> None:
-        super().__init__(latency, preempt_after_s=preempt_after_s)
+        super().__init__(latency, preempt_after_s=preempt_after_s, kvp_tokens=kvp_tokens)
         assert self.latency is not None and self.latency.prefill is not None
         if sp not in self.latency.prefill.coeffs:
             raise ValueError(f"fixed-sp: sp={sp} has no prefill latency model (have {self.latency.prefill.sp_sizes()})")
@@ -33,17 +39,18 @@ class FixedSPStrategy(Strategy):
             raise ValueError(f"{self.name}: unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
         self.layout = layout
 
-    def describe(self) -> str:
-        return f"fixed-sp:sp={self.sp}" + (f",preempt_after_s={self.preempt_after_s:g}" if self.preempt_after_s else "")
+    def options(self) -> dict[str, object]:
+        return {"sp": self.sp}
 
     def plan(self, spec: RequestSpec, state: ClusterState, now: float) -> list[Action]:
         prefills = state.live("prefill")
         groups = [prefills[i : i + self.sp] for i in range(0, len(prefills) - self.sp + 1, self.sp)]
         if not groups:
             return [Reject(spec.request_id, 503, f"fewer than sp={self.sp} live prefill instances")]
-        decode = pick_decode(state, spec)
-        if decode is None:
+        placed = pick_decode_group(state, spec, self.kvp_tokens)
+        if placed is None:
             return [Reject(spec.request_id, 503, "no live decode instance")]
+        decode, shards = placed
         group = min(groups, key=lambda g: group_ready_at(g, now))
         start = group_ready_at(group, now)
         seconds = self.latency.prefill.predict(self.sp, 0, spec.prompt.num_tokens)  # type: ignore[union-attr]
@@ -52,5 +59,5 @@ class FixedSPStrategy(Strategy):
         layout = self.layout if self.sp > 1 else "contiguous"
         return [
             Admit(spec.request_id, ids, decode.id),
-            RunPrefill(spec, whole_prompt(spec, ids, layout), decode.id, kvstore_id(state)),
+            RunPrefill(spec, whole_prompt(spec, ids, layout), decode.id, kvstore_id(state), shards),
         ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from spindle_protocol.messages import RequestSpec
 
+from ..actions import KVShard
 from ..state import ClusterState, InstanceState
 
 
@@ -19,6 +20,27 @@ def pick_decode(state: ClusterState, spec: RequestSpec) -> InstanceState | None:
     if fits:
         return max(fits, key=lambda i: (i.freeness, -i.info.rank))
     return max(decodes, key=lambda i: (i.free_blocks, -i.info.rank))
+
+
+def pick_decode_group(
+    state: ClusterState, spec: RequestSpec, kvp_tokens: int
+) -> tuple[InstanceState, tuple[KVShard, ...]] | None:
+    """Decode placement with Medha-style KV parallelism: a prompt longer than `kvp_tokens` (0: never) is split
+    into shards of at most `kvp_tokens` over that many decode instances, the freest ones. The master (first
+    shard) is the member leading the fewest requests, so masters spread out (LoongServe's multi-master); the
+    last member, the tail, also takes the new tokens. Fewer live instances than shards: the
+    shards grow to cover the prompt. Returns the master and the shards (empty: the whole KV on the master)."""
+    n = spec.prompt.num_tokens
+    degree = -(-n // kvp_tokens) if kvp_tokens else 1
+    decodes = state.live("decode")
+    if degree <= 1 or len(decodes) < 2:
+        decode = pick_decode(state, spec)
+        return None if decode is None else (decode, ())
+    group = sorted(decodes, key=lambda i: (-i.freeness, i.info.rank))[:degree]
+    group.sort(key=lambda i: (len(i.mastering), -i.freeness, i.info.rank))
+    size = -(-n // len(group))
+    shards = tuple(KVShard(inst.id, k * size, min(n, (k + 1) * size)) for k, inst in enumerate(group) if k * size < n)
+    return group[0], shards
 
 
 def reserve_blocks(inst: InstanceState, spec: RequestSpec) -> None:

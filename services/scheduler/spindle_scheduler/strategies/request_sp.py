@@ -16,7 +16,7 @@ from ..actions import LAYOUTS, Action, Admit, Reject, RunPrefill, whole_prompt
 from ..latency import LatencyModel
 from ..state import ClusterState
 from ..strategy import Strategy, register_strategy
-from .placement import kvstore_id, pick_decode
+from .placement import kvstore_id, pick_decode_group
 
 
 @register_strategy("request-sp")
@@ -30,8 +30,9 @@ class RequestSPStrategy(Strategy):
         max_sp: int = 16,
         layout: str = "zigzag",
         preempt_after_s: float = 0.0,
+        kvp_tokens: int = 0,
     ) -> None:
-        super().__init__(latency, preempt_after_s=preempt_after_s)
+        super().__init__(latency, preempt_after_s=preempt_after_s, kvp_tokens=kvp_tokens)
         assert self.latency is not None and self.latency.prefill is not None
         self.sizes = [s for s in self.latency.prefill.sp_sizes() if s <= max_sp]
         if max_sp < 1 or not self.sizes:
@@ -41,15 +42,15 @@ class RequestSPStrategy(Strategy):
             raise ValueError(f"{self.name}: unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
         self.layout = layout
 
-    def describe(self) -> str:
-        preempt = f",preempt_after_s={self.preempt_after_s:g}" if self.preempt_after_s else ""
-        return f"request-sp:max_sp={self.max_sp}{preempt}"
+    def options(self) -> dict[str, object]:
+        return {"max_sp": self.max_sp}
 
     def plan(self, spec: RequestSpec, state: ClusterState, now: float) -> list[Action]:
         prefills = sorted(state.live("prefill"), key=lambda i: (i.busy_until(now), i.info.rank))
-        decode = pick_decode(state, spec) if prefills else None
-        if decode is None:
+        placed = pick_decode_group(state, spec, self.kvp_tokens) if prefills else None
+        if placed is None:
             return [Reject(spec.request_id, 503, "no live prefill or decode instance")]
+        decode, shards = placed
         n = spec.prompt.num_tokens
         best: tuple[float, int] | None = None
         for s in self.sizes:
@@ -65,5 +66,5 @@ class RequestSPStrategy(Strategy):
         layout = self.layout if s > 1 else "contiguous"
         return [
             Admit(spec.request_id, ids, decode.id),
-            RunPrefill(spec, whole_prompt(spec, ids, layout), decode.id, kvstore_id(state)),
+            RunPrefill(spec, whole_prompt(spec, ids, layout), decode.id, kvstore_id(state), shards),
         ]

@@ -1,7 +1,8 @@
 """`single`: one prefill instance per request, then one decode instance (no sequence parallelism).
 
 Prefill goes to the instance with the least predicted queue (prompt tokens waiting there, counting what
-was planned since its last heartbeat); decode goes to the instance with the most free KV blocks.
+was planned since its last heartbeat); decode goes by freeness (placement.pick_decode), over several
+instances when `kvp_tokens` splits a long prompt's KV (KV-parallel decode; `spindle sim` only for now).
 Needs no latency model, so it runs on the real stack without a profile. `preempt_after_s` > 0 time-slices
 full decode instances (preemption.py), as in the other disaggregated strategies.
 """
@@ -14,23 +15,26 @@ from ..actions import Action, Admit, Reject, RunPrefill, whole_prompt
 from ..latency import LatencyModel
 from ..state import ClusterState
 from ..strategy import Strategy, register_strategy
-from .placement import kvstore_id, pick_decode
+from .placement import kvstore_id, pick_decode_group
 
 
 @register_strategy("single")
 class SingleInstanceStrategy(Strategy):
-    def __init__(self, latency: LatencyModel | None = None, *, preempt_after_s: float = 0.0) -> None:
-        super().__init__(latency, preempt_after_s=preempt_after_s)
+    def __init__(
+        self, latency: LatencyModel | None = None, *, preempt_after_s: float = 0.0, kvp_tokens: int = 0
+    ) -> None:
+        super().__init__(latency, preempt_after_s=preempt_after_s, kvp_tokens=kvp_tokens)
 
     def plan(self, spec: RequestSpec, state: ClusterState, now: float) -> list[Action]:
         prefills = state.live("prefill")
-        decode = pick_decode(state, spec) if prefills else None
-        if not prefills or decode is None:
+        placed = pick_decode_group(state, spec, self.kvp_tokens) if prefills else None
+        if not prefills or placed is None:
             return [Reject(spec.request_id, 503, "no live prefill or decode instance")]
+        decode, shards = placed
         prefill = min(prefills, key=lambda i: (i.predicted_queue_tokens, i.info.rank))
         prefill.planned_tokens += spec.prompt.num_tokens
         group = (prefill.id,)
         return [
             Admit(spec.request_id, group, decode.id),
-            RunPrefill(spec, whole_prompt(spec, group), decode.id, kvstore_id(state)),
+            RunPrefill(spec, whole_prompt(spec, group), decode.id, kvstore_id(state), shards),
         ]
