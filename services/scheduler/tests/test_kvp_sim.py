@@ -71,3 +71,39 @@ def test_the_services_refuse_split_plans_for_now():
     assert "KV-parallel" in strategy.real_stack_gap and strategy.describe() == "single:kvp_tokens=1024"
     with pytest.raises(ValueError, match="kvp_tokens must be >= 0"):
         create_strategy("single:kvp_tokens=-1")
+
+
+def test_losing_any_holder_of_a_split_request_fails_it_and_only_it():
+    from spindle_protocol.messages import DecodeStarted, InstanceInfo, Prompt, RequestSpec, Sampling
+    from spindle_scheduler.actions import FailRequest
+    from spindle_scheduler.core import SchedulerCore
+
+    core = SchedulerCore(create_strategy("single:kvp_tokens=1000"), SchedulerConfig(dead_after_s=1e9))
+    for rank, (iid, role) in enumerate([("p", "prefill"), ("d0", "decode"), ("d1", "decode"), ("d2", "decode")]):
+        core.on_heartbeat(
+            InstanceInfo(
+                instance_id=iid,
+                role=role,
+                rank=rank,
+                pid=0,
+                started_at=0.0,
+                updated_at=0.0,
+                kv_blocks_total=1000,
+                kv_blocks_used=0,
+                block_size=16,
+                max_model_len=16000,
+            )
+        )
+    for rid, prompt in (("split", 1800), ("small", 200)):
+        spec = RequestSpec(
+            request_id=rid, prompt=Prompt(num_tokens=prompt), sampling=Sampling(max_tokens=8),
+            arrival_time=0.0, deadline=1e9,
+        )  # fmt: skip
+        core.admit(spec, 0.0)
+        core.on_event(DecodeStarted(request_id=rid, instance_id=core.state.requests[rid].decode_instance), 0.1)
+    split = core.state.requests["split"]
+    assert split.decode_instances() == ("d0", "d1") and "d1" not in core.state.requests["small"].decode_instances()
+    actions = core.on_instance_left("d1", 1.0)  # a holder that is not the master
+    assert actions == [FailRequest("split", 503, "decode instance d1 was lost")]
+    assert "small" in core.state.requests and "split" not in core.state.requests
+    assert all(not i.incoming and i.mastering <= {"small"} for i in core.state.instances.values())
