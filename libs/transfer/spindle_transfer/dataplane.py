@@ -48,6 +48,9 @@ from .wire import (
 )
 
 MAX_TAG = 2**31 - 1
+# Tags new_tag hands out stay below this: 2**30 and up belong to the group collectives written with point-to-point
+# ops on the same group (spindle_attention.distributed.comm.RANK_GROUP_TAG: SP rings, re-balancing, KVP decode).
+HANDSHAKE_TAGS_END = 2**30
 T = TypeVar("T")
 
 
@@ -64,7 +67,7 @@ class DataPlane:
         self.backend = backend
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self._tag_lock = threading.Lock()
-        self._tag_slots = (MAX_TAG - 1) // world_size
+        self._tag_slots = (HANDSHAKE_TAGS_END - 1) // world_size
         self._next_tag = 0
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="spindle-transfer")
 

@@ -74,11 +74,13 @@ def test_new_tag_unique_across_threads_and_ranks() -> None:
     assert all((t - 1) % 3 == i % 3 for i, s in enumerate(seen) for t in s)
 
 
-def test_tags_wrap_below_2_31() -> None:
+def test_tags_wrap_below_the_rank_group_range() -> None:
+    from spindle_attention.distributed.comm import RANK_GROUP_TAG
+
     plane = DataPlane(5, 7, "gloo", max_workers=1)
     plane._next_tag = plane._tag_slots - 2
     tags = [plane.new_tag() for _ in range(4)]
-    assert all(0 < t < 2**31 for t in tags) and tags[2] == 6
+    assert all(0 < t < RANK_GROUP_TAG for t in tags) and tags[2] == 6
 
 
 def test_send_checks_before_touching_the_network() -> None:

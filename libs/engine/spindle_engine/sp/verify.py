@@ -4,6 +4,8 @@ Starts one process per plan member plus the decode instance's TP ranks (gloo on 
 hands the KV to decode (or retains it in place), decodes greedily, then computes the same prompt on the
 single-instance engine here and compares the last prompt token's logits, the greedy tokens and, with
 `--dump-kv`, the whole prompt KV. Prints the differences and MATCH or MISMATCH; exits 1 on a mismatch.
+With `--kvp K` the decode side is a KV-parallel group of K members instead (`verify_kvp`), optionally
+with `--scale-up-at N`; then the master's logits at every decode step are compared too.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from spindle_model import CausalAttention, LlamaModel, load_state_dict, resolve_
 
 from ..config import DTYPES, EngineConfig
 from ..engine import Engine
+from ..kvp import parse_bounds
 from ..sampling_params import SamplingParams
 from .kv_parts import decode_heads
 from .plan import SP_LAYOUTS
+from .verify_kvp import kvp_bounds
 from .verify_worker import BLOCK_SIZE, VerifySpec
 
 FAILURE_GRACE_S = 15.0  # after one rank fails, how long the others get to fail on their own before being killed
@@ -45,6 +49,7 @@ class VerifyResult:
     kv_max_abs_diff: float | None
     seconds: float
     ranks: list[dict] = field(default_factory=list)
+    decode_logit_max_abs_diff: float | None = None  # KVP: the master's logits at every decode step
 
     def summary(self) -> str:
         lines = [
@@ -54,6 +59,8 @@ class VerifyResult:
         ]
         if self.kv_max_abs_diff is not None:
             lines.append(f"max |KV diff|  {self.kv_max_abs_diff:.3e}")
+        if self.decode_logit_max_abs_diff is not None:
+            lines.append(f"max |decode logit diff| {self.decode_logit_max_abs_diff:.3e} (KVP master, every step)")
         for r in self.ranks:
             if r.get("role") == "prefill":
                 for c in r["chunks"]:
@@ -62,6 +69,15 @@ class VerifyResult:
                         f"{c['seconds']:.2f}s ring {c['ring_bytes']} B rebalance {c['rebalance_bytes']} B"
                     )
                 lines.append(f"member {r['member']}: sent {r['transfer_bytes']} B of KV to decode")
+            elif r.get("role") == "kvp":
+                steps = max(r["steps"], 1)
+                sent = (r["q_bytes"] + r["kv_bytes"] + r["result_bytes"] + r["control_bytes"]) / steps
+                lines.append(
+                    f"KVP member {r['member']} range {r['range'] or 'none (scale-up)'}: per step sent {sent:.0f} B "
+                    f"(q {r['q_bytes'] / steps:.0f}, new k/v {r['kv_bytes'] / steps:.0f}, states "
+                    f"{r['result_bytes'] / steps:.0f}); moving the remote KV instead "
+                    f"{r['kv_move_bytes'] / steps:.0f} B"
+                )
         lines.append("MATCH" if self.match else "MISMATCH")
         return "\n".join(lines)
 
@@ -102,6 +118,18 @@ def reference(spec: VerifySpec) -> tuple[Tensor, list[int], Tensor]:
         for out in engine.step():
             tokens += out.new_token_ids
     return logits, tokens, kv
+
+
+@torch.inference_mode()
+def reference_decode_logits(spec: VerifySpec, tokens: list[int]) -> Tensor:
+    """Single instance, one causal pass over prompt + `tokens[:-1]`: the logits that chose `tokens[1:]`."""
+    source = resolve_model(spec.model)
+    dtype = DTYPES[spec.dtype]
+    model = LlamaModel(source.config, dtype=dtype)
+    model.load_weights(load_state_dict(source.path, dtype=dtype))
+    ids = torch.tensor([*spec.token_ids, *tokens[:-1]])
+    hidden = model(torch.arange(len(ids)), CausalAttention(), input_ids=ids)
+    return model.compute_logits(hidden[len(spec.token_ids) :])
 
 
 def launch(spec: VerifySpec, out_dir: Path, timeout_s: float = 600.0) -> list[tuple[dict[str, Tensor], dict]]:
@@ -152,6 +180,7 @@ Reference = tuple[Tensor, list[int], Tensor]
 def verify(spec: VerifySpec, *, timeout_s: float = 600.0, ref: Reference | None = None) -> VerifyResult:
     """Run `spec` and compare; `ref` (from `reference(spec)`) may be passed to reuse it across plans."""
     spec.parsed_plan()  # a bad plan fails here, before any process starts
+    check_kvp(spec)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="spindle-verify-") as tmp:
         results = launch(spec, Path(tmp), timeout_s)
@@ -163,7 +192,19 @@ def verify(spec: VerifySpec, *, timeout_s: float = 600.0, ref: Reference | None 
     scale = ref_logits.abs().max().item()
     tol = TOLERANCE[spec.dtype] * max(scale, 1.0)
     kv_diff = None
-    if spec.dump_kv and not spec.decode_in_place:
+    decode_diff = None
+    if spec.kvp:
+        decode_logits = next(t["decode_logits"] for t, _ in results if "decode_logits" in t)
+        ref_decode = reference_decode_logits(spec, tokens)
+        if decode_logits.shape == ref_decode.shape:
+            decode_diff = (decode_logits - ref_decode).abs().max().item()
+        else:
+            decode_diff = float("inf")
+    if spec.dump_kv and spec.kvp:
+        parts = sorted(((r["member"], t["kv"]) for t, r in results if r.get("role") == "kvp" and "kv" in t))
+        kv = torch.cat([p for _, p in parts], dim=2)
+        kv_diff = (kv.float() - ref_kv.float()).abs().max().item()
+    elif spec.dump_kv and not spec.decode_in_place:
         source = resolve_model(spec.model)
         heads = decode_heads(source.config, spec.decode_tp)
         parts = [t["kv"] for t, r in results if r.get("role") == "decode"]
@@ -174,7 +215,10 @@ def verify(spec: VerifySpec, *, timeout_s: float = 600.0, ref: Reference | None 
     ok = diff <= tol and tokens == ref_tokens and leaked == 0
     if kv_diff is not None:
         ok = ok and kv_diff <= tol
-    return VerifyResult(ok, diff, scale, tokens, ref_tokens, kv_diff, seconds, [r for _, r in results])
+    if decode_diff is not None:
+        ok = ok and decode_diff <= tol
+    reports = [r for _, r in results]
+    return VerifyResult(ok, diff, scale, tokens, ref_tokens, kv_diff, seconds, reports, decode_diff)
 
 
 def read_prompt(path: Path, model: str) -> list[int]:
@@ -189,6 +233,24 @@ def read_prompt(path: Path, model: str) -> list[int]:
     from spindle_model import Tokenizer
 
     return Tokenizer(resolve_model(model).path).encode(text)
+
+
+def check_kvp(spec: VerifySpec) -> None:
+    """ValueError for KVP options that cannot run."""
+    if spec.kvp < 0:
+        raise ValueError(f"--kvp must be >= 1, got {spec.kvp}")
+    if not spec.kvp:
+        if spec.kvp_split is not None or spec.scale_up_at is not None:
+            raise ValueError("--kvp-split and --scale-up-at need --kvp")
+        return
+    if spec.decode_tp != 1:
+        raise ValueError("--kvp with --decode-tp > 1 is not supported yet (KVP members run TP 1)")
+    if spec.retain is not None:
+        raise ValueError("--kvp with --retain is not supported (the KV is sent to the KVP members)")
+    kvp_bounds(len(spec.token_ids), spec.kvp, spec.kvp_split)
+    if spec.scale_up_at is not None and not 1 <= spec.scale_up_at < spec.max_new_tokens:
+        limit = spec.max_new_tokens
+        raise ValueError(f"--scale-up-at must be in [1, {limit}) (--max-new-tokens), got {spec.scale_up_at}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -210,6 +272,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--layout", default="zigzag", choices=SP_LAYOUTS, help="layout of chunks that name none")
     ap.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel size of the decode instance")
+    ap.add_argument(
+        "--kvp",
+        type=int,
+        default=0,
+        help="decode on a KV-parallel group of K members (TP 1 each), the prompt KV split by token ranges",
+    )
+    ap.add_argument(
+        "--kvp-split",
+        default=None,
+        help="the KVP members' range starts, e.g. '0,413' (default: proportional to 1..K, not block-aligned)",
+    )
+    ap.add_argument(
+        "--scale-up-at",
+        type=int,
+        default=None,
+        help="with --kvp: an extra idle member becomes the tail after N generated tokens (existing KV stays put)",
+    )
     ap.add_argument(
         "--retain",
         default=None,
@@ -234,17 +313,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
         retain = [int(m) for m in args.retain.split(",")] if args.retain else None
+        split = parse_bounds(args.kvp_split, len(ids))[:-1] if args.kvp_split else None
         spec = VerifySpec(
             args.model, args.dtype, args.plan, args.layout, ids, args.decode_tp, retain, args.max_new_tokens,
-            args.dump_kv, args.threads,
+            args.dump_kv, args.threads, args.kvp, split, args.scale_up_at,
         )  # fmt: skip
+        check_kvp(spec)
         plan = spec.parsed_plan()
         if retain is not None and not set(retain) <= set(plan.members):
             raise ValueError(f"--retain members {retain} are not all in the plan {plan.members}")
     except (ValueError, OSError) as e:
         print(f"spindle verify: error: {e}", file=sys.stderr)
         return 2
-    print(f"plan {plan.format()} ({len(ids)} tokens), decode TP {spec.decode_tp}, {spec.world_size()} processes")
+    decode = f"decode KVP {spec.kvp}" if spec.kvp else f"decode TP {spec.decode_tp}"
+    if spec.scale_up_at is not None:
+        decode += f" + scale-up after {spec.scale_up_at} tokens"
+    print(f"plan {plan.format()} ({len(ids)} tokens), {decode}, {spec.world_size()} processes")
     result = verify(spec, timeout_s=args.timeout)
     print(result.summary())
     if args.json:

@@ -2,7 +2,8 @@
 
 Ranks `0..P-1` are the plan's members (sorted), ranks `P..P+T-1` the decode instance's TP ranks (none when
 the KV is retained on one member, which then decodes in place). Every holder sends each decode rank its
-heads of the KV it holds (no header exchange: both sides derive every size from the plan). Results go to
+heads of the KV it holds (no header exchange: both sides derive every size from the plan). With `kvp`,
+ranks `P..` are the KVP members instead and each gets its token range (`verify_kvp`). Results go to
 `<out>/rank<r>.safetensors` and `<out>/rank<r>.json`; nothing is pickled.
 """
 
@@ -30,6 +31,7 @@ from ..sampling_params import SamplingParams
 from .kv_parts import assemble_kv, decode_heads, split_for_decode
 from .plan import SPPlan, retention_targets
 from .runner import SPPrefill
+from .verify_kvp import kvp_bounds, kvp_members, run_kvp_decode, send_kvp_parts
 
 TAG_KV, TAG_FIRST = 7, 8
 BLOCK_SIZE = 16
@@ -47,16 +49,24 @@ class VerifySpec:
     max_new_tokens: int = 8
     dump_kv: bool = False
     threads: int = 1
+    kvp: int = 0  # > 0: decode on a KVP group of this many members (TP 1 each) instead of one instance
+    kvp_split: list[int] | None = None  # the members' range starts (from 0); default proportional to 1..kvp
+    scale_up_at: int | None = None  # an extra idle member becomes the tail after this many generated tokens
 
     def parsed_plan(self) -> SPPlan:
         return SPPlan.parse(self.plan, len(self.token_ids), self.layout)
 
     @property
     def decode_in_place(self) -> bool:
-        return self.retain is not None and len(self.retain) == 1 and self.decode_tp == 1
+        return self.retain is not None and len(self.retain) == 1 and self.decode_tp == 1 and not self.kvp
+
+    def num_decode_ranks(self) -> int:
+        if self.kvp:
+            return kvp_members(self.kvp, self.scale_up_at)
+        return 0 if self.decode_in_place else self.decode_tp
 
     def world_size(self) -> int:
-        return len(self.parsed_plan().members) + (0 if self.decode_in_place else self.decode_tp)
+        return len(self.parsed_plan().members) + self.num_decode_ranks()
 
     def placement(self) -> dict[int, Tensor]:
         plan = self.parsed_plan()
@@ -160,7 +170,10 @@ def run_prefill(spec: VerifySpec, member: int, ranks: dict[int, int], config: Mo
             tensors["tokens"] = torch.tensor(_decode(spec, model, full, int(first[0])))
     else:
         works, sent = [], 0
-        if len(sp.held):
+        if spec.kvp and len(sp.held):
+            works = send_kvp_parts(kv, sp.held.positions, kvp_bounds(n, spec.kvp, spec.kvp_split), P)
+            sent = kv.numel() * kv.element_size()
+        elif len(sp.held):
             for t, part in enumerate(split_for_decode(kv, decode_heads(config, spec.decode_tp))):
                 works.append(dist.isend(part, P + t, tag=TAG_KV))
                 sent += part.numel() * part.element_size()
@@ -221,9 +234,12 @@ def main(argv: list[str] | None = None) -> int:
         source = resolve_model(spec.model)
         members = sorted(spec.parsed_plan().members)
         ranks = {m: i for i, m in enumerate(members)}
-        tp_group = None if spec.decode_in_place else _tp_group(len(members), spec.decode_tp)
+        tp_group = None if spec.decode_in_place or spec.kvp else _tp_group(len(members), spec.decode_tp)
         if args.rank < len(members):
             tensors, report = run_prefill(spec, members[args.rank], ranks, source.config, source.path)
+        elif spec.kvp:
+            j, first = args.rank - len(members), len(members)
+            tensors, report = run_kvp_decode(spec, j, ranks, source.config, source.path, first, TAG_FIRST)
         else:
             tensors, report = run_decode(spec, args.rank - len(members), ranks, source.config, source.path, tp_group)
         if tensors:

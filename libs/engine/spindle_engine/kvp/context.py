@@ -1,0 +1,201 @@
+"""The attention context of one KVP decode step on one member: the per-layer q / partial-state exchange.
+
+Per layer, on every member of the lockstep group (masters and pure holders alike):
+
+1. post every receive: queries from each master whose requests this member holds, partial states from
+   each holder of the requests this member masters;
+2. send each holder the rows it serves: q of each request (`[Hq, D]`), plus that token's k and v when the
+   holder is the request's tail (a master that is the tail writes them locally instead);
+3. write the own tail k/v, then attend the own queries over the own ranges (overlapping the sends);
+4. serve: write the received tail k/v, attend the received queries (one batched `paged_decode`), send
+   back `(lse, out)` per row;
+5. merge each own request's states, in holder order, with `merge_attn_states_many`.
+
+Every message size follows from the shared `KVPPlan` (the rows of a message are the requests in admission
+order), so no header travels. Tags, on the default group above the RankGroup range: `KVP_TAG` for the
+per-step control message, `KVP_TAG + 1 + 2 * layer` for queries and `KVP_TAG + 2 + 2 * layer` for results.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from spindle_attention import merge_attn_states_many
+from spindle_attention.distributed.comm import RANK_GROUP_TAG, pack, unpack
+
+from .plan import KVPPlan, KVPRequest
+from .shard import KVShard
+
+KVP_TAG = RANK_GROUP_TAG + 4096
+
+
+def query_tag(layer: int) -> int:
+    return KVP_TAG + 1 + 2 * layer
+
+
+def result_tag(layer: int) -> int:
+    return KVP_TAG + 2 + 2 * layer
+
+
+@dataclass
+class KVPStats:
+    """Bytes this member sent (and host seconds), accumulated over steps; never asserted on timing."""
+
+    q_bytes: int = 0  # queries sent to holders
+    kv_bytes: int = 0  # new-token k/v sent to a remote tail
+    result_bytes: int = 0  # (lse, out) partial states sent back to masters
+    control_bytes: int = 0  # per-step sampled tokens / finished flags
+    kv_move_bytes: int = 0  # what moving the remote KV to the masters would have cost instead
+    attention_s: float = 0.0  # local partial attention (own and served queries)
+    layer_s: float = 0.0  # whole per-layer exchanges, attention included
+    step_s: float = 0.0  # whole steps: model, exchanges, sampling, control message
+
+    @property
+    def sent_bytes(self) -> int:
+        return self.q_bytes + self.kv_bytes + self.result_bytes + self.control_bytes
+
+
+class KVPAttentionContext:
+    def __init__(
+        self,
+        plan: KVPPlan,
+        me: int,
+        ranks: dict[int, int],
+        shard: KVShard,
+        *,
+        first_layer: int,
+        num_q_heads: int,
+        tail_slots: dict[str, Tensor],
+        stats: KVPStats,
+    ) -> None:
+        self.me, self.ranks, self.shard, self.stats = me, ranks, shard, stats
+        self.first_layer = first_layer
+        _, _, _, self.hkv, self.d = shard.cache.k.shape
+        self.hq = num_q_heads
+        self.dtype = shard.cache.k.dtype
+        self.tail_slots = tail_slots  # flat slot of this step's token, for every request whose tail is here
+        self.batch = plan.mastered_by(me)  # the model's rows, in admission order
+        peers = [m for m in plan.members if m != me]
+        self.out_q = {h: rs for h in peers if (rs := plan.served(me, h))}  # my queries per holder
+        self.in_q = {m: rs for m in peers if (rs := plan.served(m, me))}  # queries I serve per master
+        self.own_local = [i for i, r in enumerate(self.batch) if me in r.holders]
+        self._keep: list[Tensor] = []  # send buffers, alive until their sends complete
+
+    def _query_numel(self, reqs: list[KVPRequest], holder: int) -> int:
+        return sum(self.hq * self.d + (2 * self.hkv * self.d if r.tail == holder else 0) for r in reqs)
+
+    def _result_specs(self, n: int) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+        return [(torch.float32, (self.hq, n)), (self.dtype, (n, self.hq, self.d))]
+
+    def _result_nbytes(self, n: int) -> int:
+        return n * self.hq * (4 + self.d * self.dtype.itemsize)
+
+    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        out = self._exchange(layer, q, k, v)
+        assert out is not None
+        return out
+
+    def serve_layer(self, layer: int) -> None:
+        """One layer's exchange on a member that masters nothing this step (it only serves)."""
+        assert not self.batch, "a member with requests of its own runs the model, which calls attention()"
+        self._exchange(layer, None, None, None)
+
+    def _exchange(self, layer: int, q: Tensor | None, k: Tensor | None, v: Tensor | None) -> Tensor | None:
+        li = layer - self.first_layer
+        t0 = time.perf_counter()
+        q_in = {m: torch.empty(self._query_numel(rs, self.me), dtype=self.dtype) for m, rs in self.in_q.items()}
+        r_in = {h: torch.empty(self._result_nbytes(len(rs)), dtype=torch.uint8) for h, rs in self.out_q.items()}
+        q_works = [dist.irecv(buf, self.ranks[m], tag=query_tag(layer)) for m, buf in q_in.items()]
+        r_works = [dist.irecv(buf, self.ranks[h], tag=result_tag(layer)) for h, buf in r_in.items()]
+        sends = []
+        row = {r.request_id: i for i, r in enumerate(self.batch)}
+        if self.batch:
+            assert q is not None and k is not None and v is not None and q.shape[0] == len(self.batch)
+            for h, rs in self.out_q.items():
+                parts = []
+                for r in rs:
+                    i = row[r.request_id]
+                    parts.append(q[i].reshape(-1))
+                    self.stats.q_bytes += q[i].numel() * q.element_size()
+                    if r.tail == h:
+                        parts += [k[i].reshape(-1), v[i].reshape(-1)]
+                        self.stats.kv_bytes += 2 * k[i].numel() * k.element_size()
+                self._keep.append(torch.cat(parts))
+                sends.append(dist.isend(self._keep[-1], self.ranks[h], tag=query_tag(layer)))
+            for i, r in enumerate(self.batch):
+                if r.tail == self.me:
+                    self.shard.write(li, self.tail_slots[r.request_id], k[i : i + 1], v[i : i + 1])
+            ta = time.perf_counter()
+            own = None
+            if self.own_local:
+                rows = torch.tensor(self.own_local)
+                own = self.shard.attend(li, [self.batch[i].request_id for i in self.own_local], q[rows])
+            self.stats.attention_s += time.perf_counter() - ta
+        sends += self._serve(li, layer, q_works, q_in)
+        if not self.batch:
+            self._wait(sends)
+            self._keep.clear()
+            self.stats.layer_s += time.perf_counter() - t0
+            return None
+        self._wait(r_works)
+        states: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}  # (holder, request) -> (out [Hq, D], lse [Hq])
+        for h, rs in self.out_q.items():
+            lse, out = unpack(r_in[h], self._result_specs(len(rs)))
+            for j, r in enumerate(rs):
+                states[(h, r.request_id)] = (out[j], lse[:, j])
+        if own is not None:
+            for j, i in enumerate(self.own_local):
+                states[(self.me, self.batch[i].request_id)] = (own[0][j], own[1][:, j])
+        depth = max(len(r.holders) for r in self.batch)
+        outs = q.new_zeros(depth, len(self.batch), self.hq, self.d)
+        lses = torch.full((depth, self.hq, len(self.batch)), float("-inf"))
+        for i, r in enumerate(self.batch):
+            for s, h in enumerate(r.holders):
+                outs[s, i], lses[s, :, i] = states[(h, r.request_id)]
+        merged, _ = merge_attn_states_many(outs, lses)
+        self._wait(sends)
+        self._keep.clear()
+        self.stats.layer_s += time.perf_counter() - t0
+        return merged
+
+    def _serve(self, li: int, layer: int, works: list, q_in: dict[int, Tensor]) -> list:
+        """Write the received tail k/v, attend every received query, send the states back."""
+        if not q_in:
+            return []
+        self._wait(works)
+        ta = time.perf_counter()
+        ids, qs, counts = [], [], []
+        for m, rs in self.in_q.items():
+            buf, off = q_in[m], 0
+            for r in rs:
+                n = self.hq * self.d
+                qs.append(buf[off : off + n].view(self.hq, self.d))
+                off += n
+                if r.tail == self.me:
+                    n = self.hkv * self.d
+                    k = buf[off : off + n].view(1, self.hkv, self.d)
+                    v = buf[off + n : off + 2 * n].view(1, self.hkv, self.d)
+                    self.shard.write(li, self.tail_slots[r.request_id], k, v)
+                    off += 2 * n
+                ids.append(r.request_id)
+            counts.append(len(rs))
+        out, lse = self.shard.attend(li, ids, torch.stack(qs))
+        self.stats.attention_s += time.perf_counter() - ta
+        sends, first = [], 0
+        for (m, _), n in zip(self.in_q.items(), counts, strict=True):
+            msg = pack([lse[:, first : first + n].contiguous(), out[first : first + n]])
+            self.stats.result_bytes += msg.numel()
+            self._keep.append(msg)
+            sends.append(dist.isend(msg, self.ranks[m], tag=result_tag(layer)))
+            first += n
+        return sends
+
+    @staticmethod
+    def _wait(works: list) -> None:
+        for w in works:
+            w.wait()

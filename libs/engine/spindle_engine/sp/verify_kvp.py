@@ -1,0 +1,126 @@
+"""`spindle verify --kvp K [--scale-up-at N]`: the decode side as a KVP group of K members (TP 1 each).
+
+The prompt KV is split by token ranges over the K members (proportional to 1..K unless `kvp_split` gives
+the range starts; either way not block-aligned in general). Each prefill holder sends decode member j the
+entries of its KV whose positions fall in j's range; sizes follow from the plan's placement, so no header
+travels. Member 0 masters the request (so the new k/v travel to a remote tail), member K-1 is the tail;
+with `scale_up_at`, an extra member K starts idle and becomes the tail before the step that computes the
+KV of the N-th generated token. The master returns the tokens and every step's logits.
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from spindle_model import LlamaModel, ModelConfig, load_state_dict
+
+from ..config import DTYPES
+from ..kvp import KVPMember, KVPRequest, parse_bounds, proportional_bounds
+from ..sampling_params import SamplingParams
+from .kv_parts import assemble_kv
+
+TAG_KVP_PART = 9
+
+
+def kvp_bounds(num_tokens: int, kvp: int, split: list[int] | None) -> list[int]:
+    """`kvp + 1` range bounds over the prompt."""
+    if split is not None:
+        bounds = parse_bounds(",".join(map(str, split)), num_tokens)
+        if len(bounds) != kvp + 1:
+            raise ValueError(f"--kvp-split gives {len(bounds) - 1} ranges for --kvp {kvp}")
+        return bounds
+    return proportional_bounds(num_tokens, list(range(1, kvp + 1)))
+
+
+def kvp_members(kvp: int, scale_up_at: int | None) -> int:
+    return kvp + (1 if scale_up_at is not None else 0)
+
+
+def send_kvp_parts(kv: Tensor, positions: Tensor, bounds: list[int], first_rank: int) -> list:
+    """Prefill side: send decode member j (rank `first_rank + j`) this holder's entries in its range."""
+    works = []
+    for j, (lo, hi) in enumerate(pairwise(bounds)):
+        mask = (positions >= lo) & (positions < hi)
+        if bool(mask.any()):
+            works.append(dist.isend(kv[:, :, mask].contiguous(), first_rank + j, tag=TAG_KVP_PART))
+    return works
+
+
+def receive_kvp_range(
+    placement: dict[int, Tensor], ranks: dict[int, int], lo: int, hi: int, shape: tuple[int, int, int], dtype
+) -> tuple[Tensor, int]:
+    """Decode side: this member's range `[lo, hi)` from every prefill holder -> (`[2, L, hi-lo, Hkv, D]`, bytes)."""
+    layers, hkv, d = shape
+    parts, works = [], []
+    for m, pos in placement.items():
+        mine = pos[(pos >= lo) & (pos < hi)]
+        if mine.numel():
+            buf = torch.empty(2, layers, mine.numel(), hkv, d, dtype=dtype)
+            works.append(dist.irecv(buf, ranks[m], tag=TAG_KVP_PART))
+            parts.append((mine - lo, buf))
+    for w in works:
+        w.wait()
+    return assemble_kv(parts, hi - lo), sum(b.numel() * b.element_size() for _, b in parts)
+
+
+def run_kvp_decode(
+    spec, j: int, ranks: dict[int, int], config: ModelConfig, path: Path, first_rank: int, tag_first: int
+) -> tuple:
+    """Decode member `j` of `spec` (a VerifySpec with `kvp`) at rank `first_rank + j`; (tensors, report)."""
+    dtype = DTYPES[spec.dtype]
+    model = LlamaModel(config, dtype=dtype)
+    model.load_weights(load_state_dict(path, dtype=dtype))
+    n = len(spec.token_ids)
+    bounds = kvp_bounds(n, spec.kvp, spec.kvp_split)
+    size = kvp_members(spec.kvp, spec.scale_up_at)
+    first = torch.empty(1, dtype=torch.int64)
+    first_work = dist.irecv(first, ranks[spec.parsed_plan().last_token_member()], tag=tag_first)
+    kv, received = None, 0
+    if j < spec.kvp:
+        shape = (len(model.layers), config.num_kv_heads, config.head_dim)
+        kv, received = receive_kvp_range(spec.placement(), ranks, bounds[j], bounds[j + 1], shape, dtype)
+    first_work.wait()
+    room = n + spec.max_new_tokens + 16
+    dec = KVPMember(
+        model, j, {m: first_rank + m for m in range(size)}, num_blocks=2 * (room // 16 + 2), block_size=16,
+        max_model_len=room, keep_logits=True,
+    )  # fmt: skip
+    req = KVPRequest.split("verify", 0, list(range(spec.kvp)), bounds)
+    params = SamplingParams(max_tokens=spec.max_new_tokens, temperature=0.0, ignore_eos=True)
+    dec.add_request(req, kv, token_ids=[*spec.token_ids, int(first[0])], num_prompt_tokens=n, params=params)
+    tokens, step = [int(first[0])], 0
+    while dec.has_unfinished():
+        if spec.scale_up_at is not None and step == spec.scale_up_at - 1:
+            dec.scale_up("verify", spec.kvp)
+        tokens += [o.token for o in dec.step()]
+        step += 1
+    held = dec.shard.request_ids
+    dec.shard.allocator.check_invariants()
+    tensors: dict[str, Tensor] = {}
+    if j == 0:
+        tensors["tokens"] = torch.tensor(tokens)
+        if dec.logits["verify"]:
+            tensors["decode_logits"] = torch.stack(dec.logits["verify"])
+    if spec.dump_kv and kv is not None:
+        tensors["kv"] = kv
+    s = dec.stats
+    report = {
+        "role": "kvp",
+        "member": j,
+        "range": [bounds[j], bounds[j + 1]] if j < spec.kvp else [],
+        "received_bytes": received,
+        "steps": step,
+        "q_bytes": s.q_bytes,
+        "kv_bytes": s.kv_bytes,
+        "result_bytes": s.result_bytes,
+        "control_bytes": s.control_bytes,
+        "kv_move_bytes": s.kv_move_bytes,
+        "step_s": s.step_s,
+        "blocks_leaked": dec.blocks_used + len(held),
+    }
+    return tensors, report
