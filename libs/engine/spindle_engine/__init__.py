@@ -6,8 +6,8 @@ print(llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0.0))[0]
 """
 
 from .config import EngineConfig
-from .engine import Engine, StepOutput
+from .engine import Engine, PreemptedSequence, StepOutput
 from .llm import LLM, RequestOutput
 from .sampling_params import SamplingParams
 
-__all__ = ["LLM", "Engine", "EngineConfig", "RequestOutput", "SamplingParams", "StepOutput"]
+__all__ = ["LLM", "Engine", "EngineConfig", "PreemptedSequence", "RequestOutput", "SamplingParams", "StepOutput"]

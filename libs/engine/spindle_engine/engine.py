@@ -20,7 +20,7 @@ from .model_runner import ModelRunner
 from .sampler import sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
-from .sequence import Sequence
+from .sequence import Sequence, SequenceStatus
 
 log = logging.getLogger("spindle.engine")
 
@@ -32,6 +32,21 @@ class StepOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
     kv_ready: bool = False  # a prefill-only request computed its prompt: export_kv, then release
+
+
+@dataclass(frozen=True)
+class PreemptedSequence:
+    """A decoding request taken out of the batch: what `resume` needs to continue it exactly."""
+
+    request_id: str
+    token_ids: list[int]  # prompt + outputs so far
+    num_prompt_tokens: int
+    kv: torch.Tensor  # [2, layers, num_tokens - 1, kv_heads, head_dim]: the last output has no KV yet
+    params: SamplingParams
+
+    @property
+    def num_kv_tokens(self) -> int:
+        return len(self.token_ids) - 1
 
 
 class Engine:
@@ -161,18 +176,70 @@ class Engine:
         self, request_id: str, prompt_token_ids: list[int], first_token: int, kv: torch.Tensor, params: SamplingParams
     ) -> None:
         """Start decoding a request whose prompt KV was computed elsewhere, into blocks from `reserve`."""
+        self.resume(request_id, [*prompt_token_ids, first_token], len(prompt_token_ids), kv, params)
+
+    def resume(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        num_prompt_tokens: int,
+        kv: torch.Tensor,
+        params: SamplingParams,
+    ) -> None:
+        """Continue decoding a request whose KV for all but the last of `token_ids` (prompt, then outputs so
+        far) was computed elsewhere or earlier, into blocks from `reserve(request_id, len(token_ids) - 1)`."""
         table = self.reserved.get(request_id)
         if table is None:
             raise ValueError(f"request {request_id!r} has no reservation")
-        n = len(prompt_token_ids)
+        n = len(token_ids) - 1
+        if not 0 < num_prompt_tokens <= n:
+            raise ValueError(f"{num_prompt_tokens} prompt tokens do not fit {len(token_ids)} tokens with an output")
         if tuple(kv.shape) != self.kv_shape(n):
-            raise ValueError(f"KV shape {tuple(kv.shape)} does not match {self.kv_shape(n)} for {n} prompt tokens")
-        self.validate_prompt(prompt_token_ids)
+            raise ValueError(f"KV shape {tuple(kv.shape)} does not match {self.kv_shape(n)} for {n} tokens")
+        if len(table) * self.config.block_size < n:
+            raise ValueError(f"the reservation of {request_id!r} is too small for {n} tokens")
+        self.validate_prompt(token_ids[:num_prompt_tokens])
+        self.validate_prompt(token_ids)  # the outputs are token ids in the vocabulary too
         del self.reserved[request_id]
         self.cache.scatter(table, kv)
-        seq = Sequence(request_id, [*prompt_token_ids, first_token], params, num_prompt_tokens=n)
+        seq = Sequence(request_id, list(token_ids), params, num_prompt_tokens=num_prompt_tokens)
         seq.num_computed_tokens = n
         seq.block_table = table
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    # ---- preemption to outside the engine (the kvstore) ----
+
+    def preempt_out(self, request_id: str, *, keep_blocks: bool = False) -> PreemptedSequence:
+        """Take a decoding request out of the batch between steps, with the KV of its computed tokens.
+
+        Its blocks are freed, or with `keep_blocks` kept (as for a hand-off) until `release`, or until
+        `readmit` puts it back into the batch. ValueError unless it is decoding: queued or still prefilling,
+        recomputing after an in-engine preemption, prefill-only, finished or unknown.
+        """
+        seq = self.requests.get(request_id)
+        if seq is None or seq.prefill_only:
+            raise ValueError(f"request {request_id!r} is not decoding here")
+        if seq.num_tokens <= seq.num_prompt_tokens or seq.num_computed_tokens != seq.num_tokens - 1:
+            raise ValueError(f"request {request_id!r} is not decoding (its KV is not complete)")
+        kv = self.cache.gather(seq.block_table, seq.num_computed_tokens)
+        out = PreemptedSequence(request_id, list(seq.token_ids), seq.num_prompt_tokens, kv, seq.params)
+        del self.requests[request_id]
+        if keep_blocks:
+            self.scheduler.detach(seq, "preempted")
+            self.held[request_id] = seq
+        else:
+            self.scheduler.finish(seq, "preempted")
+        return out
+
+    def readmit(self, request_id: str) -> None:
+        """Put a request taken out with `preempt_out(keep_blocks=True)` back into the batch."""
+        seq = self.held.get(request_id)
+        if seq is None or seq.finish_reason != "preempted":
+            raise ValueError(f"request {request_id!r} was not preempted with its blocks kept")
+        del self.held[request_id]
+        seq.status = SequenceStatus.WAITING
+        seq.finish_reason = None
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 

@@ -100,11 +100,14 @@ class Scheduler:
             budget -= n
         return out
 
-    def detach(self, seq: Sequence) -> None:
-        """Take a running sequence out of batching but keep its blocks (its KV is about to be handed off)."""
-        self.running.remove(seq)
+    def detach(self, seq: Sequence, reason: str = "prefilled") -> None:
+        """Take a sequence out of batching but keep its blocks (its KV is about to be handed off)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = "prefilled"
+        seq.finish_reason = reason
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence (stop, length, abort) and free its blocks; idempotent."""

@@ -2,7 +2,8 @@
 
 A `ReserveKV` reserves blocks (or answers `no_space`), posts a receive and answers with its tag; once the
 tensor is in, the request joins the batch. A `KVParked` request waits in FIFO order until its blocks
-are free, then its KV is pulled from the kvstore the same way.
+are free, then its KV is pulled from the kvstore the same way; so does a request preempted to the kvstore
+(`PreemptDecode`, preempt.py), which then resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from spindle_protocol.messages import (
     KVGet,
     KVGetReply,
     KVParked,
+    PreemptDecode,
     RequestSpec,
     ReserveKV,
     ReserveReply,
@@ -38,7 +40,7 @@ from spindle_telemetry import extract
 from spindle_transfer import dtype_name
 from spindle_worker import Instance, Job, sampling_params
 
-from . import sp_receive
+from . import preempt, sp_receive
 
 log = logging.getLogger("spindle.decode")
 
@@ -51,10 +53,23 @@ class DecodeJob(Job):
     decoding: bool = False
 
 
+@dataclass(frozen=True)
+class Parked:
+    """A request whose KV waits in the kvstore for blocks here: `num_tokens` tokens under `kv`."""
+
+    job: DecodeJob
+    kvstore_instance: str
+    kvstore_rank: int
+    kv: TensorHeader
+    num_tokens: int
+    first_token: int = -1  # parked by a prefill instance: the prompt's KV and its first output
+    resume: preempt.Resume | None = None  # preempted here: the tokens it continues from
+
+
 class DecodeInstance(Instance):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.parked: OrderedDict[str, tuple[KVParked, DecodeJob]] = OrderedDict()
+        self.parked: OrderedDict[str, Parked] = OrderedDict()
         self.blocks_freed = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self.sp_parts: dict[str, sp_receive.PartsInFlight] = {}  # multi-source receives in flight
@@ -68,6 +83,9 @@ class DecodeInstance(Instance):
     async def serve(self) -> None:
         await self.bus.subscribe(subjects.decode_reserve(self.id), ReserveKV, self._on_reserve)
         await self.bus.subscribe(subjects.decode_parked(self.id), KVParked, self._on_parked)
+        await self.bus.subscribe(
+            subjects.decode_preempt(self.id), PreemptDecode, lambda msg, raw: preempt.on_preempt(self, msg, raw)
+        )
         self._spawn(self._pump_parked())
 
     def _expected_header(self, num_tokens: int) -> TensorHeader:
@@ -101,10 +119,20 @@ class DecodeInstance(Instance):
             return ReserveReply(accepted=False, reason="no_space")
         job = self._new_job(spec, raw.headers)
         tag = self.dp.new_tag()
-        self._spawn(self._receive(job, msg.first_token, msg.src_rank, tag, msg.kv))
+        self._spawn(self._receive(job, src=msg.src_rank, tag=tag, header=msg.kv, first_token=msg.first_token))
         return ReserveReply(accepted=True, tag=tag)
 
-    async def _receive(self, job: DecodeJob, first_token: int, src: int, tag: int, header: TensorHeader) -> None:
+    async def _receive(
+        self,
+        job: DecodeJob,
+        *,
+        src: int,
+        tag: int,
+        header: TensorHeader,
+        first_token: int = -1,
+        resume: preempt.Resume | None = None,
+    ) -> None:
+        """Receive the KV, then decode: a prompt's with `first_token`, or a preempted request's (`resume`)."""
         rid = job.request_id
         ctx = trace.set_span_in_context(job.span)
         try:
@@ -112,18 +140,25 @@ class DecodeInstance(Instance):
                 t0 = time.time()
                 span.set_attribute("spindle.bytes", header.nbytes)
                 recv = self.dp.recv_async(header, src, tag, cancel=job.cancel, timeout_s=RECEIVE_TIMEOUT_S)
-                kv, prompt = await asyncio.gather(recv, load_prompt(self.bus, job.spec.prompt))
-                job.stats["transfer_ms"] = (time.time() - t0) * 1e3
-                job.stats["kv_bytes"] = float(header.nbytes)
+                if resume is None:
+                    kv, prompt = await asyncio.gather(recv, load_prompt(self.bus, job.spec.prompt))
+                    tokens, num_prompt = [*prompt, first_token], len(prompt)
+                    job.stats["transfer_ms"] = (time.time() - t0) * 1e3
+                    job.stats["kv_bytes"] = float(header.nbytes)
+                else:
+                    kv = await recv
+                    tokens, num_prompt = resume.token_ids, resume.num_prompt_tokens
+                    job.stats["resume_ms"] = job.stats.get("resume_ms", 0.0) + (time.time() - t0) * 1e3
             if self.jobs.get(rid) is not job:
                 raise RuntimeError("aborted")
             params = sampling_params(job.spec.sampling)
-            await self.call(lambda e: e.add_prefilled(rid, prompt, first_token, kv, params))
+            await self.call(lambda e: e.resume(rid, tokens, num_prompt, kv, params))
         except Exception as e:
             await self.give_up(job, e)
             return
         job.decoding = True
-        job.started = time.time()
+        if resume is None:
+            job.started = time.time()
         await self.bus.publish(subjects.EVENTS, DecodeStarted(request_id=rid, instance_id=self.id))
 
     async def give_up(self, job: DecodeJob, error: Exception) -> None:
@@ -143,7 +178,8 @@ class DecodeInstance(Instance):
             log.warning("parked KV of %s has an unexpected header %s", rid, msg.kv)
             return
         job = self._new_job(msg.request, raw.headers)
-        self.parked[rid] = (msg, job)
+        n = msg.request.prompt.num_tokens
+        self.parked[rid] = Parked(job, msg.kvstore_instance, msg.kvstore_rank, msg.kv, n, first_token=msg.first_token)
         self.blocks_freed.set()
 
     async def _pump_parked(self) -> None:
@@ -153,11 +189,11 @@ class DecodeInstance(Instance):
                 self.blocks_freed.clear()
                 await self.blocks_freed.wait()
                 continue
-            rid, (msg, job) = next(iter(self.parked.items()))
+            rid, p = next(iter(self.parked.items()))
+            job, n = p.job, p.num_tokens
             if self.jobs.get(rid) is not job:
                 self.parked.pop(rid, None)
                 continue
-            n = msg.request.prompt.num_tokens
             try:
                 ok = await self.call(lambda e, rid=rid, n=n: e.reserve(rid, n))
             except ValueError as e:
@@ -170,13 +206,16 @@ class DecodeInstance(Instance):
                     await asyncio.wait_for(self.blocks_freed.wait(), 0.5)
                 continue
             self.parked.pop(rid, None)
-            job.stats["parked"] = 1.0
+            if p.resume is None:  # a resumed preemption counts under "preemptions"
+                job.stats["parked"] = 1.0
             tag = self.dp.new_tag()
-            receive = self._spawn(self._receive(job, msg.first_token, msg.kvstore_rank, tag, msg.kv))
+            receive = self._spawn(
+                self._receive(job, src=p.kvstore_rank, tag=tag, header=p.kv, first_token=p.first_token, resume=p.resume)
+            )
             await asyncio.sleep(0)  # let the receive post before the kvstore sends
             try:
                 reply = await self.bus.request(
-                    subjects.kvstore_get(msg.kvstore_instance),
+                    subjects.kvstore_get(p.kvstore_instance),
                     KVGet(request_id=rid, start=0, end=n, dst_rank=self.dp.rank, tag=tag, free_after=True),
                     KVGetReply,
                     timeout=10.0,
