@@ -73,7 +73,7 @@ class VerifyResult:
                 steps = max(r["steps"], 1)
                 sent = (r["q_bytes"] + r["kv_bytes"] + r["result_bytes"] + r["control_bytes"]) / steps
                 lines.append(
-                    f"KVP member {r['member']} range {r['range'] or 'none (scale-up)'}: per step sent {sent:.0f} B "
+                    f"KVP member {r['member']} range {_span(r['range'])}: per step sent {sent:.0f} B "
                     f"(q {r['q_bytes'] / steps:.0f}, new k/v {r['kv_bytes'] / steps:.0f}, states "
                     f"{r['result_bytes'] / steps:.0f}); moving the remote KV instead "
                     f"{r['kv_move_bytes'] / steps:.0f} B"
@@ -94,6 +94,10 @@ class _Recording:
 
 
 @torch.inference_mode()
+def _span(bounds: list[int]) -> str:
+    return f"[{bounds[0]}, {bounds[1]})" if bounds else "none (scale-up tail)"
+
+
 def reference(spec: VerifySpec) -> tuple[Tensor, list[int], Tensor]:
     """Single instance: last-token logits `[vocab]`, greedy tokens, KV `[2, L, N, Hkv, D]`."""
     source = resolve_model(spec.model)
