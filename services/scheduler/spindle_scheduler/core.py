@@ -80,7 +80,9 @@ class SchedulerCore:
     def _track(self, actions: list[Action]) -> list[Action]:
         """Note what the strategy's actions change before an executor carries them out."""
         for a in actions:
-            if isinstance(a, Preempt):
+            if isinstance(a, FailRequest):  # the executor ends it everywhere; the core forgets it now
+                self._forget(a.request_id)
+            elif isinstance(a, Preempt):
                 req = self.state.requests.get(a.request_id)
                 assert req is not None and req.phase is Phase.DECODE, f"preempting a request not decoding: {a}"
                 req.preempting = True
@@ -177,7 +179,7 @@ class SchedulerCore:
                 self._expect(req)
             case RequestFinished() | RequestFailed():
                 self._forget(req.request_id)
-        return []
+        return self._track(self.strategy.on_event(event, self.state, now))
 
     def on_abort(self, request_id: str) -> None:
         self._forget(request_id)

@@ -12,7 +12,7 @@ import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
-from spindle_protocol.messages import RequestSpec
+from spindle_protocol.messages import RequestSpec, WorkerEvent
 
 from .actions import Action
 from .latency import LatencyModel
@@ -51,6 +51,10 @@ class Strategy(ABC):
         (a request parked on a full decode instance longer than that swaps running requests out)."""
         if self.preempt_after_s > 0:
             return time_slice_preemptions(state, now, self.preempt_after_s)
+        return []
+
+    def on_event(self, event: WorkerEvent, state: ClusterState, now: float) -> list[Action]:
+        """Actions in answer to a worker event (progress, completions), after the core has applied it."""
         return []
 
     def on_instance_lost(self, instance_id: str, state: ClusterState, now: float) -> list[Action]:

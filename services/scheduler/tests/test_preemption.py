@@ -148,3 +148,25 @@ def test_a_request_failed_while_swapped_out_frees_its_blocks():
     assert all(r.state == "finished" for r in result.records)
     assert result.summary().preemptions >= 1
     assert all(i.used_blocks == 0 for i in sim.instances.values())
+
+
+def test_strategies_answer_worker_events_in_both_executors():
+    from spindle_protocol.messages import PrefillDone
+    from spindle_scheduler.actions import FailRequest
+    from spindle_scheduler.strategies.single import SingleInstanceStrategy
+
+    class GiveUpAfterPrefill(SingleInstanceStrategy):
+        """Ends every request with more than 5 output tokens once its prefill is done (a completion event)."""
+
+        def on_event(self, event, state, now):
+            req = state.requests.get(event.request_id)
+            if isinstance(event, PrefillDone) and req is not None and req.spec.sampling.max_tokens > 5:
+                return [FailRequest(event.request_id, 503, "given up")]
+            return []
+
+    config = SimConfig(num_prefill=1, num_decode=1, decode_kv_blocks=200, kv_bytes_per_token=1024)
+    sim = Simulator(GiveUpAfterPrefill(), LATENCY, config)
+    result = sim.run([TraceRequest(0.0, 300, 20), TraceRequest(0.1, 300, 3)])
+    check_invariants(sim, result)
+    assert [(r.state, r.reason) for r in result.records] == [("failed", "503: given up"), ("finished", "")]
+    assert all(i.used_blocks == 0 for i in sim.instances.values()) and sim.core.state.requests == {}
