@@ -20,7 +20,7 @@ from .model_runner import ModelRunner
 from .sampler import sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
-from .sequence import Sequence, SequenceStatus
+from .sequence import Sequence, SequenceStatus, stop_reason
 
 log = logging.getLogger("spindle.engine")
 
@@ -275,12 +275,7 @@ class Engine:
         return self.allocator.num_used / self.allocator.num_blocks
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            return "stop"
-        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+        return stop_reason(seq, token, self.eos_token_ids, self.max_model_len)
 
     def step(self) -> list[StepOutput]:
         chunks = self.scheduler.schedule()

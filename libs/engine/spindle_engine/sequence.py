@@ -64,3 +64,13 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+def stop_reason(seq: Sequence, token: int, eos_token_ids: set[int], max_model_len: int) -> str | None:
+    """Why `seq` ends after sampling `token` ("stop" or "length"), or None when it goes on."""
+    p = seq.params
+    if token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
+        return "stop"
+    if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= max_model_len:
+        return "length"
+    return None

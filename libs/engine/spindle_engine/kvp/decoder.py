@@ -22,7 +22,7 @@ from spindle_model import LlamaModel
 from ..kv_cache import BlockAllocator, KVCache, OutOfBlocksError
 from ..sampler import sample
 from ..sampling_params import SamplingParams
-from ..sequence import Sequence
+from ..sequence import Sequence, stop_reason
 from .context import KVP_TAG, KVPAttentionContext, KVPStats
 from .plan import KVPPlan, KVPRequest
 from .shard import KVShard
@@ -157,12 +157,7 @@ class KVPMember:
         return outputs
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            return "stop"
-        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+        return stop_reason(seq, token, self.eos_token_ids, self.max_model_len)
 
     def _exchange_finished(self, outputs: list[KVPOutput]) -> None:
         """Every member learns which requests finished this step; all free their ranges of them."""
