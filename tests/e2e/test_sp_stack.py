@@ -161,3 +161,40 @@ def test_fixed_sp_serves_a_passkey_prompt_like_single_and_survives_a_dead_member
         print(f"\nafter SIGKILL of {victim}: {result['status']} {result['body']['error']['message']!r}")
     finally:
         stack.stop()
+
+
+def test_request_sp_picks_an_sp_group_and_traces_every_member_chunk(
+    tmp_path_factory, tmp_path, otlp, reference_engine, tokenizer
+):
+    # with SP 2 predicted twice as fast and both instances idle, request-sp runs the prompt on both
+    stack = start_stack(
+        tmp_path_factory,
+        "request-sp",
+        prefill=2,
+        decode=1,
+        strategy="request-sp:max_sp=2",
+        profile=_profile(tmp_path),
+        otlp_endpoint=otlp.endpoint,
+    )
+    try:
+        ids = _passkey_prompt(tokenizer)
+        expected = engine_greedy(reference_engine, [ids], 8)[0]
+        r = httpx.post(
+            stack.base_url + "/completions",
+            timeout=300,
+            json={"model": "smollm2", "prompt": ids, "max_tokens": 8, "temperature": 0},
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == tokenizer.decode(expected)
+        assert wait_until(lambda: not any(instance_blocks(stack).values()), 5), instance_blocks(stack)
+
+        def sp_chunks(spans) -> list:
+            return [s for s in spans if s.name == "prefill.chunk" and s.attributes.get("spindle.sp") == 2]
+
+        spans = otlp.wait_for(lambda spans: len(sp_chunks(spans)) >= 2, timeout=15)
+        chunks = sp_chunks(spans)
+        assert len({s.trace_id for s in chunks}) == 1, "both members' chunks belong to the request's trace"
+        assert sum(s.attributes["spindle.tokens"] for s in chunks) == len(ids)  # each member's shard of the chunk
+        assert all(s.attributes["spindle.ring_bytes"] > 0 for s in chunks)
+    finally:
+        stack.stop()

@@ -20,6 +20,7 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
+from opentelemetry import trace
 
 from spindle_engine import Engine
 from spindle_engine.sampler import sample
@@ -80,8 +81,10 @@ async def run_sp_job(inst: PrefillInstance, job: PrefillJob) -> None:
     def work(engine: Engine) -> tuple[int | None, torch.Tensor, list]:
         sp = SPPrefill(engine.model, engine.cache, engine.allocator, rid, prompt, plan, member, ranks)
         for k in sp.chunk_indices:
+            t0 = time.time()
             logits = sp.run_chunk_or_release(k)
-            inst.from_thread(_progress(inst, job, plan.chunks[k].end, sp.reports[-1]))
+            c = plan.chunks[k]
+            inst.from_thread(_progress(inst, job, c.start, c.end, t0, time.time(), sp.reports[-1]))
         first = None
         if logits is not None:
             seq = Sequence(rid, list(prompt), params)
@@ -132,7 +135,30 @@ async def run_sp_job(inst: PrefillInstance, job: PrefillJob) -> None:
         job.span.end()
 
 
-async def _progress(inst: PrefillInstance, job: PrefillJob, done: int, report: ChunkReport) -> None:
+async def _progress(
+    inst: PrefillInstance, job: PrefillJob, start: int, done: int, t0: float, t1: float, report: ChunkReport
+) -> None:
+    """One chunk of the plan done on this member: its trace span (as the single-instance path records one) and
+    the progress event."""
+    if start == 0:  # the wait on this instance before the first chunk ran
+        queued = inst.tracer.start_span(
+            "prefill.queue", context=trace.set_span_in_context(job.span), start_time=int(job.started * 1e9)
+        )
+        queued.end(end_time=int(t0 * 1e9))
+    span = inst.tracer.start_span(
+        "prefill.chunk",
+        context=trace.set_span_in_context(job.span),
+        start_time=int(t0 * 1e9),
+        attributes={
+            "spindle.tokens": report.tokens,
+            "spindle.token_range": f"{start}:{done}",
+            "spindle.sp": report.sp,
+            "spindle.layout": report.layout,
+            "spindle.ring_bytes": report.ring_bytes,
+            "spindle.rebalance_bytes": report.rebalance_bytes,
+        },
+    )
+    span.end(end_time=int(t1 * 1e9))
     await inst.bus.publish(
         subjects.EVENTS,
         PrefillProgress(
