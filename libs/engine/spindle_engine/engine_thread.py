@@ -80,7 +80,11 @@ class EngineThread:
             self._ready.set_exception(e)
             return
         self._ready.set_result(self.engine)
-        self._loop()
+        try:
+            self._loop()
+        finally:  # also when a step raised: later calls fail at once instead of waiting forever
+            self._stopped.set()
+            self._fail_queued()
 
     def call(self, fn: Callable[[Engine], T]) -> Future[T]:
         future: Future[T] = Future()
@@ -127,7 +131,9 @@ class EngineThread:
                     raise
                 self._on_outputs(outputs, t0, time.time())
             self.snapshot = take_snapshot(engine)
-        while True:  # fail what is still queued
+
+    def _fail_queued(self) -> None:
+        while True:
             try:
                 item = self._calls.get_nowait()
             except queue.Empty:

@@ -20,10 +20,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from spindle_attention.distributed.comm import RankGroup
+
 from .config import ModelConfig
 from .layers import RMSNorm, RotaryEmbedding, apply_rope, interleave_rows
 from .linear import Linear
-from .parallel import TPShard, all_reduce_
+from .parallel import TPShard, all_reduce_, tp_rank_world
+
+TPGroup = dist.ProcessGroup | RankGroup | None
 
 
 class AttentionContext(Protocol):
@@ -71,7 +75,7 @@ class DecoderLayer(nn.Module):
     )
 
     def __init__(
-        self, config: ModelConfig, layer_id: int, shard: TPShard, dtype: torch.dtype, tp_group: dist.ProcessGroup | None
+        self, config: ModelConfig, layer_id: int, shard: TPShard, dtype: torch.dtype, tp_group: TPGroup
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -125,7 +129,7 @@ class LlamaModel(nn.Module):
         *,
         dtype: torch.dtype = torch.float32,
         layer_range: tuple[int, int] | None = None,
-        tp_group: dist.ProcessGroup | None = None,
+        tp_group: TPGroup = None,
     ) -> None:
         super().__init__()
         start, end = layer_range if layer_range is not None else (0, config.num_layers)
@@ -136,8 +140,7 @@ class LlamaModel(nn.Module):
         self.layer_range = (start, end)
         self.is_first = start == 0
         self.is_last = end == config.num_layers
-        tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
-        tp_world = dist.get_world_size(tp_group) if tp_group is not None else 1
+        tp_rank, tp_world = tp_rank_world(tp_group)
         self.shard = TPShard.create(config, tp_rank, tp_world)
         self.rotary = RotaryEmbedding(config)
         self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype) if self.is_first else None

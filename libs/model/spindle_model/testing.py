@@ -60,6 +60,8 @@ def run_gloo(
 
 def parallel_logits_worker(rank: int, world: int, mode: str, model_dir: str, ids: list[int]) -> dict[str, torch.Tensor]:
     """Logits of `ids` computed by a `world`-way tensor-parallel ("tp") or pipeline ("pp") model."""
+    from spindle_attention.distributed.comm import RankGroup
+
     from .config import ModelConfig
     from .llama import CausalAttention, LlamaModel
     from .parallel import shard_range
@@ -70,8 +72,9 @@ def parallel_logits_worker(rank: int, world: int, mode: str, model_dir: str, ids
     tokens = torch.tensor(ids)
     pos = torch.arange(len(ids))
     with torch.inference_mode():
-        if mode == "tp":
-            model = LlamaModel(config, tp_group=dist.group.WORLD)
+        if mode in ("tp", "tp-rank-group"):
+            group = dist.group.WORLD if mode == "tp" else RankGroup(tuple(range(world)))
+            model = LlamaModel(config, tp_group=group)
             model.load_weights(weights)
             logits = model.compute_logits(model(pos, CausalAttention(), input_ids=tokens))
             return {"logits": logits} if rank == 0 else {}
@@ -88,6 +91,33 @@ def parallel_logits_worker(rank: int, world: int, mode: str, model_dir: str, ids
             dist.send(out.contiguous(), dst=rank + 1)
             return {}
         return {"logits": model.compute_logits(out)}
+
+
+def rank_group_all_reduce_worker(rank: int, world: int, shape: list[int]) -> dict[str, torch.Tensor]:
+    """All-reduce over a RankGroup of every rank (in reverse order, so group rank != global rank) of a
+    tensor seeded by the global rank; returns the input and the result."""
+    from spindle_attention.distributed.comm import RankGroup
+
+    from .parallel import all_reduce_
+
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(rank))
+    out = x.clone()
+    all_reduce_(out, RankGroup(tuple(reversed(range(world)))))
+    return {"input": x, "output": out}
+
+
+def tiny_tp_logits_worker(rank: int, world: int, ids: list[int]) -> dict[str, torch.Tensor]:
+    """Logits of `ids` from `tiny_llama()` tensor-parallel over a RankGroup of every rank."""
+    from spindle_attention.distributed.comm import RankGroup
+
+    from .llama import CausalAttention, LlamaModel
+
+    hf, full = tiny_llama()
+    model = LlamaModel(full.config, tp_group=RankGroup(tuple(range(world))))
+    model.load_weights(hf.state_dict())
+    with torch.inference_mode():
+        logits = model.compute_logits(model(torch.arange(len(ids)), CausalAttention(), input_ids=torch.tensor(ids)))
+    return {"logits": logits}
 
 
 def tiny_llama(

@@ -67,11 +67,14 @@ class InstanceConfig:
     dist_init: str
     engine: EngineConfig
     otlp_endpoint: str | None = None
+    tp_size: int = 1  # tensor-parallel ranks of this instance: this one (the leader) and the next tp_size - 1
 
     def __post_init__(self) -> None:
         subjects.check_token(self.instance_id, "instance id")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside a world of {self.world_size}")
+        if not isinstance(self.tp_size, int) or self.tp_size < 1 or self.rank + self.tp_size > self.world_size:
+            raise ValueError(f"tp_size {self.tp_size} from rank {self.rank} does not fit a world of {self.world_size}")
 
     @classmethod
     def from_args(cls, role: str, args: argparse.Namespace) -> InstanceConfig:
@@ -93,6 +96,7 @@ class InstanceConfig:
             args.dist_init,
             engine,
             args.otlp_endpoint,
+            getattr(args, "tp_size", 1),
         )
 
 
@@ -131,10 +135,12 @@ class Instance:
         cfg = self.config
         setup(f"spindle-{cfg.role}", cfg.otlp_endpoint)
         self.loop = asyncio.get_running_loop()
-        self.thread = EngineThread(lambda: Engine(cfg.engine), self._outputs_from_thread)
+        if cfg.tp_size > 1:  # a tensor-parallel model names its peers by global rank: join first
+            await self._join_data_plane()
+        self.thread = EngineThread(self.make_engine, self._outputs_from_thread)
         self.engine = await asyncio.wrap_future(self.thread.start())
-        log.info("%s: joining the data plane as rank %d of %d", self.id, cfg.rank, cfg.world_size)
-        self.dp = await asyncio.to_thread(DataPlane.init, cfg.rank, cfg.world_size, cfg.dist_init)
+        if cfg.tp_size == 1:
+            await self._join_data_plane()
         self.bus = await Bus.connect(cfg.nats_url, f"spindle-{self.id}", inject=inject)
         await self.bus.subscribe(subjects.ABORT, Abort, self._on_abort)
         await self.bus.subscribe(subjects.instance_stats(self.id), StatsQuery, self._on_stats)
@@ -159,10 +165,23 @@ class Instance:
                     await t
             for job in list(self.jobs.values()):
                 await self.fail(job, 503, f"{cfg.role} instance {self.id} is shutting down")
+            await self.before_engine_stop()
             self.thread.stop()
             await self.bus.close()
             await asyncio.to_thread(self.dp.close)
             shutdown()
+
+    async def _join_data_plane(self) -> None:
+        cfg = self.config
+        log.info("%s: joining the data plane as rank %d of %d", self.id, cfg.rank, cfg.world_size)
+        self.dp = await asyncio.to_thread(DataPlane.init, cfg.rank, cfg.world_size, cfg.dist_init)
+
+    def make_engine(self) -> Engine:
+        """Build the engine (on the engine thread)."""
+        return Engine(self.config.engine)
+
+    async def before_engine_stop(self) -> None:
+        """Last engine calls at shutdown (after every job has ended)."""
 
     async def serve(self) -> None:
         """Subscribe the role's own subjects."""
@@ -195,6 +214,7 @@ class Instance:
             queued_tokens=snap.waiting_tokens,
             max_model_len=self.engine.max_model_len,
             node=socket.gethostname(),
+            tp_size=self.config.tp_size,
         )
 
     # ---- engine access ----
@@ -283,8 +303,12 @@ class Instance:
             role=self.config.role,
             kv_blocks_total=snap.num_blocks,
             kv_blocks_used=snap.num_used_blocks,
-            requests=dict(snap.blocks_held),
+            requests=self.blocks_held(),
         )
+
+    def blocks_held(self) -> dict[str, int]:
+        """What `InstanceStats.requests` reports: blocks per request id."""
+        return dict(self.thread.snapshot.blocks_held)
 
     async def _sweep_loop(self) -> None:
         """Forget old aborts; drop requests well past their deadline (the gateway has ended them)."""

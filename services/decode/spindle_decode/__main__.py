@@ -18,6 +18,13 @@ def build_parser() -> argparse.ArgumentParser:
         "streams token ids to the gateway.",
     )
     service.add_worker_args(p, "decode")
+    p.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks of this instance: this process (rank R, the leader) and followers at ranks "
+        "R+1..R+T-1, each `python -m spindle_decode.tp_follower --leader-rank R` (default %(default)s)",
+    )
     service.add_engine_args(p)
     service.add_common_args(p)
     return p
@@ -26,7 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     service.setup_logging(args.log_level, "decode")
-    config = InstanceConfig.from_args("decode", args)
+    try:
+        config = InstanceConfig.from_args("decode", args)
+    except ValueError as e:
+        build_parser().error(str(e))
     service.run(DecodeInstance(config).run, args.parent_pid)
 
 

@@ -4,6 +4,12 @@ A `ReserveKV` reserves blocks (or answers `no_space`), posts a receive and answe
 tensor is in, the request joins the batch. A `KVParked` request waits in FIFO order until its blocks
 are free, then its KV is pulled from the kvstore the same way; so does a request preempted to the kvstore
 (`PreemptDecode`, preempt.py), which then resumes where it stopped.
+
+With `tp_size` T > 1 this process leads a tensor-parallel instance of T consecutive ranks: its engine is a
+`TPLeaderEngine` that mirrors every call to the followers (`python -m spindle_decode.tp_follower`) and steps
+with them. KV still arrives here whole (every KV head); the leader keeps its heads and forwards each follower
+its slice with the mirrored call. Only the leader talks NATS. A follower that dies or hangs stops the engine
+thread (TPError), and the instance fails every request it holds and exits non-zero.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ from typing import Any
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
-from spindle_engine import StepOutput
+from spindle_attention.distributed.comm import RankGroup
+from spindle_engine import Engine, StepOutput
+from spindle_engine.tp import TPLeaderEngine, leader_engine
 from spindle_protocol import subjects
 from spindle_protocol.messages import (
     DecodeStarted,
@@ -88,8 +96,36 @@ class DecodeInstance(Instance):
         )
         self._spawn(self._pump_parked())
 
+    # ---- tensor parallelism ----
+
+    def make_engine(self) -> Engine:
+        cfg = self.config
+        if cfg.tp_size == 1:
+            return super().make_engine()
+        return leader_engine(cfg.engine, RankGroup(tuple(range(cfg.rank, cfg.rank + cfg.tp_size))))
+
+    def import_kv_shape(self, num_tokens: int) -> tuple[int, ...]:
+        """The KV a request arrives with: every KV head (a TP leader forwards the followers their heads)."""
+        if isinstance(self.engine, TPLeaderEngine):
+            return self.engine.import_kv_shape(num_tokens)
+        return self.engine.kv_shape(num_tokens)
+
+    def blocks_held(self) -> dict[str, int]:
+        """Per request; a TP instance adds `tp-rank-R: blocks` for each follower rank R that holds any."""
+        out = super().blocks_held()
+        if isinstance(self.engine, TPLeaderEngine):
+            for peer, used in zip(self.engine.followers, self.engine.follower_blocks_used, strict=True):
+                if used:
+                    out[f"tp-rank-{peer}"] = used
+        return out
+
+    async def before_engine_stop(self) -> None:
+        if isinstance(self.engine, TPLeaderEngine) and self.thread.is_alive():
+            with contextlib.suppress(Exception):
+                await self.call(lambda e: e.close())
+
     def _expected_header(self, num_tokens: int) -> TensorHeader:
-        return header_for(dtype_name(self.engine.cache.k.dtype), self.engine.kv_shape(num_tokens))
+        return header_for(dtype_name(self.engine.cache.k.dtype), self.import_kv_shape(num_tokens))
 
     def _new_job(self, spec: RequestSpec, headers: dict[str, str] | None) -> DecodeJob:
         span = self.tracer.start_span("decode", context=extract(headers))

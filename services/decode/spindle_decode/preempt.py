@@ -55,6 +55,8 @@ async def on_preempt(inst: DecodeInstance, msg: PreemptDecode, raw: Msg) -> Pree
     job = inst.jobs.get(rid)
     if not isinstance(job, DecodeJob) or not job.decoding or rid in inst.parked or inst.is_aborted(rid):
         return PreemptReply(accepted=False, reason="unknown")
+    if inst.config.tp_size > 1:  # the KV is head-sharded over the ranks; gathering it is not done yet
+        return PreemptReply(accepted=False, reason="tp")
     job.decoding = False  # no second preemption (nor a resume) while this one runs
     try:
         out: PreemptedSequence = await inst.call(lambda e: e.preempt_out(rid, keep_blocks=True))

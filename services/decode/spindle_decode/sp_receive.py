@@ -69,7 +69,7 @@ async def on_reserve_part(inst: DecodeInstance, msg: ReserveKV, raw: Msg) -> Res
     positions = entry.placement.get(part.member)
     if positions is None or part.member in entry.senders:
         return ReserveReply(accepted=False, reason=f"unexpected or repeated part from {part.member}")
-    expected = header_for(dtype_name(inst.engine.cache.k.dtype), inst.engine.kv_shape(positions.numel()))
+    expected = header_for(dtype_name(inst.engine.cache.k.dtype), inst.import_kv_shape(positions.numel()))
     if msg.kv != expected:
         return ReserveReply(accepted=False, reason=f"bad_header: expected {expected}")
     entry.senders.add(part.member)

@@ -8,7 +8,7 @@ import signal
 import sys
 from collections.abc import Callable
 
-from .plan import DTYPES, Runtime, StackConfig, build_plan
+from .plan import DTYPES, Runtime, StackConfig, build_plan, check_decode_tp
 from .stack import Stack, StackError, StackInterrupted
 from .supervisor import describe_exit
 
@@ -46,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     c = up.add_argument_group("instances and scheduling")
     c.add_argument("--prefill", type=int, default=2, help="prefill instances (%(default)s)")
     c.add_argument("--decode", type=int, default=1, help="decode instances (%(default)s)")
+    c.add_argument(
+        "--decode-tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks per decode instance, at most the model's KV heads (%(default)s)",
+    )
     c.add_argument("--strategy", default="single", help="scheduler strategy, NAME or NAME:key=value,... (%(default)s)")
     c.add_argument("--profile", default=None, help="latency profile JSON (`spindle profile`) for fixed-sp / request-sp")
     n = up.add_argument_group("network and operations")
@@ -66,6 +72,7 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         dtype=args.dtype,
         prefill=args.prefill,
         decode=args.decode,
+        decode_tp=args.decode_tp,
         host=args.host,
         port=args.port,
         nats_port=args.nats_port,
@@ -130,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         config = config_from_args(args)
+        check_decode_tp(config)
     except ValueError as e:
         parser.error(str(e))
     if args.dry_run:

@@ -1,6 +1,8 @@
 """The pure part of `spindle up`: a validated stack configuration -> the command of every service.
 
-Ranks of the data-plane group: kvstore 0, prefill 1..N, decode N+1..N+M; world size N+M+1.
+Ranks of the data-plane group: kvstore 0, prefill 1..N, then decode instance i at N+1+i*T..N+(i+1)*T (T =
+`decode_tp`: the leader `spindle_decode`, then T-1 `spindle_decode.tp_follower` processes named decode-i-tpJ);
+world size N+M*T+1.
 deploy/docker-compose.yml describes the same commands; tests/test_deploy.py keeps the two in step.
 """
 
@@ -35,6 +37,7 @@ class StackConfig:
     dtype: str = "float32"
     prefill: int = 2  # prefill instances
     decode: int = 1  # decode instances
+    decode_tp: int = 1  # tensor-parallel ranks (processes) of each decode instance
     host: str = "127.0.0.1"  # gateway bind address
     port: int = 8000  # gateway port; 0 = a free port chosen at start
     nats_port: int | None = None  # None = a free port
@@ -60,6 +63,8 @@ class StackConfig:
         for what, n in (("prefill", self.prefill), ("decode", self.decode)):
             if not isinstance(n, int) or n < 1:
                 raise ValueError(f"need at least one {what} instance, got {n!r}")
+        if not isinstance(self.decode_tp, int) or self.decode_tp < 1:
+            raise ValueError(f"decode_tp must be a positive integer, got {self.decode_tp!r}")
         if not self.host:
             raise ValueError("host must be non-empty")
         _port(self.port, "port", allow_zero=True)
@@ -83,7 +88,11 @@ class StackConfig:
 
     @property
     def world_size(self) -> int:
-        return self.prefill + self.decode + 1
+        return self.prefill + self.decode * self.decode_tp + 1
+
+    def decode_rank(self, i: int) -> int:
+        """The leader rank of decode instance `i`; its followers take the next decode_tp - 1 ranks."""
+        return 1 + self.prefill + i * self.decode_tp
 
     def instance_ids(self) -> list[str]:
         """The instances that must appear live in the scheduler's ClusterStatus."""
@@ -166,10 +175,33 @@ def build_plan(config: StackConfig, runtime: Runtime, python: str = sys.executab
         add(f"prefill-{i}", "prefill", worker(f"prefill-{i}", 1 + i) + engine(config.kv_cache_tokens))
     decode_tokens = config.decode_kv_cache_tokens or config.kv_cache_tokens
     for i in range(config.decode):
-        rank = 1 + config.prefill + i
-        add(f"decode-{i}", "decode", worker(f"decode-{i}", rank) + engine(decode_tokens))
+        rank = config.decode_rank(i)
+        tp = ["--tp-size", str(config.decode_tp)] if config.decode_tp > 1 else []
+        add(f"decode-{i}", "decode", worker(f"decode-{i}", rank) + tp + engine(decode_tokens))
+        for j in range(1, config.decode_tp):
+            flags = ["--instance-id", f"decode-{i}", "--rank", str(rank + j), "--leader-rank", str(rank)]
+            flags += ["--tp-size", str(config.decode_tp), "--world-size", str(config.world_size)]
+            flags += ["--dist-init", runtime.dist_init, *engine(decode_tokens), "--log-level", config.log_level.upper()]
+            if runtime.parent_pid:
+                flags += ["--parent-pid", str(runtime.parent_pid)]
+            argv = (python, "-m", "spindle_decode.tp_follower", *flags)
+            specs.append(ServiceSpec(f"decode-{i}-tp{j}", argv, dict(env)))
     add("gateway", "gateway", ["--host", config.host, "--port", str(runtime.port), "--model", config.model])
     return specs
+
+
+def check_decode_tp(config: StackConfig) -> None:
+    """ValueError when the model's KV heads cannot be split over `decode_tp` ranks (reads the model's config)."""
+    if config.decode_tp == 1:
+        return
+    from spindle_model import resolve_model
+
+    heads = resolve_model(config.model, progress=False).config.num_kv_heads
+    if config.decode_tp > heads:
+        raise ValueError(
+            f"decode_tp {config.decode_tp} exceeds the {heads} KV heads of {config.model} (each tensor-parallel "
+            f"rank needs at least one KV head; use --decode-tp 1..{heads})"
+        )
 
 
 def _num(value: float) -> str:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from spindle_protocol import Bus, ClusterStatus, StatusQuery, subjects
 from spindle_protocol.nats_server import NatsServer, start_nats_server
 
-from .plan import Runtime, ServiceSpec, StackConfig, build_plan
+from .plan import Runtime, ServiceSpec, StackConfig, build_plan, check_decode_tp
 from .supervisor import Supervisor, describe_exit
 
 log = logging.getLogger("spindle.launcher")
@@ -101,6 +101,7 @@ class Stack:
     # ---- lifecycle ----
 
     def start(self) -> Stack:
+        check_decode_tp(self.config)  # ValueError before anything starts
         try:
             nats_port = self.config.nats_port if self.config.nats_port is not None else -1
             self._nats = start_nats_server("127.0.0.1", nats_port, preexec_fn=self._supervisor.preexec())

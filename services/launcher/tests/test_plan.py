@@ -2,7 +2,7 @@
 
 import pytest
 
-from spindle_launcher.plan import Runtime, StackConfig, build_plan
+from spindle_launcher.plan import Runtime, StackConfig, build_plan, check_decode_tp
 
 RT = Runtime(nats_url="nats://127.0.0.1:4333", dist_init="tcp://127.0.0.1:29777", port=8123, parent_pid=4242)
 
@@ -108,3 +108,25 @@ def test_bad_config_raises(kwargs: dict) -> None:
 def test_bad_runtime_port() -> None:
     with pytest.raises(ValueError):
         Runtime(nats_url="nats://x:1", dist_init="tcp://x:2", port=0)
+
+
+def test_decode_tp_takes_consecutive_ranks_and_grows_the_world():
+    config = StackConfig(prefill=1, decode=2, decode_tp=2, port=8000)
+    specs = {s.name: s for s in build_plan(config, RT, python="py")}
+    assert config.world_size == 6
+    assert [n for n in specs if n.startswith("decode")] == ["decode-0", "decode-0-tp1", "decode-1", "decode-1-tp1"]
+    assert config.instance_ids() == ["kvstore-0", "prefill-0", "decode-0", "decode-1"]
+    lead, follower = flags(specs["decode-1"].args), flags(specs["decode-1-tp1"].args)
+    assert (lead["--rank"], lead["--tp-size"], lead["--world-size"]) == ("4", "2", "6")
+    assert specs["decode-1-tp1"].module == "spindle_decode.tp_follower"
+    assert (follower["--rank"], follower["--leader-rank"], follower["--tp-size"]) == ("5", "4", "2")
+    assert "--nats-url" not in follower
+    assert "--tp-size" not in flags(build_plan(StackConfig(), RT)[4].args)
+
+
+def test_decode_tp_is_checked_against_the_models_kv_heads():
+    with pytest.raises(ValueError, match="decode_tp"):
+        StackConfig(decode_tp=0)
+    check_decode_tp(StackConfig(decode_tp=3))
+    with pytest.raises(ValueError, match="exceeds the 3 KV heads"):
+        check_decode_tp(StackConfig(decode_tp=4))

@@ -1,0 +1,131 @@
+"""The leader -> follower control channel of a tensor-parallel engine (point-to-point on the default group).
+
+Before each step the leader sends every follower one `Control`: the engine-mutating calls since the last one,
+in order, and whether to step. On the wire, per follower: an int64 `[nbytes]`, then the msgspec (msgpack)
+bytes as a uint8 tensor, then one KV tensor per `Resume` call (that follower's heads, in call order). The
+follower answers each `Control`, after applying it and stepping, with an int64 `Ack`: `[seq, used blocks,
+total blocks, checksum of the step's tokens]`, so the leader notices a diverged or dead follower at once.
+
+Tags: `RANK_GROUP_TAG + CONTROL_TAG + 0..3` (length, payload, KV parts, ack); the all-reduce of the model
+uses `RANK_GROUP_TAG + 8192 + [0, 2T)` (spindle_model.parallel), KVP `RANK_GROUP_TAG + 4096 + ...`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+
+import msgspec
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from spindle_attention.distributed.comm import RANK_GROUP_TAG
+
+from ..engine import StepOutput
+from ..sampling_params import SamplingParams
+
+CONTROL_TAG = 12288
+_LENGTH, _PAYLOAD, _KV, _ACK = (RANK_GROUP_TAG + CONTROL_TAG + i for i in range(4))
+ACK_WORDS = 4
+
+
+class AddRequest(msgspec.Struct, frozen=True, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prefill_only: bool = False
+
+
+class Reserve(msgspec.Struct, frozen=True, tag="reserve"):
+    request_id: str
+    num_tokens: int
+
+
+class CancelReservation(msgspec.Struct, frozen=True, tag="cancel"):
+    request_id: str
+
+
+class Resume(msgspec.Struct, frozen=True, tag="resume"):
+    """`Engine.resume`; the follower's KV heads for `len(token_ids) - 1` tokens follow the message."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+
+
+class Abort(msgspec.Struct, frozen=True, tag="abort"):
+    request_id: str
+
+
+Call = AddRequest | Reserve | CancelReservation | Resume | Abort
+
+
+class Control(msgspec.Struct, frozen=True):
+    seq: int
+    calls: list[Call]
+    step: bool
+    stop: bool = False
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Control)
+
+
+class TPError(RuntimeError):
+    """A tensor-parallel peer is gone, timed out or diverged; the instance cannot go on."""
+
+
+def _wait(works: list[dist.Work], timeout_s: float, what: str) -> None:
+    try:
+        for w in works:
+            w.wait(timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise TPError(f"{what} failed: {e}") from e
+
+
+def send_control(control: Control, kv_parts: list[list[Tensor]], followers: tuple[int, ...], timeout_s: float) -> None:
+    """Send `control` to every follower; `kv_parts[f]` are follower f's tensors for the Resume calls."""
+    payload = torch.frombuffer(bytearray(_encoder.encode(control)), dtype=torch.uint8)
+    length = torch.tensor([payload.numel()], dtype=torch.int64)
+    works = []
+    for f, peer in enumerate(followers):
+        works += [dist.isend(length, peer, tag=_LENGTH), dist.isend(payload, peer, tag=_PAYLOAD)]
+        works += [dist.isend(t, peer, tag=_KV) for t in kv_parts[f]]
+    _wait(works, timeout_s, f"control message {control.seq} to ranks {followers}")
+
+
+def recv_control(
+    leader: int, kv_shape: Callable[[int], tuple[int, ...]], kv_dtype: torch.dtype, timeout_s: float
+) -> tuple[Control, list[Tensor]]:
+    """The next `Control` from `leader` and its KV parts; `kv_shape(num_tokens)` is this rank's KV shape."""
+    length = torch.empty(1, dtype=torch.int64)
+    _wait([dist.irecv(length, leader, tag=_LENGTH)], timeout_s, f"control length from rank {leader}")
+    payload = torch.empty(int(length.item()), dtype=torch.uint8)
+    _wait([dist.irecv(payload, leader, tag=_PAYLOAD)], timeout_s, f"control message from rank {leader}")
+    control = _decoder.decode(payload.numpy().tobytes())
+    parts = []
+    for call in control.calls:
+        if isinstance(call, Resume):
+            t = torch.empty(kv_shape(len(call.token_ids) - 1), dtype=kv_dtype)
+            _wait([dist.irecv(t, leader, tag=_KV)], timeout_s, f"KV of {call.request_id} from rank {leader}")
+            parts.append(t)
+    return control, parts
+
+
+def checksum(outputs: list[StepOutput]) -> int:
+    """A position-weighted sum of a step's tokens: equal on every rank that sampled the same."""
+    return sum((i + 1) * (t + 1) for i, o in enumerate(outputs) for t in o.new_token_ids) % (1 << 62)
+
+
+def send_ack(ack: list[int], leader: int, timeout_s: float) -> None:
+    t = torch.tensor(ack, dtype=torch.int64)
+    _wait([dist.isend(t, leader, tag=_ACK)], timeout_s, f"ack to rank {leader}")
+
+
+def recv_acks(followers: tuple[int, ...], timeout_s: float) -> list[list[int]]:
+    bufs = [torch.empty(ACK_WORDS, dtype=torch.int64) for _ in followers]
+    works = [dist.irecv(b, peer, tag=_ACK) for b, peer in zip(bufs, followers, strict=True)]
+    _wait(works, timeout_s, f"acks from ranks {followers}")
+    return [b.tolist() for b in bufs]

@@ -1,0 +1,241 @@
+"""A tensor-parallel engine as SPMD lockstep: one leader `Engine` that mirrors its calls, followers that replay.
+
+Every rank runs an `Engine` on its shard of the model (`LlamaModel(tp_group=RankGroup)`) with the same
+configuration and the same KV capacity in tokens, so identical call sequences make the schedulers pick
+identical batches and the all-reduces line up. `TPLeaderEngine` is an `Engine` whose mutating calls are
+recorded; its `step()` first sends the followers the calls since the last step (control.py), then steps.
+KV comes in with every KV head (what one engine would hold): the leader keeps its heads and sends each
+follower its own slice with the mirrored `resume`. `TPFollower.serve()` applies each message and steps.
+
+A peer that dies or stops answering ends the step with `TPError` after `timeout_s` (or at once when its
+connection closes): the leader's engine thread stops and the service fails its requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+from torch import Tensor
+
+from spindle_attention.distributed.comm import RankGroup
+from spindle_model import LlamaModel, ModelConfig, load_state_dict, resolve_model
+from spindle_model.parallel import TPShard
+
+from ..config import EngineConfig
+from ..engine import Engine, PreemptedSequence, StepOutput
+from ..kv_cache import KVCache
+from ..sampling_params import SamplingParams
+from ..sp.kv_parts import decode_heads, split_for_decode
+from .control import (
+    Abort,
+    AddRequest,
+    Call,
+    CancelReservation,
+    Control,
+    Reserve,
+    Resume,
+    TPError,
+    checksum,
+    recv_acks,
+    recv_control,
+    send_ack,
+    send_control,
+)
+
+log = logging.getLogger("spindle.engine.tp")
+
+STEP_TIMEOUT_S = 60.0  # longest wait for a peer within a step (a control message, an ack)
+KEEPALIVE_S = 1.0  # an idle leader still sends an empty message this often (followers notice its death)
+LEADER_SILENCE_S = 120.0  # a follower that hears nothing for this long gives up
+STARTUP_TIMEOUT_S = 600.0  # the first exchange waits for the followers to load the model
+
+
+def tp_engine_config(config: EngineConfig, model_config: ModelConfig, tp_size: int) -> EngineConfig:
+    """`config` with the KV capacity fixed in tokens, the same on every rank: what the leader's heads (the
+    most of any rank) fit into `kv_cache_memory_gb`, unless `kv_cache_tokens` is given."""
+    TPShard.create(model_config, 0, tp_size)  # ValueError for a size the model's KV heads do not allow
+    if config.kv_cache_tokens is not None:
+        return config
+    heads = TPShard.create(model_config, 0, tp_size).num_kv_heads
+    per_token = KVCache.bytes_per_token(model_config.num_layers, heads, model_config.head_dim, config.torch_dtype)
+    return replace(config, kv_cache_tokens=int(config.kv_cache_memory_gb * 2**30 // per_token))
+
+
+def load_tp_model(config: EngineConfig, group: RankGroup) -> LlamaModel:
+    """This rank's shard of `config.model` (dist must be initialised: the group names global ranks)."""
+    source = resolve_model(config.model)
+    model = LlamaModel(source.config, dtype=config.torch_dtype, tp_group=group)
+    model.load_weights(load_state_dict(source.path, dtype=config.torch_dtype))
+    return model
+
+
+class TPLeaderEngine(Engine):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: LlamaModel,
+        group: RankGroup,
+        *,
+        timeout_s: float = STEP_TIMEOUT_S,
+        keepalive_s: float = KEEPALIVE_S,
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
+    ) -> None:
+        super().__init__(tp_engine_config(config, model.config, len(group.ranks)), model=model)
+        if model.shard.rank != 0 or model.shard.world != len(group.ranks):
+            raise ValueError(f"the leader must be the first rank of its group {group.ranks}")
+        self.group = group
+        self.followers = group.ranks[1:]
+        self.heads = decode_heads(model.config, len(group.ranks))
+        self.timeout_s = timeout_s
+        self.keepalive_s = keepalive_s
+        self.follower_blocks_used = [0] * len(self.followers)
+        self._calls: list[Call] = []
+        self._kv: list[list[Tensor]] = [[] for _ in self.followers]
+        self._seq = 0
+        self._last_sent = 0.0
+        self._closed = False
+        self._exchange(step=False, timeout_s=startup_timeout_s)  # handshake: followers up and sized like us
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.group.ranks)
+
+    def import_kv_shape(self, num_tokens: int) -> tuple[int, ...]:
+        """The shape of the KV `resume` takes: every KV head, as one engine would hold it."""
+        c = self.model_config
+        return (2, len(self.model.layers), num_tokens, c.num_kv_heads, c.head_dim)
+
+    # ---- mirrored calls ----
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prefill_only: bool = False
+    ) -> None:
+        super().add_request(request_id, prompt_token_ids, params, prefill_only=prefill_only)
+        self._calls.append(AddRequest(request_id, list(prompt_token_ids), params, prefill_only))
+
+    def reserve(self, request_id: str, num_tokens: int) -> bool:
+        ok = super().reserve(request_id, num_tokens)
+        if ok:
+            self._calls.append(Reserve(request_id, num_tokens))
+        return ok
+
+    def cancel_reservation(self, request_id: str) -> bool:
+        done = super().cancel_reservation(request_id)
+        if done:
+            self._calls.append(CancelReservation(request_id))
+        return done
+
+    def resume(
+        self, request_id: str, token_ids: list[int], num_prompt_tokens: int, kv: Tensor, params: SamplingParams
+    ) -> None:
+        shape = self.import_kv_shape(len(token_ids) - 1)
+        if tuple(kv.shape) != shape:
+            raise ValueError(f"KV shape {tuple(kv.shape)} does not match {shape} (every KV head)")
+        parts = split_for_decode(kv, self.heads)
+        super().resume(request_id, token_ids, num_prompt_tokens, parts[0], params)
+        self._calls.append(Resume(request_id, list(token_ids), num_prompt_tokens, params))
+        for f, part in enumerate(parts[1:]):
+            self._kv[f].append(part)
+
+    def abort(self, request_id: str) -> bool:
+        done = super().abort(request_id)
+        if done:
+            self._calls.append(Abort(request_id))
+        return done
+
+    def preempt_out(self, request_id: str, *, keep_blocks: bool = False) -> PreemptedSequence:
+        raise ValueError("a tensor-parallel engine cannot preempt to outside (its KV is head-sharded)")
+
+    def readmit(self, request_id: str) -> None:
+        raise ValueError("a tensor-parallel engine cannot preempt to outside (its KV is head-sharded)")
+
+    # ---- stepping ----
+
+    def has_unfinished(self) -> bool:
+        due = time.monotonic() - self._last_sent >= self.keepalive_s
+        return bool(self._calls) or due or super().has_unfinished()
+
+    def step(self) -> list[StepOutput]:
+        return self._exchange(step=super().has_unfinished())
+
+    def _exchange(self, step: bool, timeout_s: float | None = None) -> list[StepOutput]:
+        timeout_s = timeout_s or self.timeout_s
+        if self._closed:
+            raise TPError("the tensor-parallel group is closed")
+        control = Control(self._seq, self._calls, step)
+        kv, self._calls, self._kv = self._kv, [], [[] for _ in self.followers]
+        self._seq += 1
+        self._last_sent = time.monotonic()
+        send_control(control, kv, self.followers, timeout_s)
+        outputs = super().step() if step else []
+        acks = recv_acks(self.followers, timeout_s)
+        expected = [control.seq, self.allocator.num_used, self.allocator.num_blocks, checksum(outputs)]
+        for peer, ack in zip(self.followers, acks, strict=True):
+            if ack != expected:
+                raise TPError(f"rank {peer} diverged: ack {ack}, leader {expected} (seq, used, blocks, checksum)")
+        self.follower_blocks_used = [a[1] for a in acks]
+        return outputs
+
+    def close(self) -> None:
+        """Tell the followers to exit (best effort); the engine takes no further steps."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            send_control(Control(self._seq, [], False, stop=True), [[] for _ in self.followers], self.followers, 5.0)
+        except TPError as e:
+            log.warning("could not stop the followers: %s", e)
+
+
+class TPFollower:
+    """Replays the leader's calls on this rank's engine and steps with it, until told to stop."""
+
+    def __init__(self, engine: Engine, leader: int, *, timeout_s: float = LEADER_SILENCE_S) -> None:
+        self.engine = engine
+        self.leader = leader
+        self.timeout_s = timeout_s
+
+    def serve(self) -> None:
+        e = self.engine
+        expected_seq = 0
+        while True:
+            timeout = self.timeout_s if expected_seq else STARTUP_TIMEOUT_S
+            control, parts = recv_control(self.leader, e.kv_shape, e.cache.k.dtype, timeout)
+            if control.stop:
+                log.info("the leader stopped the group")
+                return
+            if control.seq != expected_seq:
+                raise TPError(f"control message {control.seq} arrived, expected {expected_seq}")
+            expected_seq += 1
+            self.apply(control.calls, parts)
+            outputs = e.step() if control.step else []
+            ack = [control.seq, e.allocator.num_used, e.allocator.num_blocks, checksum(outputs)]
+            send_ack(ack, self.leader, STEP_TIMEOUT_S)
+
+    def apply(self, calls: list[Call], parts: list[Tensor]) -> None:
+        e, kv = self.engine, iter(parts)
+        for call in calls:
+            match call:
+                case AddRequest():
+                    e.add_request(call.request_id, call.prompt_token_ids, call.params, prefill_only=call.prefill_only)
+                case Reserve():
+                    if not e.reserve(call.request_id, call.num_tokens):
+                        raise TPError(f"reserve({call.request_id}) failed here but not on the leader")
+                case CancelReservation():
+                    e.cancel_reservation(call.request_id)
+                case Resume():
+                    e.resume(call.request_id, call.token_ids, call.num_prompt_tokens, next(kv), call.params)
+                case Abort():
+                    e.abort(call.request_id)
+
+
+def follower_engine(config: EngineConfig, group: RankGroup) -> Engine:
+    """A follower rank's engine on the real model, sized like its leader's."""
+    model = load_tp_model(config, group)
+    return Engine(tp_engine_config(config, model.config, len(group.ranks)), model=model)
+
+
+def leader_engine(config: EngineConfig, group: RankGroup, **kwargs: float) -> TPLeaderEngine:
+    return TPLeaderEngine(config, load_tp_model(config, group), group, **kwargs)

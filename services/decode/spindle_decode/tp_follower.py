@@ -1,0 +1,78 @@
+"""`python -m spindle_decode.tp_follower`: a follower rank of a tensor-parallel decode instance.
+
+It holds its shard of the model and of every request's KV and steps in lockstep with its leader (the decode
+instance at `--leader-rank`), replaying the engine calls the leader sends before each step
+(spindle_engine.tp). It talks no NATS: the leader alone publishes. It exits non-zero when the leader dies,
+stays silent too long or the two diverge, and 0 when the leader stops the group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from spindle_attention.distributed.comm import RankGroup
+from spindle_engine import EngineConfig
+from spindle_engine.tp import TPFollower, follower_engine
+from spindle_protocol import service
+from spindle_transfer import DataPlane
+
+log = logging.getLogger("spindle.decode.tp")
+# GOMP_SPINCOUNT is set by spindle_decode/__init__.py, which `python -m` imports before torch loads.
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m spindle_decode.tp_follower",
+        description="A follower rank of a tensor-parallel decode instance: joins the data plane, loads its shard "
+        "of the model and steps in lockstep with the leader (the decode instance at --leader-rank).",
+    )
+    p.add_argument("--rank", type=int, required=True, help="this process's rank in the data-plane group")
+    p.add_argument("--leader-rank", type=int, required=True, help="the rank of the instance's leader")
+    p.add_argument("--tp-size", type=int, required=True, help="ranks of the instance (leader included)")
+    p.add_argument("--world-size", type=int, required=True, help="number of ranks in the data-plane group")
+    p.add_argument("--dist-init", default="tcp://127.0.0.1:29500", help="torch.distributed rendezvous (%(default)s)")
+    service.add_engine_args(p)
+    p.add_argument("--log-level", default=os.environ.get("SPINDLE_LOG_LEVEL", "INFO"), help="DEBUG, INFO, ...")
+    p.add_argument("--parent-pid", type=int, default=0, help="ignored (the launcher's death signal ends it)")
+    p.add_argument("--instance-id", default=None, help="the leader's instance id, for the logs")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    ranks = tuple(range(args.leader_rank, args.leader_rank + args.tp_size))
+    if args.tp_size < 2 or args.rank not in ranks[1:] or ranks[-1] >= args.world_size:
+        parser.error(f"rank {args.rank} is not a follower of leader {args.leader_rank} with tp size {args.tp_size}")
+    service.setup_logging(args.log_level, "decode-tp")
+    engine_config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        kv_cache_tokens=args.kv_cache_tokens,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+    )
+    try:
+        dp = DataPlane.init(args.rank, args.world_size, args.dist_init)
+        engine = follower_engine(engine_config, RankGroup(ranks))
+        log.info(
+            "%s rank %d: following rank %d (%d KV blocks)",
+            args.instance_id,
+            args.rank,
+            ranks[0],
+            engine.allocator.num_blocks,
+        )
+        TPFollower(engine, ranks[0]).serve()
+    except Exception:
+        log.exception("tensor-parallel follower rank %d failed", args.rank)
+        sys.exit(1)
+    dp.close()
+
+
+if __name__ == "__main__":
+    main()

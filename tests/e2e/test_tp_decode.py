@@ -1,0 +1,107 @@
+"""A decode instance of tensor-parallel size 2 (`spindle up --decode-tp 2`) in the real stack: the single
+engine's tokens (greedy and seeded sampling), blocks freed on every rank, and a follower's death ends its
+requests with an error instead of a hang."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import signal
+import time
+
+import httpx
+import pytest
+
+from .conftest import engine_greedy, instance_blocks, start_stack, wait_until
+from .sse import read_events, stream_text
+from .test_failures import read_events_from
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tp_stack(tmp_path_factory):
+    s = start_stack(tmp_path_factory, "tp", prefill=1, decode=1, decode_tp=2)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def _stream(stack, body: dict, timeout: float = 300) -> list:
+    with httpx.stream("POST", stack.base_url + "/completions", timeout=timeout, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        return read_events(r)
+
+
+def _prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
+    base = tokenizer.encode(
+        "Once upon a time in a land far away, there lived a curious fox who", add_special_tokens=False
+    )
+    return [(base * (n // len(base) + 1))[:n] for n in lengths]
+
+
+def test_greedy_completions_equal_the_engine(tp_stack, reference_engine, tokenizer):
+    prompts = _prompts(tokenizer, [100, 1000, 7])
+    body = {"model": "smollm2", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    t0 = time.monotonic()
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda ids: _stream(tp_stack, {**body, "prompt": ids}), prompts))
+    print(f"\n[tp=2] {len(prompts)} concurrent greedy completions in {time.monotonic() - t0:.1f}s")
+    for events, ref in zip(results, engine_greedy(reference_engine, prompts, 16), strict=True):
+        assert events[-1] == "[DONE]"
+        assert stream_text(events, chat=False) == tokenizer.decode(ref)
+    assert wait_until(lambda: not any(instance_blocks(tp_stack).values()), 5), instance_blocks(tp_stack)
+
+
+def test_seeded_sampling_equals_the_engine(tp_stack, reference_engine, tokenizer):
+    from spindle_engine import SamplingParams
+
+    ids = _prompts(tokenizer, [300])[0]
+    events = _stream(
+        tp_stack,
+        {"model": "smollm2", "prompt": ids, "max_tokens": 24, "temperature": 0.9, "seed": 1234, "ignore_eos": True},
+    )
+    reference_engine.add_request(
+        "seeded", ids, SamplingParams(max_tokens=24, temperature=0.9, seed=1234, ignore_eos=True)
+    )
+    ref: list[int] = []
+    while reference_engine.has_unfinished():
+        for o in reference_engine.step():
+            ref += o.new_token_ids
+    assert stream_text(events, chat=False) == tokenizer.decode(ref)
+
+
+def test_disconnect_frees_blocks_on_every_rank(tp_stack):
+    body = {"model": "smollm2", "prompt": "Tell me a long story", "max_tokens": 2000, "ignore_eos": True}
+    with httpx.stream(
+        "POST", tp_stack.base_url + "/completions", timeout=60, json={**body, "temperature": 0, "stream": True}
+    ) as resp:
+        lines = resp.iter_lines()
+        seen = 0
+        while seen < 5:
+            seen += next(lines).startswith("data: ")
+        held = instance_blocks(tp_stack)["decode-0"]
+        assert any(k.startswith("tp-rank-") for k in held), f"the follower's blocks are not reported: {held}"
+        assert any(not k.startswith("tp-rank-") for k in held), held
+    assert wait_until(lambda: not any(instance_blocks(tp_stack).values()), 3.0), instance_blocks(tp_stack)
+
+
+def test_follower_sigkill_ends_the_stream_with_an_error(tp_stack):
+    """Last in the module: it takes the TP instance down."""
+    body = {"model": "smollm2", "prompt": "Count to a thousand", "max_tokens": 3000, "ignore_eos": True}
+    with httpx.stream(
+        "POST", tp_stack.base_url + "/completions", timeout=60, json={**body, "temperature": 0, "stream": True}
+    ) as resp:
+        lines = resp.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+        t0 = time.monotonic()
+        tp_stack.processes["decode-0-tp1"].send_signal(signal.SIGKILL)
+        events = read_events_from(lines)
+    elapsed = time.monotonic() - t0
+    print(f"\n[tp=2] error event {elapsed:.1f}s after the follower's SIGKILL")
+    assert elapsed < 30
+    assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
+    leader = tp_stack.processes["decode-0"]
+    assert wait_until(lambda: leader.poll() is not None, 15), "the leader kept running without its follower"
+    assert leader.returncode != 0
