@@ -30,6 +30,8 @@ def time_slice_preemptions(state: ClusterState, now: float, after_s: float) -> l
         return []
     actions: list[Preempt] = []
     for inst in state.live("decode"):
+        if inst.info.tp_size > 1:
+            continue  # a tensor-parallel instance cannot swap a request out yet (its KV is head-sharded)
         parked = state.parked_on(inst.id)
         if not parked or now - _since(parked[0].parked_since, now) < after_s:
             continue

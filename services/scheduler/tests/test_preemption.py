@@ -170,3 +170,15 @@ def test_strategies_answer_worker_events_in_both_executors():
     check_invariants(sim, result)
     assert [(r.state, r.reason) for r in result.records] == [("failed", "503: given up"), ("finished", "")]
     assert all(i.used_blocks == 0 for i in sim.instances.values()) and sim.core.state.requests == {}
+
+
+def test_policy_leaves_tensor_parallel_instances_alone():
+    core = _core(after_s=1.0, used=90)
+    _decoding(core, "a", 300, 20, at=0.0)
+    _parked(core, "w", 460, 20, at=0.0)
+    tp = InstanceInfo(
+        instance_id="d", role="decode", rank=2, pid=0, started_at=0.0, updated_at=0.5, kv_blocks_total=100,
+        kv_blocks_used=90, block_size=16, max_model_len=1600, tp_size=2,
+    )  # fmt: skip
+    core.on_heartbeat(tp)
+    assert core.tick(5.0) == []  # the same situation preempts `a` on a TP-1 instance (test above)
