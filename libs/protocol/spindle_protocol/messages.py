@@ -173,13 +173,32 @@ class ReserveReply(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class KVParked(msgspec.Struct, frozen=True, kw_only=True):
-    """The request's KV waits in the kvstore; the decode instance pulls it when blocks free."""
+    """The request's KV waits in the kvstore; the decode instance pulls it when blocks free.
+
+    From a prefill instance: the prompt's KV and its first output (`first_token`). Handed over by another
+    decode instance (`MoveParked`) after a preemption there: `token_ids` (prompt and outputs so far; the KV
+    covers all but the last) and `next_seq`, the stream number of the next output."""
 
     request: RequestSpec
     first_token: int
     kvstore_instance: str
     kvstore_rank: int
     kv: TensorHeader
+    token_ids: list[int] | None = None
+    next_seq: int = 1
+
+
+class MoveParked(msgspec.Struct, frozen=True, kw_only=True):
+    """A request parked on this decode instance goes to wait on `dst_instance` instead (its KV stays in the
+    kvstore until `dst_instance` pulls it)."""
+
+    request_id: str
+    dst_instance: str
+
+
+class MoveReply(msgspec.Struct, frozen=True, kw_only=True):
+    accepted: bool
+    reason: str = ""  # "not_parked" (unknown, pulling already, or gone)
 
 
 class KVPut(msgspec.Struct, frozen=True, kw_only=True):

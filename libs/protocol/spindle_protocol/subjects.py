@@ -57,6 +57,12 @@ def decode_preempt(instance_id: str) -> str:
     return f"{PREFIX}.decode.{check_token(instance_id, 'instance id')}.preempt"
 
 
+def decode_move(instance_id: str) -> str:
+    """scheduler -> one decode instance, request-reply: MoveParked -> MoveReply (it then publishes KVParked to
+    the destination)."""
+    return f"{PREFIX}.decode.{check_token(instance_id, 'instance id')}.move"
+
+
 def kvstore_put(instance_id: str) -> str:
     """prefill (any worker) -> kvstore, request-reply: KVPut -> ReserveReply; the tensor follows on the data plane."""
     return f"{PREFIX}.kvstore.{check_token(instance_id, 'instance id')}.put"

@@ -3,7 +3,8 @@
 A `ReserveKV` reserves blocks (or answers `no_space`), posts a receive and answers with its tag; once the
 tensor is in, the request joins the batch. A `KVParked` request waits in FIFO order until its blocks
 are free, then its KV is pulled from the kvstore the same way; so does a request preempted to the kvstore
-(`PreemptDecode`, preempt.py), which then resumes where it stopped.
+(`PreemptDecode`, preempt.py), which then resumes where it stopped. `MoveParked` hands a parked request to
+another decode instance (a `KVParked` to it, with the tokens and stream position a preempted one needs).
 
 With `tp_size` T > 1 this process leads a tensor-parallel instance of T consecutive ranks: its engine is a
 `TPLeaderEngine` that mirrors every call to the followers (`python -m spindle_decode.tp_follower`) and steps
@@ -36,6 +37,8 @@ from spindle_protocol.messages import (
     KVGet,
     KVGetReply,
     KVParked,
+    MoveParked,
+    MoveReply,
     PreemptDecode,
     RequestSpec,
     ReserveKV,
@@ -94,6 +97,7 @@ class DecodeInstance(Instance):
         await self.bus.subscribe(
             subjects.decode_preempt(self.id), PreemptDecode, lambda msg, raw: preempt.on_preempt(self, msg, raw)
         )
+        await self.bus.subscribe(subjects.decode_move(self.id), MoveParked, self._on_move)
         self._spawn(self._pump_parked())
 
     # ---- tensor parallelism ----
@@ -210,13 +214,43 @@ class DecodeInstance(Instance):
         rid = msg.request.request_id
         if self.is_aborted(rid) or rid in self.jobs:
             return
-        if msg.kv != self._expected_header(msg.request.prompt.num_tokens):
+        resume = None
+        n = msg.request.prompt.num_tokens
+        if msg.token_ids is not None:  # moved here after a preemption elsewhere: it continues from its tokens
+            resume = preempt.Resume(list(msg.token_ids), n)
+            n = len(msg.token_ids) - 1
+        if msg.kv != self._expected_header(n):
             log.warning("parked KV of %s has an unexpected header %s", rid, msg.kv)
             return
         job = self._new_job(msg.request, raw.headers)
-        n = msg.request.prompt.num_tokens
-        self.parked[rid] = Parked(job, msg.kvstore_instance, msg.kvstore_rank, msg.kv, n, first_token=msg.first_token)
+        job.next_seq = msg.next_seq
+        self.parked[rid] = Parked(
+            job, msg.kvstore_instance, msg.kvstore_rank, msg.kv, n, first_token=msg.first_token, resume=resume
+        )
         self.blocks_freed.set()
+
+    async def _on_move(self, msg: MoveParked, raw: Msg) -> MoveReply:
+        """Hand a parked request (not being pulled yet) to another decode instance, without ending it here."""
+        rid = msg.request_id
+        p = self.parked.get(rid)
+        if p is None or self.jobs.get(rid) is not p.job or msg.dst_instance == self.id:
+            return MoveReply(accepted=False, reason="not_parked")
+        del self.parked[rid]
+        moved = KVParked(
+            request=p.job.spec,
+            first_token=p.first_token,
+            kvstore_instance=p.kvstore_instance,
+            kvstore_rank=p.kvstore_rank,
+            kv=p.kv,
+            token_ids=None if p.resume is None else p.resume.token_ids,
+            next_seq=p.job.next_seq,
+        )
+        await self.bus.publish(subjects.decode_parked(msg.dst_instance), moved)
+        self.jobs.pop(rid, None)
+        p.job.span.set_attribute("spindle.moved_to", msg.dst_instance)
+        p.job.span.end()
+        self.blocks_freed.set()  # the next parked request may fit
+        return MoveReply(accepted=True)
 
     async def _pump_parked(self) -> None:
         """Pull parked requests in arrival order whenever their blocks fit."""
@@ -235,6 +269,9 @@ class DecodeInstance(Instance):
             except ValueError as e:
                 self.parked.pop(rid, None)
                 await self.fail(job, 400, str(e))
+                continue
+            if ok and self.parked.get(rid) is not p:  # moved away (or aborted) while the blocks were reserved
+                await self.call(lambda e, rid=rid: e.cancel_reservation(rid))
                 continue
             if not ok:
                 self.blocks_freed.clear()

@@ -135,4 +135,15 @@ class Preempt:
     kvstore_instance: str
 
 
-Action = Admit | Reject | RunPrefill | FailRequest | Preempt
+@dataclass(frozen=True)
+class TransferKV:
+    """A request parked on decode instance `src` (its KV in the kvstore, waiting for blocks there) waits on
+    `dst` instead, which pulls the KV when it has room. (The prefill -> decode transfer is part of RunPrefill,
+    and the swap-out to the kvstore part of Preempt.)"""
+
+    request_id: str
+    src: str
+    dst: str
+
+
+Action = Admit | Reject | RunPrefill | FailRequest | Preempt | TransferKV

@@ -22,7 +22,7 @@ from spindle_protocol.messages import (
 )
 from spindle_protocol.registry import DEAD_AFTER_S
 
-from .actions import Action, Admit, FailRequest, Preempt, Reject, RunPrefill
+from .actions import Action, Admit, FailRequest, Preempt, Reject, RunPrefill, TransferKV
 from .state import DECODE_ROLES, PREFILL_ROLES, ClusterState, Phase, RequestState
 from .strategy import Strategy
 
@@ -86,7 +86,31 @@ class SchedulerCore:
                 req = self.state.requests.get(a.request_id)
                 assert req is not None and req.phase is Phase.DECODE, f"preempting a request not decoding: {a}"
                 req.preempting = True
+            elif isinstance(a, TransferKV):
+                req = self.state.requests.get(a.request_id)
+                assert req is not None and req.parked_since is not None, f"moving a request not parked: {a}"
+                req.moving = True
         return actions
+
+    def moved(self, request_id: str, dst: str) -> None:
+        """A TransferKV was carried out: the request now waits on `dst`."""
+        req = self.state.requests.get(request_id)
+        if req is None:
+            return
+        self._arrived(req)
+        if (old := self.state.instances.get(req.decode_instance)) is not None:
+            old.mastering.discard(request_id)
+        req.decode_instance, req.moving = dst, False
+        if req.phase is not Phase.DECODE:  # `dst` may have pulled it in before this answer came back
+            self._expect(req)
+        if (new := self.state.instances.get(dst)) is not None:
+            new.mastering.add(request_id)
+
+    def move_refused(self, request_id: str, reason: str) -> None:
+        """The request was no longer parked there (pulled in meanwhile, or gone)."""
+        if (req := self.state.requests.get(request_id)) is not None:
+            log.info("moving %s refused: %s", request_id, reason)
+            req.moving = False
 
     def preempt_refused(self, request_id: str, reason: str) -> None:
         """The decode instance did not preempt (the request finished meanwhile, or the kvstore is full)."""

@@ -20,6 +20,8 @@ from spindle_protocol.messages import (
     AdmitRequest,
     ClusterStatus,
     InstanceInfo,
+    MoveParked,
+    MoveReply,
     PreemptDecode,
     PreemptReply,
     SPChunkSpec,
@@ -31,7 +33,7 @@ from spindle_protocol.messages import RunPrefill as RunPrefillMsg
 from spindle_protocol.registry import watch_registry
 from spindle_telemetry import extract, inject, setup, shutdown, tracer
 
-from .actions import Action, Admit, FailRequest, Preempt, Reject, RunPrefill
+from .actions import Action, Admit, FailRequest, Preempt, Reject, RunPrefill, TransferKV
 from .core import SchedulerConfig, SchedulerCore
 from .latency import LatencyModel
 from .strategy import create_strategy
@@ -190,6 +192,20 @@ class SchedulerService:
         if not reply.accepted:
             self.core.preempt_refused(a.request_id, reply.reason)
 
+    async def _move_parked(self, a: TransferKV) -> None:
+        assert self.bus is not None
+        try:
+            reply = await self.bus.request(
+                subjects.decode_move(a.src), MoveParked(request_id=a.request_id, dst_instance=a.dst), MoveReply
+            )
+        except Exception as e:  # the source died or is stuck: its loss fails the request
+            self.core.move_refused(a.request_id, f"{type(e).__name__}: {e}")
+            return
+        if reply.accepted:
+            self.core.moved(a.request_id, a.dst)
+        else:
+            self.core.move_refused(a.request_id, reply.reason)
+
     async def _execute(self, actions: list[Action]) -> None:
         assert self.bus is not None
         for a in actions:
@@ -197,6 +213,8 @@ class SchedulerService:
                 await self._run_prefill(a)
             elif isinstance(a, Preempt):
                 self._spawn(self._preempt(a))  # its reply must not hold up the tick loop
+            elif isinstance(a, TransferKV):
+                self._spawn(self._move_parked(a))
             elif isinstance(a, FailRequest):
                 log.warning("failing %s: %s", a.request_id, a.message)
                 await self.bus.publish(

@@ -75,6 +75,7 @@ class RequestState:
     parked_since: float | None = None  # waiting for blocks on its decode instance, its KV in the kvstore
     decoding_since: float | None = None  # in its decode instance's batch since (DecodeStarted)
     preempting: bool = False  # a Preempt was sent and its Preempted event has not come yet
+    moving: bool = False  # a TransferKV was sent and not answered yet
     num_preemptions: int = 0
 
     def kv_location(self) -> list[tuple[int, int, tuple[str, ...]]]:

@@ -16,28 +16,37 @@ from spindle_protocol.messages import RequestSpec, WorkerEvent
 
 from .actions import Action
 from .latency import LatencyModel
+from .moving import move_parked
 from .preemption import time_slice_preemptions
 from .state import ClusterState
 
 _REGISTRY: dict[str, type[Strategy]] = {}
+DECODE_OPTIONS: dict[str, object] = {"preempt_after_s": 0.0, "move_parked_after_s": 0.0, "kvp_tokens": 0}
 
 
 class Strategy(ABC):
     name: str = ""
     needs_latency: bool = False  # plans with predicted times: needs a LatencyModel with a prefill part
     real_stack_gap: str = ""  # why the services cannot run its plans yet ("" when they can)
+    takes_decode_options: bool = True  # False: DECODE_OPTIONS do not apply (colocated instances)
 
-    def __init__(
-        self, latency: LatencyModel | None = None, *, preempt_after_s: float = 0.0, kvp_tokens: int = 0
-    ) -> None:
+    def __init__(self, latency: LatencyModel | None = None) -> None:
         if self.needs_latency and (latency is None or latency.prefill is None):
             raise ValueError(f"strategy {self.name!r} needs a latency model with prefill coefficients")
-        if not preempt_after_s >= 0:
-            raise ValueError(f"{self.name}: preempt_after_s must be >= 0, got {preempt_after_s}")
-        if kvp_tokens < 0:
-            raise ValueError(f"{self.name}: kvp_tokens must be >= 0, got {kvp_tokens}")
         self.latency = latency
+        self.set_decode_options()
+
+    def set_decode_options(
+        self, *, preempt_after_s: float = 0.0, move_parked_after_s: float = 0.0, kvp_tokens: int = 0
+    ) -> None:
+        """The decode-side options every disaggregated strategy takes (DECODE_OPTIONS; off by default)."""
+        if not preempt_after_s >= 0 or not move_parked_after_s >= 0 or kvp_tokens < 0:
+            raise ValueError(
+                f"{self.name}: preempt_after_s, move_parked_after_s and kvp_tokens must be >= 0, got "
+                f"{preempt_after_s}, {move_parked_after_s}, {kvp_tokens}"
+            )
         self.preempt_after_s = preempt_after_s
+        self.move_parked_after_s = move_parked_after_s
         self.kvp_tokens = kvp_tokens  # > 0: a prompt longer than this is split over several decode instances
         if kvp_tokens:
             self.real_stack_gap = "its plans split a request's KV over several decode instances (KV-parallel decode)"
@@ -47,11 +56,18 @@ class Strategy(ABC):
         """Place a new request: `[Admit, RunPrefill, ...]` or `[Reject]`. Live instances exist for each role."""
 
     def on_tick(self, state: ClusterState, now: float) -> list[Action]:
-        """Periodic decisions (about every 0.25 s). By default: time-sliced decode when `preempt_after_s` > 0
-        (a request parked on a full decode instance longer than that swaps running requests out)."""
+        """Periodic decisions (about every 0.25 s). By default, when enabled: a request parked on a full decode
+        instance for `move_parked_after_s` moves to one with room (moving.py); one parked for `preempt_after_s`
+        swaps running requests out (time-sliced decode, preemption.py)."""
+        actions: list[Action] = []
+        if self.move_parked_after_s > 0:
+            actions += move_parked(state, now, self.move_parked_after_s)
         if self.preempt_after_s > 0:
-            return time_slice_preemptions(state, now, self.preempt_after_s)
-        return []
+            moving = {a.request_id for a in actions}
+            actions += [
+                p for p in time_slice_preemptions(state, now, self.preempt_after_s) if p.request_id not in moving
+            ]
+        return actions
 
     def on_event(self, event: WorkerEvent, state: ClusterState, now: float) -> list[Action]:
         """Actions in answer to a worker event (progress, completions), after the core has applied it."""
@@ -66,7 +82,11 @@ class Strategy(ABC):
         return {}
 
     def describe(self) -> str:
-        opts = self.options() | {"preempt_after_s": self.preempt_after_s, "kvp_tokens": self.kvp_tokens}
+        opts = self.options() | {
+            "preempt_after_s": self.preempt_after_s,
+            "move_parked_after_s": self.move_parked_after_s,
+            "kvp_tokens": self.kvp_tokens,
+        }
         text = ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in opts.items() if v)
         return f"{self.name}:{text}" if text else self.name
 
@@ -107,8 +127,10 @@ def parse_strategy_spec(spec: str) -> tuple[str, dict[str, int | float | str]]:
 
 def strategy_options(name: str) -> dict[str, object]:
     """The options a strategy accepts, with their defaults."""
-    params = inspect.signature(_REGISTRY[name].__init__).parameters
-    return {k: p.default for k, p in params.items() if k not in ("self", "latency") and p.kind is p.KEYWORD_ONLY}
+    cls = _REGISTRY[name]
+    params = inspect.signature(cls.__init__).parameters
+    own = {k: p.default for k, p in params.items() if k not in ("self", "latency") and p.kind is p.KEYWORD_ONLY}
+    return own | (DECODE_OPTIONS if cls.takes_decode_options else {})
 
 
 def create_strategy(spec: str, latency: LatencyModel | None = None) -> Strategy:
@@ -120,4 +142,8 @@ def create_strategy(spec: str, latency: LatencyModel | None = None) -> Strategy:
     if unknown:
         have = ", ".join(f"{k}={v}" for k, v in allowed.items()) or "none"
         raise ValueError(f"strategy {name!r} has no option {', '.join(unknown)} (options: {have})")
-    return _REGISTRY[name](latency=latency, **options)
+    decode = {k: v for k, v in options.items() if k in DECODE_OPTIONS}
+    strategy = _REGISTRY[name](latency=latency, **{k: v for k, v in options.items() if k not in DECODE_OPTIONS})
+    if decode:
+        strategy.set_decode_options(**decode)  # type: ignore[arg-type]
+    return strategy

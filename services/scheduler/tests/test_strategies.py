@@ -79,7 +79,13 @@ def test_strategy_specs():
     with pytest.raises(ValueError, match="unknown layout 'striped'"):
         create_strategy("request-sp:layout=striped", TETRIS)
     assert parse_strategy_spec(" single ") == ("single", {})
-    assert strategy_options("fixed-sp") == {"sp": 8, "layout": "zigzag", "preempt_after_s": 0.0, "kvp_tokens": 0}
+    assert strategy_options("fixed-sp") == {
+        "sp": 8,
+        "layout": "zigzag",
+        "preempt_after_s": 0.0,
+        "move_parked_after_s": 0.0,
+        "kvp_tokens": 0,
+    }
     assert create_strategy("single:preempt_after_s=1.5").describe() == "single:preempt_after_s=1.5"
     assert create_strategy("fixed-sp:sp=4", TETRIS).describe() == "fixed-sp:sp=4"
     assert create_strategy("chunked:chunk-size=256").describe() == "chunked:chunk_size=256"

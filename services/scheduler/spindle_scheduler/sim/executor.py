@@ -14,6 +14,7 @@ instance's decode batches; the KV never moves.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -32,7 +33,7 @@ from spindle_protocol.messages import (
     WorkerEvent,
 )
 
-from ..actions import Action, Admit, FailRequest, Preempt, Reject, RunPrefill
+from ..actions import Action, Admit, FailRequest, Preempt, Reject, RunPrefill, TransferKV
 from ..core import SchedulerCore
 from ..latency import LatencyModel
 from ..strategy import Strategy, create_strategy
@@ -175,6 +176,8 @@ class Simulator:
                 self._fail(self.records[a.request_id], now, f"{a.status}: {a.message}")
             elif isinstance(a, Preempt):
                 self._preempt(a, now)
+            elif isinstance(a, TransferKV):
+                self._move_parked(a, now)
             elif not isinstance(a, Admit):  # Admit only answers the gateway; RunPrefill carries the placement
                 raise AssertionError(f"unexpected action {a!r}")
 
@@ -553,6 +556,33 @@ class Simulator:
                 self._start_decoding(c, rec, now)
             else:
                 c.free(rid)
+
+    # ---- moving a parked request to another decode instance ----
+
+    def _move_parked(self, a: TransferKV, now: float) -> None:
+        rec, src, dst = self.records[a.request_id], self.instances.get(a.src), self.instances.get(a.dst)
+        plan = self.plans.get(a.request_id)
+        movable = (
+            rec.state == "pending"
+            and plan is not None
+            and not plan.decode_shards
+            and all(isinstance(d, SimDecode) and not isinstance(d, SimColocated) for d in (src, dst))
+            and rec in src.waiting  # type: ignore[union-attr]
+        )
+        if not movable:
+            self.core.move_refused(a.request_id, "not parked there")
+            return
+        assert isinstance(src, SimDecode) and isinstance(dst, SimDecode) and plan is not None
+        src.waiting.remove(rec)
+        self.plans[a.request_id] = dataclasses.replace(plan, decode_instance=dst.id)
+        self._tails.pop(a.request_id, None)
+        rec.decode_instance = dst.id
+        rec.moves += 1
+        self.core.moved(a.request_id, dst.id)
+        dst.waiting.append(rec)
+        for d in (src, dst):
+            self._join_decode(d, now)
+            self._start_step(d, now)
 
     # ---- preemption (swap to the kvstore) ----
 

@@ -33,6 +33,7 @@ class RequestRecord:
     finished_at: float | None = None
     token_times: list[float] = field(default_factory=list)
     preemptions: int = 0  # times its decode was swapped out to the kvstore
+    moves: int = 0  # times it was moved, parked, to another decode instance
 
     @property
     def ttft(self) -> float | None:
@@ -129,6 +130,7 @@ class SimSummary:
     goodput_tok_s: float | None = None  # their output tokens per second
     slo_attainment: float | None = None  # requests meeting the SLO / all requests (rejected and failed miss it)
     preemptions: int = 0  # decode swap-outs to the kvstore, all requests
+    moves: int = 0  # parked requests moved to another decode instance, all requests
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -181,4 +183,5 @@ def summarize(
         goodput_tok_s=goodput_tok,
         slo_attainment=attainment,
         preemptions=sum(r.preemptions for r in records),
+        moves=sum(r.moves for r in records),
     )

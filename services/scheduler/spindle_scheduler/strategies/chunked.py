@@ -19,6 +19,7 @@ from .placement import reserve_blocks
 @register_strategy("chunked")
 class ChunkedPrefillStrategy(Strategy):
     real_stack_gap = "its plans need colocated instances (prefill chunks mixed into decode batches)"
+    takes_decode_options = False
 
     def __init__(self, latency: LatencyModel | None = None, *, chunk_size: int = 512) -> None:
         super().__init__(latency)

@@ -27,10 +27,8 @@ class FixedSPStrategy(Strategy):
         *,
         sp: int = 8,
         layout: str = "zigzag",
-        preempt_after_s: float = 0.0,
-        kvp_tokens: int = 0,
     ) -> None:
-        super().__init__(latency, preempt_after_s=preempt_after_s, kvp_tokens=kvp_tokens)
+        super().__init__(latency)
         assert self.latency is not None and self.latency.prefill is not None
         if sp not in self.latency.prefill.coeffs:
             raise ValueError(f"fixed-sp: sp={sp} has no prefill latency model (have {self.latency.prefill.sp_sizes()})")

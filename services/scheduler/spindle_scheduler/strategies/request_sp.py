@@ -29,10 +29,8 @@ class RequestSPStrategy(Strategy):
         *,
         max_sp: int = 16,
         layout: str = "zigzag",
-        preempt_after_s: float = 0.0,
-        kvp_tokens: int = 0,
     ) -> None:
-        super().__init__(latency, preempt_after_s=preempt_after_s, kvp_tokens=kvp_tokens)
+        super().__init__(latency)
         assert self.latency is not None and self.latency.prefill is not None
         self.sizes = [s for s in self.latency.prefill.sp_sizes() if s <= max_sp]
         if max_sp < 1 or not self.sizes:

@@ -12,7 +12,6 @@ from __future__ import annotations
 from spindle_protocol.messages import RequestSpec
 
 from ..actions import Action, Admit, Reject, RunPrefill, whole_prompt
-from ..latency import LatencyModel
 from ..state import ClusterState
 from ..strategy import Strategy, register_strategy
 from .placement import kvstore_id, pick_decode_group
@@ -20,11 +19,6 @@ from .placement import kvstore_id, pick_decode_group
 
 @register_strategy("single")
 class SingleInstanceStrategy(Strategy):
-    def __init__(
-        self, latency: LatencyModel | None = None, *, preempt_after_s: float = 0.0, kvp_tokens: int = 0
-    ) -> None:
-        super().__init__(latency, preempt_after_s=preempt_after_s, kvp_tokens=kvp_tokens)
-
     def plan(self, spec: RequestSpec, state: ClusterState, now: float) -> list[Action]:
         prefills = state.live("prefill")
         placed = pick_decode_group(state, spec, self.kvp_tokens) if prefills else None
