@@ -1,6 +1,7 @@
-"""A decode instance of tensor-parallel size 2 (`spindle up --decode-tp 2`) in the real stack: the single
-engine's tokens (greedy and seeded sampling), blocks freed on every rank, and a follower's death ends its
-requests with an error instead of a hang."""
+"""A decode instance of tensor-parallel size 2 (`spindle up --decode-tp 2`) in the real stack, fed by SP-2
+prefill groups (`fixed-sp:sp=2`: each of the two holders' KV parts reaches the TP leader, which forwards each
+follower its heads): the single engine's tokens (greedy and seeded sampling), blocks freed on every rank, and a
+follower's death ends its requests with an error instead of a hang."""
 
 from __future__ import annotations
 
@@ -14,13 +15,15 @@ import pytest
 from .conftest import engine_greedy, instance_blocks, start_stack, wait_until
 from .sse import read_events, stream_text
 from .test_failures import read_events_from
+from .test_sp_stack import _profile
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def tp_stack(tmp_path_factory):
-    s = start_stack(tmp_path_factory, "tp", prefill=1, decode=1, decode_tp=2)
+    profile = _profile(tmp_path_factory.mktemp("tp-profile"))
+    s = start_stack(tmp_path_factory, "tp", prefill=2, decode=1, decode_tp=2, strategy="fixed-sp:sp=2", profile=profile)
     try:
         yield s
     finally:
