@@ -8,6 +8,7 @@ the group case runs several requests with different masters (and a scale-up) ove
 
 import json
 import random
+import time
 
 import pytest
 import torch
@@ -143,3 +144,20 @@ def test_smollm2_kvp_matches_single_instance(plan, kvp, split, scale_up_at):
         kvp_split=split, scale_up_at=scale_up_at,
     )  # fmt: skip
     _check(verify(spec, timeout_s=600))
+
+
+def test_member_killed_mid_decode_fails_the_others_cleanly(tiny_dir, tmp_path, monkeypatch):
+    """The tail holder dies between decode steps: the master's next exchange with it fails, so does the other
+    holder's with the master; both give back every block and the run ends with an error, not a hang."""
+    from spindle_engine.sp.verify import launch
+
+    monkeypatch.setenv("SPINDLE_VERIFY_KILL_KVP", "2:2")  # KVP member 2 (the tail), before decode step 2
+    spec = VerifySpec(tiny_dir, "float32", "0:@0", "zigzag", _ids(150, 301), 1, None, 6, kvp=3)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="verify ranks failed"):
+        launch(spec, tmp_path, timeout_s=120)
+    assert time.monotonic() - t0 < 60
+    assert "killed before step 2" in (tmp_path / "rank3.log").read_text()  # rank 0 prefills, 1..3 decode
+    for j in (0, 1):
+        log = (tmp_path / f"rank{1 + j}.log").read_text()
+        assert f"KVP member {j}: decode failed" in log and "blocks still held: 0" in log, log[-2000:]

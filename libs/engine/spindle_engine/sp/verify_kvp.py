@@ -10,6 +10,7 @@ KV of the N-th generated token. The master returns the tokens and every step's l
 
 from __future__ import annotations
 
+import os
 from itertools import pairwise
 from pathlib import Path
 
@@ -68,6 +69,15 @@ def receive_kvp_range(
     return assemble_kv(parts, hi - lo), sum(b.numel() * b.element_size() for _, b in parts)
 
 
+def _kill_step(member: int) -> int | None:
+    """Test hook: `SPINDLE_VERIFY_KILL_KVP=MEMBER:STEP` kills that KVP member just before that decode step."""
+    where = os.environ.get("SPINDLE_VERIFY_KILL_KVP")
+    if not where:
+        return None
+    victim, step = (int(x) for x in where.split(":"))
+    return step if victim == member else None
+
+
 def run_kvp_decode(
     spec, j: int, ranks: dict[int, int], config: ModelConfig, path: Path, first_rank: int, tag_first: int
 ) -> tuple:
@@ -94,11 +104,20 @@ def run_kvp_decode(
     params = SamplingParams(max_tokens=spec.max_new_tokens, temperature=0.0, ignore_eos=True)
     dec.add_request(req, kv, token_ids=[*spec.token_ids, int(first[0])], num_prompt_tokens=n, params=params)
     tokens, step = [int(first[0])], 0
-    while dec.has_unfinished():
-        if spec.scale_up_at is not None and step == spec.scale_up_at - 1:
-            dec.scale_up("verify", spec.kvp)
-        tokens += [o.token for o in dec.step()]
-        step += 1
+    kill_at = _kill_step(j)
+    try:
+        while dec.has_unfinished():
+            if step == kill_at:
+                print(f"KVP member {j}: killed before step {step} (SPINDLE_VERIFY_KILL_KVP)", flush=True)
+                os._exit(137)
+            if spec.scale_up_at is not None and step == spec.scale_up_at - 1:
+                dec.scale_up("verify", spec.kvp)
+            tokens += [o.token for o in dec.step()]
+            step += 1
+    except RuntimeError as e:  # gloo reports a dead member as a closed connection at the next exchange with it
+        dec.abort_all()
+        print(f"KVP member {j}: decode failed at step {step} ({e}); blocks still held: {dec.blocks_used}", flush=True)
+        raise
     held = dec.shard.request_ids
     dec.shard.allocator.check_invariants()
     tensors: dict[str, Tensor] = {}
