@@ -1,0 +1,30 @@
+"""State every part of the simulator shares (declared here so each part file reads on its own)."""
+
+from __future__ import annotations
+
+from ..actions import RunPrefill
+from ..core import SchedulerCore
+from ..latency import LatencyModel
+from .cluster import SimConfig, SimDecode, SimInstance
+from .events import EventQueue
+from .metrics import RequestRecord
+
+
+def share(num_tokens: int, sp: int, k: int) -> int:
+    """Tokens of a chunk that member `k` of an SP group computes and holds."""
+    return num_tokens // sp + (1 if k < num_tokens % sp else 0)
+
+
+class SimBase:
+    config: SimConfig
+    latency: LatencyModel
+    core: SchedulerCore
+    instances: dict[str, SimInstance]
+    queue: EventQueue
+    records: dict[str, RequestRecord]
+    plans: dict[str, RunPrefill]
+    _next_chunk: dict[str, int]  # request id -> index of its next chunk to run
+    _running: set[str]  # requests with a chunk executing now
+    _swapped: set[str]  # preempted requests whose KV is in the kvstore
+    _split_masters: set[SimDecode]  # masters whose queue head waits for blocks on another instance
+    _tails: dict[str, SimDecode]  # request id -> the holder that takes its new tokens

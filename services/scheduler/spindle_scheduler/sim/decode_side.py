@@ -1,0 +1,240 @@
+"""The simulator's decode side: transfer arrival, FIFO joins when blocks fit (on every holder of a split
+request), continuous-batching steps (with a prefill chunk mixed in on colocated instances), and leaving."""
+
+from __future__ import annotations
+
+from spindle_protocol.messages import DecodeStarted, RequestFinished, TransferDone
+
+from .base import SimBase
+from .cluster import ChunkJob, SimColocated, SimDecode
+from .events import EventKind
+from .metrics import RequestRecord
+
+
+class DecodeSide(SimBase):
+    def _on_transfer_done(self, now: float, rec: RequestRecord) -> None:
+        self._release_prefill(rec, now)
+        if rec.state != "pending":
+            return
+        d = self.instances[rec.decode_instance]
+        assert isinstance(d, SimDecode)
+        rec.transfer_end = now
+        parked = bool(d.waiting) or not self._fits(rec)
+        self._emit(
+            TransferDone(
+                request_id=rec.request_id,
+                src_instance=rec.prefill_instance,
+                dst_instance=d.id,
+                nbytes=rec.num_prefill_tokens * self.config.kv_bytes_per_token,
+                seconds=now - (rec.prefill_end or now),
+                parked=parked,
+            ),
+            now,
+        )
+        if rec.state == "pending":
+            d.waiting.append(rec)
+            self._join_decode(d, now)
+            self._start_step(d, now)
+
+    def _decode_blocks(self, rec: RequestRecord) -> int:
+        # blocks for the whole sequence are taken at join, so a running batch never needs preemption
+        return self.config.blocks(rec.num_prefill_tokens + rec.num_decode_tokens)
+
+    # ---- KV-parallel decode: a request's KV split over decode instances ----
+
+    def _shards(self, rec: RequestRecord) -> list[tuple[SimDecode, int]]:
+        """(instance, tokens it holds now) per decode holder, the master first; the tail holds the outputs."""
+        holders = self.plans[rec.request_id].decode_holders
+        out = [(self.instances[h.instance], h.end - h.start) for h in holders]
+        tail, tokens = out[-1]
+        out[-1] = (tail, tokens + len(rec.token_times))
+        return out  # type: ignore[return-value]
+
+    def _tail(self, rec: RequestRecord) -> SimDecode:
+        """The holder that takes the request's new tokens."""
+        tail = self._tails.get(rec.request_id)
+        if tail is None:
+            tail = self._tails[rec.request_id] = self.instances[self.plans[rec.request_id].decode_holders[-1].instance]
+        return tail  # type: ignore[return-value]
+
+    def _shard_blocks(self, rec: RequestRecord) -> list[tuple[SimDecode, int]]:
+        """Blocks each holder takes at join: its shard, and on the tail room for every output token too."""
+        holders = self._shards(rec)
+        tail = len(holders) - 1
+        outputs = len(rec.token_times)
+        return [
+            (inst, self.config.blocks(tokens + (rec.num_decode_tokens - outputs if k == tail else 0)))
+            for k, (inst, tokens) in enumerate(holders)
+        ]
+
+    def _fits(self, rec: RequestRecord) -> bool:
+        return all(inst.free_blocks >= blocks for inst, blocks in self._shard_blocks(rec))
+
+    def _add_kv(self, rec: RequestRecord, sign: int) -> None:
+        for inst, tokens in self._shards(rec):
+            inst.kv_tokens += sign * tokens
+
+    def _free_decode(self, rec: RequestRecord) -> None:
+        for inst, _ in self._shards(rec):
+            inst.free(rec.request_id)
+
+    def _retry_split_joins(self, now: float) -> None:
+        """A split request heading a master's queue may wait for blocks on another instance: retry them all."""
+        for d in list(self._split_masters):
+            self._join_decode(d, now)
+            self._start_step(d, now)
+
+    def _join_decode(self, d: SimDecode, now: float) -> None:
+        while d.waiting:
+            head = d.waiting[0]
+            if head.state != "pending":
+                d.waiting.popleft()
+                continue
+            if not self._fits(head):
+                if self.plans[head.request_id].decode_shards:
+                    self._split_masters.add(d)
+                return
+            self._split_masters.discard(d)
+            d.waiting.popleft()
+            for inst, blocks in self._shard_blocks(head):
+                inst.alloc(head.request_id, blocks)
+            if head.request_id in self._swapped:  # its KV comes back from the kvstore first
+                self._swapped.discard(head.request_id)
+                self.queue.push(now + self._kv_seconds(self._context(head)), EventKind.SWAP_IN_DONE, (d, head))
+            else:
+                self._start_decoding(d, head, now)
+
+    def _start_decoding(self, d: SimDecode, rec: RequestRecord, now: float) -> None:
+        d.running.append(rec)
+        self._add_kv(rec, +1)
+        rec.decode_start = now
+        self._emit(DecodeStarted(request_id=rec.request_id, instance_id=d.id), now)
+
+    def _start_step(self, d: SimDecode, now: float) -> None:
+        if d.stepping:
+            return
+        chunk = self._next_colocated_chunk(d, now) if isinstance(d, SimColocated) else None
+        if not d.running and chunk is None:
+            return
+        seconds = 0.0
+        if d.running:
+            seconds = self._decode_step_seconds(d)
+        if chunk is not None:
+            assert isinstance(d, SimColocated)
+            c = chunk.chunk
+            chunk_s = self.latency.prefill.predict(1, c.start, c.num_tokens)  # type: ignore[union-attr]
+            d.busy_spans.append((now, now + chunk_s))
+            seconds += chunk_s
+            d.step_chunk = chunk
+            self._running.add(chunk.rec.request_id)
+        d.stepping = True
+        if isinstance(d, SimColocated):
+            d.step_batch = list(d.running)
+        self.queue.push(now + seconds, EventKind.DECODE_STEP, d)
+
+    def _decode_step_seconds(self, d: SimDecode) -> float:
+        """The step of `d`'s batch over its local KV; with split requests in the batch, the step also waits
+        for the other holders' partial attention over their shards (run in parallel: the slowest counts)."""
+        model = self.latency.decode
+        if model is None:
+            return self.config.decode_step_s
+        seconds = model.predict(len(d.running), d.kv_tokens, tp=d.tp)
+        remote: dict[str, tuple[int, int]] = {}  # holder -> (split requests of this batch, their tokens there)
+        for r in d.running:
+            if self.plans[r.request_id].decode_shards:
+                for inst, tokens in self._shards(r):
+                    if inst is not d:
+                        n, t = remote.get(inst.id, (0, 0))
+                        remote[inst.id] = (n + 1, t + tokens)
+        for n, tokens in remote.values():
+            seconds = max(seconds, model.predict(n, tokens, tp=d.tp))
+        return seconds
+
+    def _next_colocated_chunk(self, c: SimColocated, now: float) -> ChunkJob | None:
+        """Pop the head prefill chunk if it can run now (its request's whole-sequence blocks fit)."""
+        while c.prefills:
+            job = c.prefills[0]
+            rid = job.rec.request_id
+            if job.rec.state != "pending":
+                c.prefills.popleft()
+                c.queued_tokens -= job.chunk.num_tokens
+                continue
+            if job.index == 0:
+                blocks = self._decode_blocks(job.rec)
+                if c.free_blocks < blocks:
+                    return None  # FCFS: wait for running requests to finish
+                c.alloc(rid, blocks)
+                job.rec.prefill_start = now
+            return c.prefills.popleft()
+        return None
+
+    def _on_step(self, now: float, d: SimDecode) -> None:
+        d.stepping = False
+        colocated = isinstance(d, SimColocated)
+        batch = d.step_batch if colocated else d.running
+        ended = []
+        for r in batch:
+            if r.state != "pending":  # failed during the step
+                ended.append(r)
+                continue
+            times = r.token_times
+            times.append(now)
+            self._tail(r).kv_tokens += 1  # the new token's KV lands on the tail holder
+            if len(times) >= r.num_decode_tokens:
+                ended.append(r)
+        finished = []
+        for r in ended:
+            if r.state == "pending":
+                finished.append(r)
+            self._leave_decode(d, r)
+        for r in finished:
+            self._end(r, "finished", now)
+            self._emit(
+                RequestFinished(
+                    request_id=r.request_id,
+                    instance_id=d.id,
+                    finish_reason="length",
+                    num_output_tokens=len(r.token_times),
+                ),
+                now,
+            )
+        if colocated and d.step_chunk is not None:
+            self._colocated_chunk_done(d, d.step_chunk, now)
+        if colocated:
+            d.step_batch = []
+        else:
+            for rid in d.preempt_after_step:
+                r = self.records[rid]
+                if r.state == "pending" and r in d.running:
+                    self._swap_out(d, r, now)
+                else:
+                    self.core.preempt_refused(rid, "it ended before the step did")
+            d.preempt_after_step.clear()
+            self._join_decode(d, now)
+        self._start_step(d, now)
+        if ended and self._split_masters:
+            self._retry_split_joins(now)
+
+    def _colocated_chunk_done(self, c: SimColocated, job: ChunkJob, now: float) -> None:
+        rec, rid = job.rec, job.rec.request_id
+        c.step_chunk = None
+        c.queued_tokens -= job.chunk.num_tokens
+        self._running.discard(rid)
+        self._next_chunk[rid] = job.index + 1
+        if rec.state != "pending":
+            c.free(rid)
+        elif not job.is_last:
+            self._chunk_progress(rec, c.id, job.chunk.end, now)
+        else:
+            self._prefill_finished(rec, c.id, now)
+            if rec.state == "pending":
+                rec.transfer_end = now  # the KV is already where it decodes
+                self._start_decoding(c, rec, now)
+            else:
+                c.free(rid)
+
+    def _leave_decode(self, d: SimDecode, rec: RequestRecord) -> None:
+        self._free_decode(rec)
+        if rec in d.running:
+            d.running.remove(rec)
+            self._add_kv(rec, -1)

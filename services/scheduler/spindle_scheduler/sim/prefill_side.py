@@ -1,0 +1,116 @@
+"""The simulator's prefill side: chunks queued FCFS on SP groups, a chunk runs when its whole group is free
+and has blocks for its shares; the last chunk yields the first token and starts the KV transfer."""
+
+from __future__ import annotations
+
+from spindle_protocol.messages import PrefillDone, PrefillProgress
+
+from .base import SimBase, share
+from .cluster import ChunkJob, SimPrefill
+from .events import EventKind
+from .metrics import RequestRecord
+
+
+class PrefillSide(SimBase):
+    def _pump(self, p: SimPrefill, now: float) -> None:
+        """Start the head chunk of `p` if its whole group is ready; drop chunks of ended requests."""
+        while p.running is None and p.queue:
+            job = p.queue[0]
+            if job.rec.state != "pending":
+                p.queue.popleft()
+                k = job.chunk.instances.index(p.id)
+                p.queued_tokens -= share(job.chunk.num_tokens, job.chunk.sp, k)
+                continue
+            if self._startable(job):
+                self._start_chunk(job, now)
+            return
+
+    def _startable(self, job: ChunkJob) -> bool:
+        rid, chunk = job.rec.request_id, job.chunk
+        if self._next_chunk[rid] != job.index or rid in self._running:
+            return False
+        for k, iid in enumerate(chunk.instances):
+            m = self.instances[iid]
+            assert isinstance(m, SimPrefill)
+            if m.running is not None or not m.queue or m.queue[0] is not job:
+                return False
+            if m.free_blocks < self.config.blocks(share(chunk.num_tokens, chunk.sp, k)):
+                return False  # earlier prompts' KV is still being transferred out
+        return True
+
+    def _start_chunk(self, job: ChunkJob, now: float) -> None:
+        rec, chunk = job.rec, job.chunk
+        seconds = self.latency.prefill.predict(chunk.sp, chunk.start, chunk.num_tokens)  # type: ignore[union-attr]
+        for k, iid in enumerate(chunk.instances):
+            m = self.instances[iid]
+            assert isinstance(m, SimPrefill)
+            m.queue.popleft()
+            m.running = job
+            m.alloc(rec.request_id, self.config.blocks(share(chunk.num_tokens, chunk.sp, k)))
+            m.busy_spans.append((now, now + seconds))
+        self._running.add(rec.request_id)
+        if job.index == 0:
+            rec.prefill_start = now
+        self.queue.push(now + seconds, EventKind.CHUNK_DONE, job)
+
+    def _on_chunk_done(self, now: float, job: ChunkJob) -> None:
+        rec, chunk, rid = job.rec, job.chunk, job.rec.request_id
+        for k, iid in enumerate(chunk.instances):
+            m = self.instances[iid]
+            assert isinstance(m, SimPrefill) and m.running is job
+            m.running = None
+            m.queued_tokens -= share(chunk.num_tokens, chunk.sp, k)
+        self._running.discard(rid)
+        self._next_chunk[rid] = job.index + 1
+        if rec.state != "pending":
+            self._release_prefill(rec, now)
+        elif not job.is_last:
+            self._chunk_progress(rec, chunk.instances[0], chunk.end, now)
+        else:
+            self._prefill_finished(rec, chunk.instances[0], now)
+            if rec.state == "pending":
+                self.queue.push(now + self._transfer_seconds(rec), EventKind.TRANSFER_DONE, rec)
+            else:
+                self._release_prefill(rec, now)
+        nxt = self.plans[rid].chunks[job.index + 1].instances if not job.is_last else ()
+        for iid in dict.fromkeys((*chunk.instances, *nxt)):
+            self._pump(self.instances[iid], now)  # type: ignore[arg-type]
+
+    def _chunk_progress(self, rec: RequestRecord, instance_id: str, tokens_done: int, now: float) -> None:
+        progress = PrefillProgress(
+            request_id=rec.request_id,
+            instance_id=instance_id,
+            tokens_done=tokens_done,
+            tokens_total=rec.num_prefill_tokens,
+            chunk_seconds=now - (rec.prefill_start or now),
+        )
+        self._emit(progress, now)
+
+    def _prefill_finished(self, rec: RequestRecord, instance_id: str, now: float) -> None:
+        """The last chunk produced the first token."""
+        rec.prefill_end = now
+        rec.token_times.append(now)
+        finished = rec.num_decode_tokens <= 1
+        seconds = now - (rec.prefill_start or now)
+        self._emit(
+            PrefillDone(request_id=rec.request_id, instance_id=instance_id, seconds=seconds, finished=finished), now
+        )
+        if finished and rec.state == "pending":
+            self._end(rec, "finished", now)
+
+    def _transfer_seconds(self, rec: RequestRecord) -> float:
+        if self.latency.transfer is None:
+            return 0.0
+        holders: dict[str, int] = {}
+        for chunk in self.plans[rec.request_id].chunks:
+            for k, iid in enumerate(chunk.instances):
+                holders[iid] = holders.get(iid, 0) + share(chunk.num_tokens, chunk.sp, k)
+        per_token = self.config.kv_bytes_per_token
+        return max(self.latency.transfer.predict(tokens * per_token) for tokens in holders.values())
+
+    def _release_prefill(self, rec: RequestRecord, now: float) -> None:
+        """Free the prompt KV `rec` holds on prefill instances (after its transfer, or when it ended)."""
+        for iid in self.plans[rec.request_id].prefill_instances:
+            p = self.instances[iid]
+            p.free(rec.request_id)
+            self._pump(p, now)  # type: ignore[arg-type]
