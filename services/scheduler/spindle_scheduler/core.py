@@ -154,6 +154,9 @@ class SchedulerCore:
             ]
         actions = self.strategy.plan(spec, self.state, now)
         plans = {a.spec.request_id: a for a in actions if isinstance(a, RunPrefill)}
+        if (plan := plans.get(rid)) is not None and (gap := self._capacity_gap(plan)):
+            self.state.work_done(plan.prefill_instances, rid)
+            return [Reject(rid, 400, f"{gap}; it needs a plan that splits its KV (SP prefill, kvp_tokens)")]
         for a in actions:
             if isinstance(a, Admit):
                 plan = plans.get(rid)
@@ -172,6 +175,26 @@ class SchedulerCore:
             elif isinstance(a, FailRequest):  # a strategy may give up on a request it just admitted
                 self._forget(a.request_id)
         return actions
+
+    def _capacity_gap(self, plan: RunPrefill) -> str:
+        """Why an instance of `plan` could never hold its share of the request's KV ("" when all can)."""
+        need: dict[str, int] = {}  # prompt tokens each prefill member holds by the end (its chunk shares)
+        for c in plan.chunks:
+            for k, iid in enumerate(c.instances):
+                need[iid] = need.get(iid, 0) + c.num_tokens // c.sp + (1 if k < c.num_tokens % c.sp else 0)
+        holders = plan.decode_holders
+        decode = {h.instance: h.end - h.start for h in holders}
+        decode[holders[-1].instance] += plan.spec.sampling.max_tokens
+        for role, tokens_by_instance in (("prefill", need), ("decode", decode)):
+            for iid, tokens in tokens_by_instance.items():
+                inst = self.state.instances[iid]
+                blocks = inst.blocks_for(tokens)
+                if inst.info.kv_blocks_total and blocks > inst.info.kv_blocks_total:
+                    return (
+                        f"{role} instance {iid} would hold {tokens} tokens of its KV ({blocks} blocks) but has "
+                        f"{inst.info.kv_blocks_total} blocks"
+                    )
+        return ""
 
     def on_event(self, event: WorkerEvent, now: float) -> list[Action]:
         req = self.state.requests.get(event.request_id)

@@ -107,3 +107,23 @@ def test_losing_any_holder_of_a_split_request_fails_it_and_only_it():
     assert actions == [FailRequest("split", 503, "decode instance d1 was lost")]
     assert "small" in core.state.requests and "split" not in core.state.requests
     assert all(not i.incoming and i.mastering <= {"small"} for i in core.state.instances.values())
+
+
+def test_a_request_longer_than_one_decode_instance_needs_a_split_plan():
+    # decode instances hold 4,096 tokens each, the model's context is 16k: a 10k-token prompt fits only split
+    config = SimConfig(
+        num_prefill=1, num_decode=3, block_size=16, decode_kv_blocks=256, kv_bytes_per_token=1024,
+        max_model_len=16384,
+    )  # fmt: skip
+    trace = [TraceRequest(0.0, 10_000, 50), TraceRequest(0.1, 1000, 20)]
+    whole = Simulator("single", LATENCY, config)
+    result = whole.run(trace)
+    check_invariants(whole, result)
+    assert [r.state for r in result.records] == ["rejected", "finished"]
+    assert result.records[0].reason.startswith("400: decode instance") and "kvp_tokens" in result.records[0].reason
+    split = Simulator("single:kvp_tokens=4000", LATENCY, config)
+    result = split.run(trace)
+    check_invariants(split, result)
+    assert [r.state for r in result.records] == ["finished", "finished"]
+    assert len(result.records[0].token_times) == 50
+    assert max(i.peak_blocks for i in split.instances.values() if i.role == "decode") <= 256
