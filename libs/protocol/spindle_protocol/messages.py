@@ -177,7 +177,13 @@ class KVParked(msgspec.Struct, frozen=True, kw_only=True):
 
     From a prefill instance: the prompt's KV and its first output (`first_token`). Handed over by another
     decode instance (`MoveParked`) after a preemption there: `token_ids` (prompt and outputs so far; the KV
-    covers all but the last) and `next_seq`, the stream number of the next output."""
+    covers all but the last) and `next_seq`, the stream number of the next output.
+
+    An SP prompt's KV parks in *tiled* order: the holders, in member order (`KVPart.chunks`' last group), store
+    their parts one after another, so holder k's part is tokens [start, start + its tokens) of the request's
+    entry, and all parts tile [0, prompt_tokens); the receiver un-permutes by the plan's positions
+    (`SPPlan.final_placement`). One holder's share comes with `part` and `start` (`first_token` -1 unless that
+    holder sampled it); a whole tiled KV handed over by another decode instance comes with `tiled`, the plan."""
 
     request: RequestSpec
     first_token: int
@@ -186,6 +192,9 @@ class KVParked(msgspec.Struct, frozen=True, kw_only=True):
     kv: TensorHeader
     token_ids: list[int] | None = None
     next_seq: int = 1
+    part: KVPart | None = None
+    start: int = 0  # where `part` starts in the tiled order
+    tiled: list[SPChunkSpec] = []
 
 
 class MoveParked(msgspec.Struct, frozen=True, kw_only=True):

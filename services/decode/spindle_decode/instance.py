@@ -4,7 +4,9 @@ A `ReserveKV` reserves blocks (or answers `no_space`), posts a receive and answe
 tensor is in, the request joins the batch. A `KVParked` request waits in FIFO order until its blocks
 are free, then its KV is pulled from the kvstore the same way; so does a request preempted to the kvstore
 (`PreemptDecode`, preempt.py), which then resumes where it stopped. `MoveParked` hands a parked request to
-another decode instance (a `KVParked` to it, with the tokens and stream position a preempted one needs).
+another decode instance (a `KVParked` to it, with the tokens and stream position a preempted one needs). An
+SP-prefilled prompt arrives in parts from several holders, directly or parked (sp_receive.py); parked, it waits
+here as one range in tiled order and is put back in prompt order once pulled.
 
 With `tp_size` T > 1 this process leads a tensor-parallel instance of T consecutive ranks: its engine is a
 `TPLeaderEngine` that mirrors every call to the followers (`python -m spindle_decode.tp_follower`) and steps
@@ -43,6 +45,7 @@ from spindle_protocol.messages import (
     RequestSpec,
     ReserveKV,
     ReserveReply,
+    SPChunkSpec,
     TensorHeader,
 )
 from spindle_protocol.prompts import load_prompt
@@ -50,6 +53,7 @@ from spindle_protocol.tensor_header import header_for
 from spindle_telemetry import extract
 from spindle_transfer import dtype_name
 from spindle_worker import Instance, Job, sampling_params
+from spindle_worker.sp_plan import tiling, untile
 
 from . import preempt, sp_receive
 
@@ -75,6 +79,7 @@ class Parked:
     num_tokens: int
     first_token: int = -1  # parked by a prefill instance: the prompt's KV and its first output
     resume: preempt.Resume | None = None  # preempted here: the tokens it continues from
+    tiled: tuple[SPChunkSpec, ...] = ()  # an SP prompt's parts in tiled order: un-permute by this plan
 
 
 class DecodeInstance(Instance):
@@ -83,7 +88,7 @@ class DecodeInstance(Instance):
         self.parked: OrderedDict[str, Parked] = OrderedDict()
         self.blocks_freed = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
-        self.sp_parts: dict[str, sp_receive.PartsInFlight] = {}  # multi-source receives in flight
+        self.sp_parts: dict[str, sp_receive.PartsInFlight] = {}  # SP prompts whose parts are on their way
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -171,8 +176,10 @@ class DecodeInstance(Instance):
         header: TensorHeader,
         first_token: int = -1,
         resume: preempt.Resume | None = None,
+        tiled: tuple[SPChunkSpec, ...] = (),
     ) -> None:
-        """Receive the KV, then decode: a prompt's with `first_token`, or a preempted request's (`resume`)."""
+        """Receive the KV, then decode: a prompt's with `first_token`, or a preempted request's (`resume`).
+        With `tiled`, the KV is an SP prompt's parts in tiled order (spindle_worker.sp_plan.untile)."""
         rid = job.request_id
         ctx = trace.set_span_in_context(job.span)
         try:
@@ -182,6 +189,8 @@ class DecodeInstance(Instance):
                 recv = self.dp.recv_async(header, src, tag, cancel=job.cancel, timeout_s=RECEIVE_TIMEOUT_S)
                 if resume is None:
                     kv, prompt = await asyncio.gather(recv, load_prompt(self.bus, job.spec.prompt))
+                    if tiled:
+                        kv = untile(kv, tiled)
                     tokens, num_prompt = [*prompt, first_token], len(prompt)
                     job.stats["transfer_ms"] = (time.time() - t0) * 1e3
                     job.stats["kv_bytes"] = float(header.nbytes)
@@ -211,9 +220,18 @@ class DecodeInstance(Instance):
     # ---- parked in the kvstore ----
 
     async def _on_parked(self, msg: KVParked, raw: Msg) -> None:
+        if msg.part is not None:
+            await sp_receive.on_parked_part(self, msg, raw)
+            return
         rid = msg.request.request_id
         if self.is_aborted(rid) or rid in self.jobs:
             return
+        if msg.tiled:
+            try:
+                tiling(msg.tiled, msg.request.prompt.num_tokens)
+            except ValueError as e:
+                log.warning("parked KV of %s comes with a bad plan: %s", rid, e)
+                return
         resume = None
         n = msg.request.prompt.num_tokens
         if msg.token_ids is not None:  # moved here after a preemption elsewhere: it continues from its tokens
@@ -225,7 +243,14 @@ class DecodeInstance(Instance):
         job = self._new_job(msg.request, raw.headers)
         job.next_seq = msg.next_seq
         self.parked[rid] = Parked(
-            job, msg.kvstore_instance, msg.kvstore_rank, msg.kv, n, first_token=msg.first_token, resume=resume
+            job,
+            msg.kvstore_instance,
+            msg.kvstore_rank,
+            msg.kv,
+            n,
+            first_token=msg.first_token,
+            resume=resume,
+            tiled=tuple(msg.tiled),
         )
         self.blocks_freed.set()
 
@@ -244,6 +269,7 @@ class DecodeInstance(Instance):
             kv=p.kv,
             token_ids=None if p.resume is None else p.resume.token_ids,
             next_seq=p.job.next_seq,
+            tiled=list(p.tiled),
         )
         await self.bus.publish(subjects.decode_parked(msg.dst_instance), moved)
         self.jobs.pop(rid, None)
@@ -283,7 +309,15 @@ class DecodeInstance(Instance):
                 job.stats["parked"] = 1.0
             tag = self.dp.new_tag()
             receive = self._spawn(
-                self._receive(job, src=p.kvstore_rank, tag=tag, header=p.kv, first_token=p.first_token, resume=p.resume)
+                self._receive(
+                    job,
+                    src=p.kvstore_rank,
+                    tag=tag,
+                    header=p.kv,
+                    first_token=p.first_token,
+                    resume=p.resume,
+                    tiled=p.tiled,
+                )
             )
             await asyncio.sleep(0)  # let the receive post before the kvstore sends
             try:

@@ -3,8 +3,11 @@
 1. Ask the decode instance to reserve blocks (`ReserveKV`); it posts a receive and answers with a tag.
 2. Send the KV tensor on the data plane under that tag.
 If the decode instance has no room, the KV parks in the kvstore (`KVPut`, then the tensor) and the decode
-instance is told where it waits (`KVParked`); it pulls the KV when blocks free. One holder's share of an SP
-prefill (`part`) does not park: no room fails the request.
+instance is told where it waits (`KVParked`); it pulls the KV when blocks free.
+
+One holder's share of an SP prefill (`part`) parks the same way, as tokens [tile_start, tile_start + its tokens)
+of the request's tiled entry (see `KVParked`); the decode instance answers every part of a request alike
+(all received, or all parked), and pulls the whole prompt once every part has parked.
 """
 
 from __future__ import annotations
@@ -30,7 +33,12 @@ class HandOffError(RuntimeError):
 
 
 async def hand_off(
-    inst: PrefillInstance, job: PrefillJob, first_token: int, kv: torch.Tensor, part: KVPart | None = None
+    inst: PrefillInstance,
+    job: PrefillJob,
+    first_token: int,
+    kv: torch.Tensor,
+    part: KVPart | None = None,
+    tile_start: int = 0,
 ) -> None:
     cmd = job.command
     assert cmd is not None
@@ -50,11 +58,12 @@ async def hand_off(
         if reply.accepted:
             await inst.dp.send_async(kv, cmd.decode_rank, reply.tag, header)
             parked = False
-        elif reply.reason == "no_space" and cmd.kvstore_instance and part is None:
+        elif reply.reason == "no_space" and cmd.kvstore_instance:
             span.set_attribute("spindle.parked", cmd.kvstore_instance)
+            start, end = tile_start, tile_start + kv.shape[2]
             put = await inst.bus.request(
                 subjects.kvstore_put(cmd.kvstore_instance),
-                KVPut(request_id=spec.request_id, start=0, end=kv.shape[2], src_rank=inst.dp.rank, kv=header),
+                KVPut(request_id=spec.request_id, start=start, end=end, src_rank=inst.dp.rank, kv=header),
                 ReserveReply,
                 timeout=HANDSHAKE_TIMEOUT_S,
             )
@@ -69,6 +78,8 @@ async def hand_off(
                     kvstore_instance=cmd.kvstore_instance,
                     kvstore_rank=cmd.kvstore_rank,
                     kv=header,
+                    part=part,
+                    start=start,
                 ),
             )
             parked = True

@@ -9,7 +9,9 @@ if the request is aborted meanwhile (a member that skipped would leave its group
 then dropped. A dead peer makes the group's waits fail, and the request fails with 503 on every member.
 
 After the last chunk the member that computed the last prompt token samples the first token and streams
-it; every member that holds KV hands its share to the decode instance (`ReserveKV` with a `KVPart`).
+it; every member that holds KV hands its share to the decode instance (`ReserveKV` with a `KVPart`), or parks it
+in the kvstore at its place in the tiled order (the holders' parts one after another, in member order) when the
+decode instance has no room.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from spindle_protocol import subjects
 from spindle_protocol.messages import Abort, KVPart, PrefillDone, PrefillProgress
 from spindle_protocol.prompts import load_prompt
 from spindle_worker import sampling_params
-from spindle_worker.sp_plan import plan_from_chunks
+from spindle_worker.sp_plan import plan_from_chunks, tiling
 
 from .handoff import hand_off
 
@@ -118,14 +120,16 @@ async def run_sp_job(inst: PrefillInstance, job: PrefillJob) -> None:
             await inst.finish(job, [], reason)
             await inst.bus.publish(subjects.ABORT, Abort(request_id=rid, reason="finished at the first token"))
             return
-    holders = [m for m, pos in plan.final_placement().items() if pos.numel()]
+    placement, starts = tiling(cmd.chunks, len(prompt))
+    holders = [m for m, pos in placement.items() if pos.numel()]
+    tile_start = starts[inst.id]  # where this part goes when it parks in the kvstore
     if kv.shape[2] == 0:
         inst.jobs.pop(rid, None)
         job.span.end()
         return
     part = KVPart(member=inst.id, num_parts=len(holders), chunks=cmd.chunks)
     try:
-        await hand_off(inst, job, -1 if first is None else first, kv, part)
+        await hand_off(inst, job, -1 if first is None else first, kv, part, tile_start)
     except Exception as e:
         if inst.jobs.get(rid) is job:
             log.exception("hand-off of %s's KV part failed", rid)
