@@ -133,9 +133,8 @@ def test_multi_master_group_matches_single_engine(tiny_dir, tmp_path):
 @pytest.mark.parametrize(
     ("plan", "kvp", "split", "scale_up_at"),
     [
-        ("0:500@0;500:@0,1", 2, [0, 413], None),
-        ("0:@0,1", 3, None, None),
-        ("0:@0,1", 2, [0, 601], 3),
+        ("0:500@0;500:@0,1", 2, [0, 413], None),  # a growing SP plan into KVP 2
+        ("0:@0,1", 3, None, 3),  # KVP 3 with a scale-up to a fourth member
     ],
 )
 def test_smollm2_kvp_matches_single_instance(plan, kvp, split, scale_up_at):
