@@ -57,6 +57,19 @@ def sampling_params(s: Sampling) -> SamplingParams:
     )
 
 
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The engine's configuration from the flags of `spindle_protocol.service.add_engine_args`."""
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        kv_cache_tokens=args.kv_cache_tokens,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+    )
+
+
 @dataclass(frozen=True)
 class InstanceConfig:
     role: str
@@ -78,15 +91,7 @@ class InstanceConfig:
 
     @classmethod
     def from_args(cls, role: str, args: argparse.Namespace) -> InstanceConfig:
-        engine = EngineConfig(
-            model=args.model,
-            dtype=args.dtype,
-            kv_cache_tokens=args.kv_cache_tokens,
-            kv_cache_memory_gb=args.kv_cache_memory_gb,
-            max_model_len=args.max_model_len,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-        )
+        engine = engine_config_from_args(args)
         return cls(
             role,
             args.instance_id,

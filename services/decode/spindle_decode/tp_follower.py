@@ -14,10 +14,10 @@ import os
 import sys
 
 from spindle_attention.distributed.comm import RankGroup
-from spindle_engine import EngineConfig
 from spindle_engine.tp import TPFollower, follower_engine
 from spindle_protocol import service
 from spindle_transfer import DataPlane
+from spindle_worker.instance import engine_config_from_args
 
 log = logging.getLogger("spindle.decode.tp")
 # GOMP_SPINCOUNT is set by spindle_decode/__init__.py, which `python -m` imports before torch loads.
@@ -48,15 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.tp_size < 2 or args.rank not in ranks[1:] or ranks[-1] >= args.world_size:
         parser.error(f"rank {args.rank} is not a follower of leader {args.leader_rank} with tp size {args.tp_size}")
     service.setup_logging(args.log_level, "decode-tp")
-    engine_config = EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        kv_cache_tokens=args.kv_cache_tokens,
-        kv_cache_memory_gb=args.kv_cache_memory_gb,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-    )
+    engine_config = engine_config_from_args(args)
     try:
         dp = DataPlane.init(args.rank, args.world_size, args.dist_init)
         engine = follower_engine(engine_config, RankGroup(ranks))

@@ -85,6 +85,21 @@ class PrefillInstance(Instance):
                 self.from_thread(self._finished_at_first_token(job, out))
 
     async def _chunk_done(self, job: PrefillJob, start: int, end: int, t0: float, t1: float) -> None:
+        await self.record_chunk(job, start, end, t0, t1, {"spindle.tokens": end - start})
+
+    async def record_chunk(
+        self,
+        job: PrefillJob,
+        start: int,
+        end: int,
+        t0: float,
+        t1: float,
+        attributes: dict[str, int | str],
+        ring_bytes: int = 0,
+        rebalance_bytes: int = 0,
+    ) -> None:
+        """Prompt tokens [start, end) done here between t0 and t1: the trace spans (the queue wait before the
+        first chunk, then the chunk) and the progress event."""
         if start == 0:  # the wait on this instance before the first chunk ran
             queued = self.tracer.start_span(
                 "prefill.queue", context=trace.set_span_in_context(job.span), start_time=int(job.started * 1e9)
@@ -94,9 +109,8 @@ class PrefillInstance(Instance):
             "prefill.chunk",
             context=trace.set_span_in_context(job.span),
             start_time=int(t0 * 1e9),
-            attributes={"spindle.tokens": end - start},
+            attributes={**attributes, "spindle.token_range": f"{start}:{end}"},
         )
-        span.set_attribute("spindle.token_range", f"{start}:{end}")
         span.end(end_time=int(t1 * 1e9))
         await self.bus.publish(
             subjects.EVENTS,
@@ -106,6 +120,8 @@ class PrefillInstance(Instance):
                 tokens_done=end,
                 tokens_total=job.spec.prompt.num_tokens,
                 chunk_seconds=t1 - t0,
+                ring_bytes=ring_bytes,
+                rebalance_bytes=rebalance_bytes,
             ),
         )
 

@@ -22,14 +22,13 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
-from opentelemetry import trace
 
 from spindle_engine import Engine
 from spindle_engine.sampler import sample
 from spindle_engine.sequence import Sequence
 from spindle_engine.sp import ChunkReport, SPPrefill
 from spindle_protocol import subjects
-from spindle_protocol.messages import Abort, KVPart, PrefillDone, PrefillProgress
+from spindle_protocol.messages import Abort, KVPart, PrefillDone
 from spindle_protocol.prompts import load_prompt
 from spindle_worker import sampling_params
 from spindle_worker.sp_plan import plan_from_chunks, tiling
@@ -142,36 +141,7 @@ async def run_sp_job(inst: PrefillInstance, job: PrefillJob) -> None:
 async def _progress(
     inst: PrefillInstance, job: PrefillJob, start: int, done: int, t0: float, t1: float, report: ChunkReport
 ) -> None:
-    """One chunk of the plan done on this member: its trace span (as the single-instance path records one) and
-    the progress event."""
-    if start == 0:  # the wait on this instance before the first chunk ran
-        queued = inst.tracer.start_span(
-            "prefill.queue", context=trace.set_span_in_context(job.span), start_time=int(job.started * 1e9)
-        )
-        queued.end(end_time=int(t0 * 1e9))
-    span = inst.tracer.start_span(
-        "prefill.chunk",
-        context=trace.set_span_in_context(job.span),
-        start_time=int(t0 * 1e9),
-        attributes={
-            "spindle.tokens": report.tokens,
-            "spindle.token_range": f"{start}:{done}",
-            "spindle.sp": report.sp,
-            "spindle.layout": report.layout,
-            "spindle.ring_bytes": report.ring_bytes,
-            "spindle.rebalance_bytes": report.rebalance_bytes,
-        },
-    )
-    span.end(end_time=int(t1 * 1e9))
-    await inst.bus.publish(
-        subjects.EVENTS,
-        PrefillProgress(
-            request_id=job.request_id,
-            instance_id=inst.id,
-            tokens_done=done,
-            tokens_total=job.spec.prompt.num_tokens,
-            chunk_seconds=report.seconds,
-            ring_bytes=report.ring_bytes,
-            rebalance_bytes=report.rebalance_bytes,
-        ),
-    )
+    """One chunk of the plan done on this member: spans and progress event, as for a single-instance chunk."""
+    attributes = {"spindle.tokens": report.tokens, "spindle.sp": report.sp, "spindle.layout": report.layout}
+    attributes |= {"spindle.ring_bytes": report.ring_bytes, "spindle.rebalance_bytes": report.rebalance_bytes}
+    await inst.record_chunk(job, start, done, t0, t1, attributes, report.ring_bytes, report.rebalance_bytes)

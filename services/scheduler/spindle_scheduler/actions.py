@@ -34,6 +34,10 @@ class PrefillChunk:
     def num_tokens(self) -> int:
         return self.end - self.start
 
+    def share(self, k: int) -> int:
+        """Tokens of the chunk that member `k` of its group computes and holds (the first ones take the rest)."""
+        return self.num_tokens // self.sp + (1 if k < self.num_tokens % self.sp else 0)
+
 
 @dataclass(frozen=True)
 class Admit:
@@ -105,6 +109,14 @@ class RunPrefill:
     def is_single(self) -> bool:
         """One chunk on one instance: what the real prefill service runs before SP prefill (issue 5)."""
         return len(self.chunks) == 1 and self.chunks[0].sp == 1
+
+
+def decode_tokens(spec: RequestSpec, holders: tuple[KVShard, ...]) -> dict[str, int]:
+    """Tokens each decode instance holds for a request once it decodes: its shard, and on the tail (the last
+    holder) every output token too."""
+    out = {s.instance: s.end - s.start for s in holders}
+    out[holders[-1].instance] += spec.sampling.max_tokens
+    return out
 
 
 def whole_prompt(spec: RequestSpec, instances: tuple[str, ...], layout: str = "contiguous") -> tuple[PrefillChunk]:

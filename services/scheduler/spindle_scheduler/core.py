@@ -22,7 +22,7 @@ from spindle_protocol.messages import (
 )
 from spindle_protocol.registry import DEAD_AFTER_S
 
-from .actions import Action, Admit, FailRequest, Preempt, Reject, RunPrefill, TransferKV
+from .actions import Action, Admit, FailRequest, Preempt, Reject, RunPrefill, TransferKV, decode_tokens
 from .state import DECODE_ROLES, PREFILL_ROLES, ClusterState, Phase, RequestState
 from .strategy import Strategy
 
@@ -181,10 +181,8 @@ class SchedulerCore:
         need: dict[str, int] = {}  # prompt tokens each prefill member holds by the end (its chunk shares)
         for c in plan.chunks:
             for k, iid in enumerate(c.instances):
-                need[iid] = need.get(iid, 0) + c.num_tokens // c.sp + (1 if k < c.num_tokens % c.sp else 0)
-        holders = plan.decode_holders
-        decode = {h.instance: h.end - h.start for h in holders}
-        decode[holders[-1].instance] += plan.spec.sampling.max_tokens
+                need[iid] = need.get(iid, 0) + c.share(k)
+        decode = decode_tokens(plan.spec, plan.decode_holders)
         for role, tokens_by_instance in (("prefill", need), ("decode", decode)):
             for iid, tokens in tokens_by_instance.items():
                 inst = self.state.instances[iid]
@@ -210,17 +208,15 @@ class SchedulerCore:
                 req.tokens_done = req.spec.prompt.num_tokens
                 self.state.work_done(req.prefill_instances, req.request_id)
             case TransferDone(parked=parked):
-                req.parked = parked
                 req.parked_since = now if parked else None
             case DecodeStarted():
                 self._arrived(req)
                 req.phase = Phase.DECODE
-                req.parked = False
                 req.parked_since = None
                 req.decoding_since = now
             case Preempted():
                 req.phase = Phase.TRANSFER
-                req.parked, req.parked_since, req.decoding_since = True, now, None
+                req.parked_since, req.decoding_since = now, None
                 req.preempting = False
                 req.num_preemptions += 1
                 self._expect(req)
@@ -244,7 +240,7 @@ class SchedulerCore:
         for iid in req.decode_instances():
             inst = self.state.instances.get(iid)
             if inst is not None and inst.role == "decode":
-                inst.incoming[req.request_id] = req.decode_blocks(inst.info.block_size)[iid]
+                inst.incoming[req.request_id] = inst.blocks_for(req.decode_tokens()[iid])
 
     def _arrived(self, req: RequestState) -> None:
         for iid in req.decode_instances():

@@ -20,7 +20,8 @@ def move_parked(state: ClusterState, now: float, after_s: float) -> list[Transfe
     for inst in decodes:
         free_here = inst.info.kv_blocks_total - inst.info.kv_blocks_used
         for req in state.parked_on(inst.id):
-            if req.moving or req.decode_shards or now - (req.parked_since or now) < after_s:
+            assert req.parked_since is not None  # parked_on lists parked requests only
+            if req.moving or req.decode_shards or now - req.parked_since < after_s:
                 continue
             tokens = req.spec.prompt.num_tokens + req.spec.sampling.max_tokens
             if free_here >= inst.blocks_for(tokens):

@@ -16,8 +16,7 @@ from .state import ClusterState, InstanceState, RequestState
 
 def _blocks(inst: InstanceState, req: RequestState) -> int:
     """Blocks the request holds once decoding (prompt plus all outputs, as placement reserves them)."""
-    size = inst.info.block_size or 1
-    return -(-(req.spec.prompt.num_tokens + req.spec.sampling.max_tokens) // size)
+    return inst.blocks_for(req.spec.prompt.num_tokens + req.spec.sampling.max_tokens)
 
 
 def _since(t: float | None, now: float) -> float:

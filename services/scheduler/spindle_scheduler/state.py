@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from spindle_protocol.messages import InstanceInfo, RequestSpec
 
-from .actions import KVShard, PrefillChunk
+from .actions import KVShard, PrefillChunk, decode_tokens
 
 PREFILL_ROLES = ("prefill", "elastic")  # an elastic instance prefills and decodes
 DECODE_ROLES = ("decode", "elastic")
@@ -68,7 +68,6 @@ class RequestState:
     prefill_instances: tuple[str, ...]
     decode_instance: str
     admitted_at: float
-    parked: bool = False
     tokens_done: int = 0  # prompt tokens computed so far (PrefillProgress)
     chunks: tuple[PrefillChunk, ...] = ()  # the prefill plan
     decode_shards: tuple[KVShard, ...] = ()  # KV-parallel decode: the KV split over decode instances
@@ -82,14 +81,16 @@ class RequestState:
         """Where the KV of each computed token range lives now: `(start, end, instances)` (a parked request's
         is listed at its decode instance, which pulls it back from the kvstore)."""
         if self.phase is Phase.DECODE or self.num_preemptions or (self.phase is Phase.TRANSFER and not self.chunks):
-            if self.decode_shards:
-                return [(s.start, s.end, (s.instance,)) for s in self.decode_shards]
-            return [(0, self.spec.prompt.num_tokens, (self.decode_instance,))]
+            return [(s.start, s.end, (s.instance,)) for s in self.decode_holders()]
         return [(c.start, min(c.end, self.tokens_done), c.instances) for c in self.chunks if c.start < self.tokens_done]
 
     @property
     def request_id(self) -> str:
         return self.spec.request_id
+
+    @property
+    def parked(self) -> bool:
+        return self.parked_since is not None
 
     def holders(self) -> set[str]:
         """Instances whose loss ends this request."""
@@ -98,16 +99,17 @@ class RequestState:
             return decode
         return {*self.prefill_instances, *decode}
 
+    def decode_holders(self) -> tuple[KVShard, ...]:
+        """Each decode instance's shard of the prompt's KV, the master's first (one shard when not split)."""
+        return self.decode_shards or (KVShard(self.decode_instance, 0, self.spec.prompt.num_tokens),)
+
     def decode_instances(self) -> tuple[str, ...]:
         """The decode instances holding its KV: the master first."""
-        return tuple(s.instance for s in self.decode_shards) or (self.decode_instance,)
+        return tuple(s.instance for s in self.decode_holders())
 
-    def decode_blocks(self, block_size: int) -> dict[str, int]:
-        """Blocks each decode instance holds for this request once it decodes (the tail: new tokens too)."""
-        shards = self.decode_shards or (KVShard(self.decode_instance, 0, self.spec.prompt.num_tokens),)
-        out = {s.instance: s.end - s.start for s in shards}
-        out[shards[-1].instance] += self.spec.sampling.max_tokens
-        return {i: -(-tokens // max(1, block_size)) for i, tokens in out.items()}
+    def decode_tokens(self) -> dict[str, int]:
+        """Tokens each decode instance holds for this request once it decodes (the tail: new tokens too)."""
+        return decode_tokens(self.spec, self.decode_holders())
 
 
 @dataclass

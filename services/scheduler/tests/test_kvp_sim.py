@@ -8,6 +8,7 @@ from spindle_scheduler.latency import DecodeStepModel, LatencyModel, PrefillLate
 from spindle_scheduler.sim import SimConfig, Simulator
 from spindle_scheduler.sim.invariants import check_invariants
 from spindle_scheduler.strategy import create_strategy
+from spindle_scheduler.testing import instance_info, request_spec
 from spindle_scheduler.workloads import TraceRequest
 
 # attention-heavy decode: step time grows with the KV tokens of the batch
@@ -74,31 +75,15 @@ def test_the_services_refuse_split_plans_for_now():
 
 
 def test_losing_any_holder_of_a_split_request_fails_it_and_only_it():
-    from spindle_protocol.messages import DecodeStarted, InstanceInfo, Prompt, RequestSpec, Sampling
+    from spindle_protocol.messages import DecodeStarted
     from spindle_scheduler.actions import FailRequest
     from spindle_scheduler.core import SchedulerCore
 
     core = SchedulerCore(create_strategy("single:kvp_tokens=1000"), SchedulerConfig(dead_after_s=1e9))
     for rank, (iid, role) in enumerate([("p", "prefill"), ("d0", "decode"), ("d1", "decode"), ("d2", "decode")]):
-        core.on_heartbeat(
-            InstanceInfo(
-                instance_id=iid,
-                role=role,
-                rank=rank,
-                pid=0,
-                started_at=0.0,
-                updated_at=0.0,
-                kv_blocks_total=1000,
-                kv_blocks_used=0,
-                block_size=16,
-                max_model_len=16000,
-            )
-        )
+        core.on_heartbeat(instance_info(iid, role, rank, total=1000, max_model_len=16000))
     for rid, prompt in (("split", 1800), ("small", 200)):
-        spec = RequestSpec(
-            request_id=rid, prompt=Prompt(num_tokens=prompt), sampling=Sampling(max_tokens=8),
-            arrival_time=0.0, deadline=1e9,
-        )  # fmt: skip
+        spec = request_spec(rid, prompt, 8)
         core.admit(spec, 0.0)
         core.on_event(DecodeStarted(request_id=rid, instance_id=core.state.requests[rid].decode_instance), 0.1)
     split = core.state.requests["split"]

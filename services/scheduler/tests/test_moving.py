@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from spindle_protocol.messages import DecodeStarted, InstanceInfo, Prompt, RequestSpec, Sampling, TransferDone
+from spindle_protocol.messages import DecodeStarted, InstanceInfo, TransferDone
 from spindle_scheduler import SchedulerConfig
 from spindle_scheduler.actions import TransferKV
 from spindle_scheduler.core import SchedulerCore
@@ -10,6 +10,7 @@ from spindle_scheduler.latency import DecodeStepModel, LatencyModel, PrefillLate
 from spindle_scheduler.sim import SimConfig, Simulator
 from spindle_scheduler.sim.invariants import check_invariants
 from spindle_scheduler.strategy import create_strategy
+from spindle_scheduler.testing import instance_info, request_spec
 from spindle_scheduler.workloads import TraceRequest
 
 LATENCY = LatencyModel(
@@ -20,17 +21,10 @@ LATENCY = LatencyModel(
 
 
 def _info(iid: str, role: str, rank: int, used: int = 0, at: float = 0.0) -> InstanceInfo:
-    return InstanceInfo(
-        instance_id=iid, role=role, rank=rank, pid=0, started_at=0.0, updated_at=at, kv_blocks_total=100,
-        kv_blocks_used=used, block_size=16, max_model_len=1600,
-    )  # fmt: skip
+    return instance_info(iid, role, rank, used=used, at=at)
 
 
-def _spec(rid: str, prompt: int = 300, out: int = 20) -> RequestSpec:  # 20 blocks
-    return RequestSpec(
-        request_id=rid, prompt=Prompt(num_tokens=prompt), sampling=Sampling(max_tokens=out, ignore_eos=True),
-        arrival_time=0.0, deadline=1e9,
-    )  # fmt: skip
+_spec = request_spec
 
 
 def test_a_request_parked_too_long_moves_where_it_fits_now():

@@ -7,9 +7,6 @@ from spindle_protocol.messages import (
     DecodeStarted,
     InstanceInfo,
     Preempted,
-    Prompt,
-    RequestSpec,
-    Sampling,
     TransferDone,
 )
 from spindle_scheduler import SchedulerConfig
@@ -19,6 +16,7 @@ from spindle_scheduler.latency import DecodeStepModel, LatencyModel, PrefillLate
 from spindle_scheduler.sim import SimConfig, Simulator
 from spindle_scheduler.sim.invariants import check_invariants
 from spindle_scheduler.strategy import create_strategy
+from spindle_scheduler.testing import instance_info, request_spec
 from spindle_scheduler.workloads import TraceRequest
 
 LATENCY = LatencyModel(
@@ -29,17 +27,10 @@ LATENCY = LatencyModel(
 
 
 def _info(iid: str, role: str, rank: int, total: int = 100, used: int = 0, at: float = 0.0) -> InstanceInfo:
-    return InstanceInfo(
-        instance_id=iid, role=role, rank=rank, pid=0, started_at=0.0, updated_at=at,
-        kv_blocks_total=total, kv_blocks_used=used, block_size=16, max_model_len=1600,
-    )  # fmt: skip
+    return instance_info(iid, role, rank, total=total, used=used, at=at)
 
 
-def _spec(rid: str, prompt: int, out: int) -> RequestSpec:
-    return RequestSpec(
-        request_id=rid, prompt=Prompt(num_tokens=prompt), sampling=Sampling(max_tokens=out, ignore_eos=True),
-        arrival_time=0.0, deadline=1e9,
-    )  # fmt: skip
+_spec = request_spec
 
 
 def _core(after_s: float, used: int) -> SchedulerCore:
@@ -176,9 +167,6 @@ def test_policy_leaves_tensor_parallel_instances_alone():
     core = _core(after_s=1.0, used=90)
     _decoding(core, "a", 300, 20, at=0.0)
     _parked(core, "w", 460, 20, at=0.0)
-    tp = InstanceInfo(
-        instance_id="d", role="decode", rank=2, pid=0, started_at=0.0, updated_at=0.5, kv_blocks_total=100,
-        kv_blocks_used=90, block_size=16, max_model_len=1600, tp_size=2,
-    )  # fmt: skip
+    tp = instance_info("d", "decode", 2, used=90, at=0.5, tp_size=2)
     core.on_heartbeat(tp)
     assert core.tick(5.0) == []  # the same situation preempts `a` on a TP-1 instance (test above)

@@ -1,24 +1,18 @@
 """Decode routing (Tetris §5.2): freeness with virtual usage, in the pure core."""
 
-from spindle_protocol.messages import DecodeStarted, InstanceInfo, Preempted, Prompt, RequestSpec, Sampling
+from spindle_protocol.messages import DecodeStarted, InstanceInfo, Preempted, RequestSpec
 from spindle_scheduler import SchedulerConfig
 from spindle_scheduler.actions import Admit
 from spindle_scheduler.core import SchedulerCore
 from spindle_scheduler.strategy import create_strategy
+from spindle_scheduler.testing import instance_info, request_spec
 
 
 def _info(iid: str, role: str, rank: int, used: int = 0, running: int = 0) -> InstanceInfo:
-    return InstanceInfo(
-        instance_id=iid, role=role, rank=rank, pid=0, started_at=0.0, updated_at=0.0, kv_blocks_total=100,
-        kv_blocks_used=used, block_size=16, max_model_len=1600, num_running=running,
-    )  # fmt: skip
+    return instance_info(iid, role, rank, used=used, running=running)
 
 
-def _spec(rid: str, prompt: int = 300, out: int = 20) -> RequestSpec:  # 20 blocks
-    return RequestSpec(
-        request_id=rid, prompt=Prompt(num_tokens=prompt), sampling=Sampling(max_tokens=out, ignore_eos=True),
-        arrival_time=0.0, deadline=1e9,
-    )  # fmt: skip
+_spec = request_spec
 
 
 def _core(a_used: int, a_running: int, b_used: int, b_running: int) -> SchedulerCore:

@@ -10,11 +10,6 @@ from .events import EventQueue
 from .metrics import RequestRecord
 
 
-def share(num_tokens: int, sp: int, k: int) -> int:
-    """Tokens of a chunk that member `k` of an SP group computes and holds."""
-    return num_tokens // sp + (1 if k < num_tokens % sp else 0)
-
-
 class SimBase:
     config: SimConfig
     latency: LatencyModel

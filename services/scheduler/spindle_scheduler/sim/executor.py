@@ -34,7 +34,6 @@ from ..core import SchedulerCore
 from ..latency import LatencyModel
 from ..strategy import Strategy, create_strategy
 from ..workloads import TraceRequest
-from .base import share
 from .cluster import ChunkJob, SimColocated, SimConfig, SimDecode, SimInstance, SimPrefill
 from .decode_side import DecodeSide
 from .events import EventKind, EventQueue
@@ -220,7 +219,7 @@ class Simulator(PrefillSide, DecodeSide, Swaps):
                 p = self.instances[iid]
                 assert isinstance(p, SimPrefill)
                 p.queue.append(job)
-                p.queued_tokens += share(job.chunk.num_tokens, job.chunk.sp, k)
+                p.queued_tokens += job.chunk.share(k)
         for m in members:
             self._pump(m, now)  # type: ignore[arg-type]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from spindle_protocol.messages import PrefillDone, PrefillProgress
 
-from .base import SimBase, share
+from .base import SimBase
 from .cluster import ChunkJob, SimPrefill
 from .events import EventKind
 from .metrics import RequestRecord
@@ -19,7 +19,7 @@ class PrefillSide(SimBase):
             if job.rec.state != "pending":
                 p.queue.popleft()
                 k = job.chunk.instances.index(p.id)
-                p.queued_tokens -= share(job.chunk.num_tokens, job.chunk.sp, k)
+                p.queued_tokens -= job.chunk.share(k)
                 continue
             if self._startable(job):
                 self._start_chunk(job, now)
@@ -34,7 +34,7 @@ class PrefillSide(SimBase):
             assert isinstance(m, SimPrefill)
             if m.running is not None or not m.queue or m.queue[0] is not job:
                 return False
-            if m.free_blocks < self.config.blocks(share(chunk.num_tokens, chunk.sp, k)):
+            if m.free_blocks < self.config.blocks(chunk.share(k)):
                 return False  # earlier prompts' KV is still being transferred out
         return True
 
@@ -46,7 +46,7 @@ class PrefillSide(SimBase):
             assert isinstance(m, SimPrefill)
             m.queue.popleft()
             m.running = job
-            m.alloc(rec.request_id, self.config.blocks(share(chunk.num_tokens, chunk.sp, k)))
+            m.alloc(rec.request_id, self.config.blocks(chunk.share(k)))
             m.busy_spans.append((now, now + seconds))
         self._running.add(rec.request_id)
         if job.index == 0:
@@ -59,7 +59,7 @@ class PrefillSide(SimBase):
             m = self.instances[iid]
             assert isinstance(m, SimPrefill) and m.running is job
             m.running = None
-            m.queued_tokens -= share(chunk.num_tokens, chunk.sp, k)
+            m.queued_tokens -= chunk.share(k)
         self._running.discard(rid)
         self._next_chunk[rid] = job.index + 1
         if rec.state != "pending":
@@ -104,7 +104,7 @@ class PrefillSide(SimBase):
         holders: dict[str, int] = {}
         for chunk in self.plans[rec.request_id].chunks:
             for k, iid in enumerate(chunk.instances):
-                holders[iid] = holders.get(iid, 0) + share(chunk.num_tokens, chunk.sp, k)
+                holders[iid] = holders.get(iid, 0) + chunk.share(k)
         per_token = self.config.kv_bytes_per_token
         return max(self.latency.transfer.predict(tokens * per_token) for tokens in holders.values())
 
