@@ -91,6 +91,7 @@ class InstanceInfo(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int = 0
     node: str = ""  # host name: strategies keep SP groups and TP shards on one node where they can
     tp_size: int = 1  # tensor-parallel degree of this instance
+    kvp_size: int = 1  # KV-parallel decode group: member processes behind this one instance (its blocks together)
 
 
 class ClusterStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -346,11 +347,12 @@ class StatsQuery(msgspec.Struct, frozen=True, kw_only=True):
     pass
 
 
-class InstanceStats(msgspec.Struct, frozen=True, kw_only=True):
-    """Exact per-instance state, for tests and operators (blocks held per request)."""
+class InstanceStats(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Exact per-instance state, for tests and operators (blocks held per request; `counters` only when set)."""
 
     instance_id: str
     role: Role
     kv_blocks_total: int
     kv_blocks_used: int
     requests: dict[str, int]  # request id -> blocks (or bytes, on the kvstore) held
+    counters: dict[str, int] = msgspec.field(default_factory=dict)  # e.g. kvp_scale_ups of a KVP decode group

@@ -8,6 +8,7 @@ from spindle_protocol import service
 from spindle_worker import InstanceConfig
 
 from .instance import DecodeInstance
+from .kvp_lockstep import KVPOptions
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,6 +26,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="tensor-parallel ranks of this instance: this process (rank R, the leader) and followers at ranks "
         "R+1..R+T-1, each `python -m spindle_decode.tp_follower --leader-rank R` (default %(default)s)",
     )
+    p.add_argument(
+        "--kvp-size",
+        type=int,
+        default=1,
+        help="KV-parallel members of this instance: this process (rank R, member 0, the leader) and followers at "
+        "ranks R+1..R+K-1, each `python -m spindle_decode.kvp_follower --leader-rank R`; a request's KV is split "
+        "by token ranges over members, each with --kv-cache-tokens of its own (default %(default)s; needs "
+        "--tp-size 1)",
+    )
+    p.add_argument(
+        "--kvp-tokens",
+        type=int,
+        default=0,
+        help="with --kvp-size > 1: the per-member KV token limit of a new request; a longer prompt is split over "
+        "ceil(len / N) members (0 = on one member when one has room; default %(default)s)",
+    )
     service.add_engine_args(p)
     service.add_common_args(p)
     return p
@@ -35,9 +52,14 @@ def main(argv: list[str] | None = None) -> None:
     service.setup_logging(args.log_level, "decode")
     try:
         config = InstanceConfig.from_args("decode", args)
+        kvp = KVPOptions(args.kvp_size, args.kvp_tokens)
+        if kvp.size > 1 and config.tp_size > 1:
+            raise ValueError("--kvp-size > 1 needs --tp-size 1 (a KV-parallel member holds the whole model)")
+        if config.rank + kvp.size > config.world_size:
+            raise ValueError(f"--kvp-size {kvp.size} from rank {config.rank} exceeds --world-size {config.world_size}")
     except ValueError as e:
         build_parser().error(str(e))
-    service.run(DecodeInstance(config).run, args.parent_pid)
+    service.run(DecodeInstance(config, kvp=kvp).run, args.parent_pid)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,10 @@ With `tp_size` T > 1 this process leads a tensor-parallel instance of T consecut
 with them. KV still arrives here whole (every KV head); the leader keeps its heads and forwards each follower
 its slice with the mirrored call. Only the leader talks NATS. A follower that dies or hangs stops the engine
 thread (TPError), and the instance fails every request it holds and exits non-zero.
+
+With `kvp_size` K > 1 it leads a KV-parallel group instead (kvp_lockstep.py): K member processes at consecutive
+ranks, each holding token ranges of the requests' KV; the scheduler sees one instance with the members' blocks
+together. KV arrives here whole and the leader forwards each member its token range; the same failure rule holds.
 """
 
 from __future__ import annotations
@@ -32,10 +36,13 @@ from opentelemetry import trace
 
 from spindle_attention.distributed.comm import RankGroup
 from spindle_engine import Engine, StepOutput
+from spindle_engine.kvp.lockstep import KVPLeaderEngine
 from spindle_engine.tp import TPLeaderEngine, leader_engine
 from spindle_protocol import subjects
 from spindle_protocol.messages import (
     DecodeStarted,
+    InstanceInfo,
+    InstanceStats,
     KVGet,
     KVGetReply,
     KVParked,
@@ -55,7 +62,7 @@ from spindle_transfer import dtype_name
 from spindle_worker import Instance, Job, sampling_params
 from spindle_worker.sp_plan import tiling, untile
 
-from . import preempt, sp_receive
+from . import kvp_lockstep, preempt, sp_receive
 
 log = logging.getLogger("spindle.decode")
 
@@ -83,8 +90,9 @@ class Parked:
 
 
 class DecodeInstance(Instance):
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, kvp: kvp_lockstep.KVPOptions | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.kvp = kvp or kvp_lockstep.KVPOptions()
         self.parked: OrderedDict[str, Parked] = OrderedDict()
         self.blocks_freed = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
@@ -97,6 +105,8 @@ class DecodeInstance(Instance):
         return task
 
     async def serve(self) -> None:
+        if isinstance(self.engine, KVPLeaderEngine):
+            await kvp_lockstep.connect(self)
         await self.bus.subscribe(subjects.decode_reserve(self.id), ReserveKV, self._on_reserve)
         await self.bus.subscribe(subjects.decode_parked(self.id), KVParked, self._on_parked)
         await self.bus.subscribe(
@@ -109,13 +119,15 @@ class DecodeInstance(Instance):
 
     def make_engine(self) -> Engine:
         cfg = self.config
+        if self.kvp.size > 1:
+            return kvp_lockstep.make_engine(self)
         if cfg.tp_size == 1:
             return super().make_engine()
         return leader_engine(cfg.engine, RankGroup(tuple(range(cfg.rank, cfg.rank + cfg.tp_size))))
 
     def import_kv_shape(self, num_tokens: int) -> tuple[int, ...]:
         """The KV a request arrives with: every KV head (a TP leader forwards the followers their heads)."""
-        if isinstance(self.engine, TPLeaderEngine):
+        if isinstance(self.engine, TPLeaderEngine | KVPLeaderEngine):
             return self.engine.import_kv_shape(num_tokens)
         return self.engine.kv_shape(num_tokens)
 
@@ -126,10 +138,19 @@ class DecodeInstance(Instance):
             for peer, used in zip(self.engine.followers, self.engine.follower_blocks_used, strict=True):
                 if used:
                     out[f"tp-rank-{peer}"] = used
+        if isinstance(self.engine, KVPLeaderEngine):
+            out.update(kvp_lockstep.member_blocks(self.engine))
         return out
 
+    def info(self) -> InstanceInfo:
+        return kvp_lockstep.with_kvp_size(super().info(), self.kvp.size)
+
+    async def _on_stats(self, msg: Any, raw: Msg) -> InstanceStats:
+        stats = await super()._on_stats(msg, raw)
+        return kvp_lockstep.with_counters(stats, self.engine)
+
     async def before_engine_stop(self) -> None:
-        if isinstance(self.engine, TPLeaderEngine) and self.thread.is_alive():
+        if isinstance(self.engine, TPLeaderEngine | KVPLeaderEngine) and self.thread.is_alive():
             with contextlib.suppress(Exception):
                 await self.call(lambda e: e.close())
 
@@ -355,5 +376,7 @@ class DecodeInstance(Instance):
                 self.from_thread(self.finish(job, out.new_token_ids, out.finish_reason or "stop"))
             else:
                 self.from_thread(self.publish_tokens(job, out.new_token_ids))
+        if isinstance(self.engine, KVPLeaderEngine):
+            kvp_lockstep.fail_dropped(self, self.engine)
         if any(o.finished for o in outputs):
             self.loop.call_soon_threadsafe(self.blocks_freed.set)

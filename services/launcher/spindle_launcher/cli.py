@@ -52,6 +52,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="tensor-parallel ranks per decode instance, at most the model's KV heads (%(default)s)",
     )
+    c.add_argument(
+        "--decode-kvp",
+        type=int,
+        default=1,
+        help="KV-parallel members (processes) per decode instance: a request's KV is split by token ranges over "
+        "them, each member with the decode KV cache size of its own; the scheduler sees one instance with their "
+        "blocks together (%(default)s; needs --decode-tp 1)",
+    )
+    c.add_argument(
+        "--kvp-tokens",
+        type=int,
+        default=0,
+        help="with --decode-kvp > 1: per-member KV token limit of a new request; a longer prompt is split over "
+        "ceil(len / N) members, and a member running out of blocks hands the request's new tokens to another "
+        "(scale-up). 0 = a request on one member when one has room (%(default)s)",
+    )
     c.add_argument("--strategy", default="single", help="scheduler strategy, NAME or NAME:key=value,... (%(default)s)")
     c.add_argument("--profile", default=None, help="latency profile JSON (`spindle profile`) for fixed-sp / request-sp")
     n = up.add_argument_group("network and operations")
@@ -73,6 +89,8 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         prefill=args.prefill,
         decode=args.decode,
         decode_tp=args.decode_tp,
+        decode_kvp=args.decode_kvp,
+        kvp_tokens=args.kvp_tokens,
         host=args.host,
         port=args.port,
         nats_port=args.nats_port,

@@ -1,7 +1,8 @@
 """The pure part of `spindle up`: a validated stack configuration -> the command of every service.
 
 Ranks of the data-plane group: kvstore 0, prefill 1..N, then decode instance i at N+1+i*T..N+(i+1)*T (T =
-`decode_tp`: the leader `spindle_decode`, then T-1 `spindle_decode.tp_follower` processes named decode-i-tpJ);
+`decode_tp`: the leader `spindle_decode`, then T-1 `spindle_decode.tp_follower` processes named decode-i-tpJ;
+or T = `decode_kvp`: the leader, then T-1 `spindle_decode.kvp_follower` members named decode-i-kvpJ);
 world size N+M*T+1.
 deploy/docker-compose.yml describes the same commands; tests/test_deploy.py keeps the two in step.
 """
@@ -38,6 +39,8 @@ class StackConfig:
     prefill: int = 2  # prefill instances
     decode: int = 1  # decode instances
     decode_tp: int = 1  # tensor-parallel ranks (processes) of each decode instance
+    decode_kvp: int = 1  # KV-parallel members (processes) of each decode instance (with decode_tp 1)
+    kvp_tokens: int = 0  # per-member KV token limit of a KVP decode instance's new requests; 0 = none
     host: str = "127.0.0.1"  # gateway bind address
     port: int = 8000  # gateway port; 0 = a free port chosen at start
     nats_port: int | None = None  # None = a free port
@@ -65,6 +68,16 @@ class StackConfig:
                 raise ValueError(f"need at least one {what} instance, got {n!r}")
         if not isinstance(self.decode_tp, int) or self.decode_tp < 1:
             raise ValueError(f"decode_tp must be a positive integer, got {self.decode_tp!r}")
+        if not isinstance(self.decode_kvp, int) or self.decode_kvp < 1:
+            raise ValueError(f"decode_kvp must be a positive integer, got {self.decode_kvp!r}")
+        if self.decode_kvp > 1 and self.decode_tp > 1:
+            raise ValueError(
+                "decode_kvp > 1 needs decode_tp 1: KV-parallel members with tensor parallelism are not supported"
+            )
+        if not isinstance(self.kvp_tokens, int) or self.kvp_tokens < 0:
+            raise ValueError(f"kvp_tokens must be a non-negative integer, got {self.kvp_tokens!r}")
+        if self.kvp_tokens and self.decode_kvp == 1:
+            raise ValueError("kvp_tokens applies to KV-parallel decode instances: set decode_kvp > 1 too")
         if not self.host:
             raise ValueError("host must be non-empty")
         _port(self.port, "port", allow_zero=True)
@@ -87,12 +100,17 @@ class StackConfig:
                 raise ValueError(f"extra_args[{role!r}] must be a sequence of strings")
 
     @property
+    def decode_ranks(self) -> int:
+        """Processes (ranks) of one decode instance: its TP ranks or its KVP members."""
+        return self.decode_tp * self.decode_kvp
+
+    @property
     def world_size(self) -> int:
-        return self.prefill + self.decode * self.decode_tp + 1
+        return self.prefill + self.decode * self.decode_ranks + 1
 
     def decode_rank(self, i: int) -> int:
-        """The leader rank of decode instance `i`; its followers take the next decode_tp - 1 ranks."""
-        return 1 + self.prefill + i * self.decode_tp
+        """The leader rank of decode instance `i`; its followers take the next decode_ranks - 1 ranks."""
+        return 1 + self.prefill + i * self.decode_ranks
 
     def instance_ids(self) -> list[str]:
         """The instances that must appear live in the scheduler's ClusterStatus."""
@@ -177,7 +195,17 @@ def build_plan(config: StackConfig, runtime: Runtime, python: str = sys.executab
     for i in range(config.decode):
         rank = config.decode_rank(i)
         tp = ["--tp-size", str(config.decode_tp)] if config.decode_tp > 1 else []
+        if config.decode_kvp > 1:
+            tp = ["--kvp-size", str(config.decode_kvp), "--kvp-tokens", str(config.kvp_tokens)]
         add(f"decode-{i}", "decode", worker(f"decode-{i}", rank) + tp + engine(decode_tokens))
+        for j in range(1, config.decode_kvp):
+            flags = ["--instance-id", f"decode-{i}", "--rank", str(rank + j), "--leader-rank", str(rank)]
+            flags += ["--kvp-size", str(config.decode_kvp), "--world-size", str(config.world_size)]
+            flags += ["--dist-init", runtime.dist_init, *engine(decode_tokens), "--log-level", config.log_level.upper()]
+            if runtime.parent_pid:
+                flags += ["--parent-pid", str(runtime.parent_pid)]
+            argv = (python, "-m", "spindle_decode.kvp_follower", *flags)
+            specs.append(ServiceSpec(f"decode-{i}-kvp{j}", argv, dict(env)))
         for j in range(1, config.decode_tp):
             flags = ["--instance-id", f"decode-{i}", "--rank", str(rank + j), "--leader-rank", str(rank)]
             flags += ["--tp-size", str(config.decode_tp), "--world-size", str(config.world_size)]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -72,8 +73,10 @@ class KVPAttentionContext:
         num_q_heads: int,
         tail_slots: dict[str, Tensor],
         stats: KVPStats,
+        timeout_s: float | None = None,
     ) -> None:
         self.me, self.ranks, self.shard, self.stats = me, ranks, shard, stats
+        self.timeout_s = timeout_s  # longest wait for one peer message; None = forever
         self.first_layer = first_layer
         _, _, _, self.hkv, self.d = shard.cache.k.shape
         self.hq = num_q_heads
@@ -195,7 +198,7 @@ class KVPAttentionContext:
             first += n
         return sends
 
-    @staticmethod
-    def _wait(works: list) -> None:
+    def _wait(self, works: list) -> None:
+        timeout = None if self.timeout_s is None else timedelta(seconds=self.timeout_s)
         for w in works:
-            w.wait()
+            w.wait() if timeout is None else w.wait(timeout)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,7 @@ class KVPMember:
         max_model_len: int | None = None,
         seed: int = 0,
         keep_logits: bool = False,
+        timeout_s: float | None = None,
     ) -> None:
         if member not in ranks:
             raise ValueError(f"member {member} is not in the group {sorted(ranks)}")
@@ -69,6 +71,8 @@ class KVPMember:
         self.step_stats: list[KVPStats] = []  # one per step, for reports
         self.keep_logits = keep_logits
         self.logits: dict[str, list[Tensor]] = {}
+        self.timeout_s = timeout_s  # longest wait for a peer's message within a step; None = forever
+        self.last_tokens: list[tuple[str, int, bool]] = []  # every request's (id, token, finished) of the last step
         self._token_bytes = KVCache.bytes_per_token(len(model.layers), cfg.num_kv_heads, cfg.head_dim, model.dtype)
 
     # ---- placement (the same calls on every member) ----
@@ -116,6 +120,7 @@ class KVPMember:
     @torch.inference_mode()
     def step(self) -> list[KVPOutput]:
         """One decode step of the whole group; returns the tokens of the requests this member masters."""
+        self.last_tokens = []
         if not self.plan.requests:
             return []
         t0 = time.perf_counter()
@@ -129,7 +134,7 @@ class KVPMember:
             self.plan.append(rid)
         ctx = KVPAttentionContext(
             self.plan, self.me, self.ranks, self.shard, first_layer=self.model.layer_range[0],
-            num_q_heads=self.model.num_local_q_heads, tail_slots=slots, stats=self.stats,
+            num_q_heads=self.model.num_local_q_heads, tail_slots=slots, stats=self.stats, timeout_s=self.timeout_s,
         )  # fmt: skip
         outputs: list[KVPOutput] = []
         if ctx.batch:
@@ -173,18 +178,28 @@ class KVPMember:
             if len(outputs):
                 works.append(dist.isend(mine, self.ranks[m], tag=KVP_TAG))
                 self.stats.control_bytes += mine.numel() * 8
+        timeout = None if self.timeout_s is None else timedelta(seconds=self.timeout_s)
         for w in works:
-            w.wait()
+            w.wait() if timeout is None else w.wait(timeout)
         bufs[self.me] = mine
-        for m, buf in bufs.items():
-            for r, (_, done) in zip(self.plan.mastered_by(m), buf.tolist(), strict=True):
-                if done:
-                    self._drop(r.request_id)
+        for m in sorted(bufs):
+            for r, (token, done) in zip(self.plan.mastered_by(m), bufs[m].tolist(), strict=True):
+                self.last_tokens.append((r.request_id, token, bool(done)))
+        for rid, _, done in self.last_tokens:
+            if done:
+                self._drop(rid)
 
     def _drop(self, request_id: str) -> None:
         self.plan.finish(request_id)
         self.shard.free(request_id)
         self.seqs.pop(request_id, None)
+
+    def abort(self, request_id: str) -> bool:
+        """Free `request_id`'s ranges here and forget it (every member makes the same call between steps)."""
+        if request_id not in self.plan.requests:
+            return False
+        self._drop(request_id)
+        return True
 
     def abort_all(self) -> None:
         """Free everything this member holds (end of a run, or a failed group)."""

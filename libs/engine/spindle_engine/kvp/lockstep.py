@@ -1,0 +1,382 @@
+"""A KVP decode group as one engine: a leader that places requests and mirrors its calls, followers that replay.
+
+Every member (a process at its own global rank) runs a `KVPMember` over the same `KVPPlan`. The leader
+(member 0) is what the decode service drives, through the `Engine` calls it uses (reserve, resume, abort,
+step, ...): `KVPLeaderEngine`. It decides every placement with a `GroupPlanner` (group.py): at `reserve` the
+ranges and master of a request, before each step the scale-ups. KV arrives whole (every token, every KV
+head); the leader keeps its range and sends each follower only its own with the mirrored `Place`. Before
+each step the followers get the calls since the last one (wire.py), then all members step together; each
+step yields every request's token on every member (the masters tell all), so the leader streams them all.
+`KVPFollower.serve()` replays and steps until told to stop.
+
+A member that dies or stops answering ends the step with `KVPError` (or another error from the data plane)
+after `timeout_s` at most: the leader's engine thread stops and the service fails every request it holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from spindle_model import LlamaModel, ModelConfig, load_state_dict, resolve_model
+
+from ..config import EngineConfig
+from ..engine import PreemptedSequence, StepOutput
+from ..kv_cache import KVCache
+from ..sampling_params import SamplingParams
+from ..sequence import Sequence, stop_reason
+from .decoder import KVPMember
+from .group import GroupConfig, GroupPlanner
+from .wire import (
+    Call,
+    Control,
+    Drop,
+    KVPError,
+    Place,
+    ScaleUp,
+    checksum,
+    recv_acks,
+    recv_control,
+    send_ack,
+    send_control,
+)
+
+log = logging.getLogger("spindle.engine.kvp")
+
+STEP_TIMEOUT_S = 60.0  # longest wait for a peer within a step (a control message, a layer's exchange, an ack)
+KEEPALIVE_S = 1.0  # an idle leader still sends an empty message this often (followers notice its death)
+LEADER_SILENCE_S = 120.0  # a follower that hears nothing for this long gives up
+STARTUP_TIMEOUT_S = 600.0  # the first exchange waits for the followers to load the model
+
+
+def member_blocks(config: EngineConfig, model_config: ModelConfig) -> int:
+    """KV blocks of one member: `kv_cache_tokens`, or what fits into `kv_cache_memory_gb`."""
+    per_token = KVCache.bytes_per_token(
+        model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, config.torch_dtype
+    )
+    tokens = config.kv_cache_tokens or int(config.kv_cache_memory_gb * 2**30 // per_token)
+    if tokens < config.block_size:
+        raise ValueError(f"a KVP member needs at least one {config.block_size}-token block, got {tokens} tokens")
+    return tokens // config.block_size
+
+
+def load_member(config: EngineConfig, member: int, ranks: dict[int, int], timeout_s: float) -> KVPMember:
+    source = resolve_model(config.model)
+    model = LlamaModel(source.config, dtype=config.torch_dtype)
+    model.load_weights(load_state_dict(source.path, dtype=config.torch_dtype))
+    return KVPMember(
+        model, member, ranks, num_blocks=member_blocks(config, source.config), block_size=config.block_size,
+        eos_token_ids=source.config.eos_token_ids, max_model_len=config.max_model_len, seed=config.seed,
+        timeout_s=timeout_s,
+    )  # fmt: skip
+
+
+@dataclass
+class _Allocator:
+    """What the service reads of an engine's allocator, for the whole group (reservations count as used)."""
+
+    planner: GroupPlanner
+
+    @property
+    def num_blocks(self) -> int:
+        return self.planner.config.num_blocks
+
+    @property
+    def num_used(self) -> int:
+        return self.planner.num_used
+
+
+class KVPLeaderEngine:
+    """Member 0 of a KVP group, with the `Engine` calls a decode service makes (prefilled requests only)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        member: KVPMember,
+        *,
+        kvp_tokens: int = 0,
+        timeout_s: float = STEP_TIMEOUT_S,
+        keepalive_s: float = KEEPALIVE_S,
+    ) -> None:
+        if member.me != 0 or sorted(member.ranks) != list(range(len(member.ranks))):
+            raise ValueError(f"the leader is member 0 of members 0..K-1, got {member.me} of {sorted(member.ranks)}")
+        self.config = config
+        self.member = member
+        self.model_config = member.model.config
+        self.max_model_len = member.max_model_len
+        self.eos_token_ids = set(member.eos_token_ids)
+        self.cache = member.shard.cache
+        group = GroupConfig(len(member.ranks), member.shard.allocator.num_blocks, member.shard.block_size, kvp_tokens)
+        self.planner = GroupPlanner(group, member.plan)
+        self.allocator = _Allocator(self.planner)
+        self.followers = {m: r for m, r in member.ranks.items() if m != 0}
+        self.timeout_s = timeout_s
+        self.keepalive_s = keepalive_s
+        self.requests: dict[str, Sequence] = {}  # every decoding request of the group, as its master samples it
+        self.member_blocks_used = dict.fromkeys(self.followers, 0)  # from the last acks
+        self.failures: list[tuple[str, str]] = []  # requests dropped for want of blocks; the service fails them
+        self.dropped = 0  # how many, in all
+        self._calls: list[Call] = []
+        self._kv: dict[int, list[Tensor]] = {m: [] for m in self.followers}
+        self._seq = 0
+        self._last_sent = 0.0
+        self._connected = False
+        self._closed = False
+
+    @property
+    def kvp_size(self) -> int:
+        return len(self.member.ranks)
+
+    @property
+    def scale_ups(self) -> int:
+        return self.planner.scale_up_count
+
+    def connect(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """The first exchange: waits for every follower to be up (the data plane must be joined)."""
+        self._exchange(step=False, timeout_s=timeout_s)
+        self._connected = True
+
+    def kv_shape(self, num_tokens: int) -> tuple[int, ...]:
+        """The KV a request arrives with: every token and KV head, as one engine would hold it."""
+        c = self.model_config
+        return (2, len(self.member.model.layers), num_tokens, c.num_kv_heads, c.head_dim)
+
+    import_kv_shape = kv_shape
+
+    # ---- what the decode service calls ----
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        vocab = self.model_config.vocab_size
+        if not prompt_token_ids or any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"token ids must be a non-empty list of integers in [0, {vocab})")
+
+    def reserve(self, request_id: str, num_tokens: int) -> bool:
+        if not 0 < num_tokens < self.max_model_len:
+            raise ValueError(f"cannot reserve {num_tokens} tokens (context is {self.max_model_len})")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        return self.planner.reserve(request_id, num_tokens)
+
+    def cancel_reservation(self, request_id: str) -> bool:
+        return self.planner.cancel(request_id)
+
+    def add_prefilled(
+        self, request_id: str, prompt_token_ids: list[int], first_token: int, kv: Tensor, params: SamplingParams
+    ) -> None:
+        self.resume(request_id, [*prompt_token_ids, first_token], len(prompt_token_ids), kv, params)
+
+    def resume(
+        self, request_id: str, token_ids: list[int], num_prompt_tokens: int, kv: Tensor, params: SamplingParams
+    ) -> None:
+        """Place a request reserved with `reserve(request_id, len(token_ids) - 1)`: its KV `kv_shape(n)` is cut
+        by the reserved ranges; this member keeps its own, each follower gets its own with the `Place` call."""
+        n = len(token_ids) - 1
+        if tuple(kv.shape) != self.kv_shape(n):
+            raise ValueError(f"KV shape {tuple(kv.shape)} does not match {self.kv_shape(n)} for {n} tokens")
+        if not 0 < num_prompt_tokens <= n:
+            raise ValueError(f"{num_prompt_tokens} prompt tokens do not fit {len(token_ids)} tokens with an output")
+        self.validate_prompt(token_ids)
+        req = self.planner.take_reservation(request_id, n)
+        parts = {r.member: kv[:, :, r.start : r.end].contiguous() for r in req.ranges if r.num_tokens}
+        self.member.add_request(
+            req, parts.get(0), token_ids=token_ids, num_prompt_tokens=num_prompt_tokens, params=params
+        )  # fmt: skip
+        self._calls.append(Place.of(req, token_ids, num_prompt_tokens, params))
+        for m, part in parts.items():
+            if m != 0:
+                self._kv[m].append(part)
+        seq = Sequence(request_id, list(token_ids), params, num_prompt_tokens=num_prompt_tokens)
+        seq.num_computed_tokens = n
+        self.requests[request_id] = seq
+        samples_left = max(0, params.max_tokens - (len(token_ids) - num_prompt_tokens))
+        self.planner.commit(request_id, min(n + samples_left, self.max_model_len))
+        log.info("placed %s: %s, master %d", request_id, [(r.member, r.start, r.end) for r in req.ranges], req.master)
+
+    def abort(self, request_id: str) -> bool:
+        if self.planner.cancel(request_id):
+            return True
+        if request_id not in self.requests:
+            return False
+        self._drop(request_id)
+        return True
+
+    def _drop(self, request_id: str) -> None:
+        del self.requests[request_id]
+        self.planner.forget(request_id)
+        self.member.abort(request_id)
+        self._calls.append(Drop(request_id))
+
+    def release(self, request_id: str) -> bool:
+        return False  # nothing is ever held for a hand-off here
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, **_: object) -> None:
+        raise ValueError("a KV-parallel decode group takes prefilled requests only")
+
+    def preempt_out(self, request_id: str, *, keep_blocks: bool = False) -> PreemptedSequence:
+        raise ValueError("a KV-parallel decode group cannot preempt to outside (its KV is split over members)")
+
+    def readmit(self, request_id: str) -> None:
+        raise ValueError("a KV-parallel decode group cannot preempt to outside (its KV is split over members)")
+
+    def blocks_held(self) -> dict[str, int]:
+        """Blocks per request over every member (reservations included)."""
+        ids = [*self.requests, *self.planner.reserved]
+        return {rid: self.planner.request_blocks(rid) for rid in ids}
+
+    @property
+    def num_running(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return 0
+
+    def take_failures(self) -> list[tuple[str, str]]:
+        out, self.failures = self.failures, []
+        return out
+
+    # ---- stepping ----
+
+    def has_unfinished(self) -> bool:
+        if not self._connected or self._closed:
+            return False
+        due = time.monotonic() - self._last_sent >= self.keepalive_s
+        return bool(self._calls) or due or bool(self.requests)
+
+    def step(self) -> list[StepOutput]:
+        if self.requests:
+            self._plan_growth()
+        return self._exchange(step=bool(self.requests))
+
+    def _plan_growth(self) -> None:
+        ups = self.planner.scale_ups()
+        for rid in ups.stuck:
+            msg = f"the KV-parallel group has no free block for the next token of {rid}"
+            log.warning(msg)
+            self.failures.append((rid, msg))
+            self.dropped += 1
+            self._drop(rid)
+        for rid, m in ups.moves:
+            self.member.scale_up(rid, m)
+            self._calls.append(ScaleUp(rid, m))
+            self.planner.scale_up_count += 1
+            req = self.member.plan.requests[rid]
+            log.info(
+                "scale-up %d: %s's tail moves to member %d at token %d (holders %s)",
+                self.planner.scale_up_count, rid, m, req.num_tokens, list(req.holders),
+            )  # fmt: skip
+
+    def _exchange(self, step: bool, timeout_s: float | None = None) -> list[StepOutput]:
+        timeout_s = timeout_s or self.timeout_s
+        if self._closed:
+            raise KVPError("the KV-parallel group is closed")
+        control = Control(self._seq, self._calls, step)
+        kv, self._calls, self._kv = self._kv, [], {m: [] for m in self.followers}
+        self._seq += 1
+        self._last_sent = time.monotonic()
+        send_control(control, kv, self.followers, timeout_s)
+        if step:
+            try:
+                self.member.step()
+            except RuntimeError as e:
+                raise KVPError(f"a KV-parallel step failed: {e}") from e
+        tokens = self.member.last_tokens if step else []
+        acks = recv_acks(self.followers, timeout_s)
+        for m, ack in acks.items():
+            expected = [control.seq, self.planner.placed_blocks(m), checksum(tokens)]
+            if ack != expected:
+                raise KVPError(f"member {m} diverged: ack {ack}, leader {expected} (seq, used blocks, checksum)")
+            self.member_blocks_used[m] = ack[1]
+        assert self.member.blocks_used == self.planner.placed_blocks(0), "the leader's blocks left the plan"
+        return self._outputs(tokens)
+
+    def _outputs(self, tokens: list[tuple[str, int, bool]]) -> list[StepOutput]:
+        outputs = []
+        for rid, token, done in tokens:
+            seq = self.requests[rid]
+            seq.token_ids.append(token)
+            seq.num_computed_tokens += 1
+            reason = stop_reason(seq, token, self.eos_token_ids, self.max_model_len)
+            if (reason is not None) != done:
+                raise KVPError(f"the master of {rid} and the leader disagree on whether it finished")
+            if done:
+                del self.requests[rid]
+                self.planner.forget(rid)
+            outputs.append(StepOutput(rid, [token], done, reason))
+        return outputs
+
+    def close(self) -> None:
+        """Tell the followers to exit (best effort); the group takes no further steps."""
+        if self._closed:
+            return
+        self._closed = True
+        log.info(
+            "KVP group closing: %d scale-ups, %d requests dropped for want of blocks", self.scale_ups, self.dropped
+        )
+        try:
+            send_control(Control(self._seq, [], False, stop=True), {}, self.followers, 5.0)
+        except KVPError as e:
+            log.warning("could not stop the KVP followers: %s", e)
+
+
+class KVPFollower:
+    """Replays the leader's placement calls on this member and steps with the group, until told to stop."""
+
+    def __init__(self, member: KVPMember, leader: int, *, timeout_s: float = LEADER_SILENCE_S) -> None:
+        self.member = member
+        self.leader = leader
+        self.timeout_s = timeout_s
+
+    def kv_shape(self, num_tokens: int) -> tuple[int, ...]:
+        hkv, d = self.member.shard.cache.k.shape[3:]
+        return (2, len(self.member.model.layers), num_tokens, hkv, d)
+
+    def serve(self) -> None:
+        m = self.member
+        dtype = m.shard.cache.k.dtype
+        expected_seq = 0
+        while True:
+            timeout = self.timeout_s if expected_seq else STARTUP_TIMEOUT_S
+            control, parts = recv_control(self.leader, m.me, self.kv_shape, dtype, timeout)
+            if control.stop:
+                log.info("member %d: the leader stopped the group", m.me)
+                return
+            if control.seq != expected_seq:
+                raise KVPError(f"control message {control.seq} arrived, expected {expected_seq}")
+            expected_seq += 1
+            self.apply(control.calls, parts)
+            if control.step:
+                m.step()
+            tokens = m.last_tokens if control.step else []
+            send_ack([control.seq, m.blocks_used, checksum(tokens)], self.leader, STEP_TIMEOUT_S)
+
+    def apply(self, calls: list[Call], parts: list[Tensor]) -> None:
+        m, kv = self.member, iter(parts)
+        for call in calls:
+            match call:
+                case Place():
+                    req = call.request()
+                    mine = req.range_of(m.me)
+                    part = next(kv) if mine is not None and mine.num_tokens else None
+                    tokens = call.token_ids if req.master == m.me else None
+                    m.add_request(
+                        req, part, token_ids=tokens, num_prompt_tokens=call.num_prompt_tokens, params=call.params
+                    )  # fmt: skip
+                case ScaleUp():
+                    m.scale_up(call.request_id, call.member)
+                case Drop():
+                    m.abort(call.request_id)
+
+
+def leader_engine(config: EngineConfig, kvp_size: int, first_rank: int, *, kvp_tokens: int = 0) -> KVPLeaderEngine:
+    """Member 0 of a group at global ranks first_rank..first_rank+kvp_size-1 (call `connect()` once joined)."""
+    ranks = {m: first_rank + m for m in range(kvp_size)}
+    return KVPLeaderEngine(config, load_member(config, 0, ranks, STEP_TIMEOUT_S), kvp_tokens=kvp_tokens)
+
+
+def follower(config: EngineConfig, kvp_size: int, first_rank: int, member: int) -> KVPFollower:
+    ranks = {m: first_rank + m for m in range(kvp_size)}
+    return KVPFollower(load_member(config, member, ranks, STEP_TIMEOUT_S), first_rank)

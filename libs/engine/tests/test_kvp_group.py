@@ -1,0 +1,191 @@
+"""KVP group placement (pure): Medha-style splits by a per-member token limit, multi-master, reservations,
+scale-up of a tail that runs out of blocks; and a whole group driven as one engine on gloo processes."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from spindle_engine import Engine, EngineConfig, SamplingParams
+from spindle_engine.kvp import KVPPlan, KVRange
+from spindle_engine.kvp.group import GroupConfig, GroupPlanner
+
+
+def _planner(members: int = 3, blocks: int = 33, kvp_tokens: int = 500, block_size: int = 16) -> GroupPlanner:
+    return GroupPlanner(GroupConfig(members, blocks, block_size, kvp_tokens), KVPPlan(list(range(members))))
+
+
+def _admit(p: GroupPlanner, rid: str, n: int):
+    assert p.reserve(rid, n)
+    req = p.take_reservation(rid, n)
+    p.plan.add(req)
+    return req
+
+
+def test_a_long_prompt_splits_by_the_token_limit_off_block_boundaries():
+    p = _planner()
+    req = _admit(p, "a", 1000)
+    assert req.ranges == (KVRange(0, 0, 500), KVRange(1, 500, 1000))  # 500 is not a multiple of 16
+    assert req.tail == 1 and req.master == 1  # nobody masters anything yet: the tail does
+    assert [p.placed_blocks(m) for m in range(3)] == [32, 32, 0] and p.num_used == 64
+    assert p.request_blocks("a") == 64
+
+
+def test_no_limit_fits_one_member_when_possible_then_spills():
+    p = _planner(kvp_tokens=0)
+    assert _admit(p, "a", 300).ranges == (KVRange(0, 0, 300),)
+    assert _admit(p, "b", 520).ranges == (KVRange(1, 0, 520),)  # the member with the most free blocks
+    big = _admit(p, "c", 700)  # no member has room for all of it
+    assert big.ranges == (KVRange(2, 0, 528), KVRange(0, 528, 700))
+    assert p.free_blocks(2) == 0
+
+
+def test_the_tail_goes_where_the_most_blocks_stay_free():
+    p = _planner(members=3, blocks=24, kvp_tokens=256)
+    _admit(p, "a", 350)  # [0, 256) on 0, [256, 350) on 1
+    req = _admit(p, "b", 600)  # cut 256 on 2 (8 blocks left), 256 on 1 (2 left), 88 on 0 (2 left)
+    assert [(r.member, r.num_tokens) for r in req.ranges] == [(1, 256), (0, 88), (2, 256)]  # tail: 2
+
+
+def test_masters_spread_over_members():
+    p = _planner(members=3, blocks=100, kvp_tokens=0)
+    masters = [_admit(p, f"r{i}", 40).master for i in range(6)]
+    assert sorted(masters) == [0, 0, 1, 1, 2, 2]
+
+
+def test_more_ranges_than_members_fill_by_free_space():
+    p = _planner(members=2, blocks=40, kvp_tokens=200)
+    req = _admit(p, "a", 1000)  # ceil(1000 / 200) = 5 ranges, but only two members
+    assert [r.num_tokens for r in req.ranges] == [640, 360]
+
+
+def test_reservations_hold_blocks_and_no_room_is_refused():
+    p = _planner(members=2, blocks=10, kvp_tokens=0)
+    assert p.reserve("a", 300)  # 19 of 20 blocks
+    assert p.free_blocks(0) + p.free_blocks(1) == 1
+    assert not p.reserve("b", 40)
+    with pytest.raises(ValueError, match="reserved 300 tokens"):
+        p.take_reservation("a", 299)
+    assert p.cancel("a") and not p.cancel("a")
+    assert p.num_used == 0 and p.reserve("b", 40)
+    with pytest.raises(ValueError, match="already in use"):
+        p.reserve("b", 10)
+
+
+def test_the_next_token_needs_room_somewhere():
+    p = _planner(members=1, blocks=4, kvp_tokens=0)
+    assert not p.reserve("a", 64)  # fills every block; the first decoded token would have nowhere to go
+    assert p.reserve("a", 63)
+
+
+def test_committed_growth_of_placed_requests_holds_back_new_reservations():
+    p = _planner(members=2, blocks=10, kvp_tokens=0)  # 20 blocks
+    _admit(p, "a", 100)  # 7 blocks on member 0
+    p.commit("a", 100 + 170)  # may grow by 170 tokens: 10 blocks, +1 for a scale-up's new range
+    assert not p.reserve("b", 40)  # 3 blocks would leave 10 free for a's 11
+    assert p.reserve("c", 16)  # 1 block leaves 12
+    p.cancel("c")
+    p.plan.finish("a")
+    p.forget("a")
+    assert p.growth_blocks() == 0 and p.reserve("b", 40)
+
+
+def _step(p: GroupPlanner) -> list[tuple[str, int]]:
+    ups = p.scale_ups()
+    assert not ups.stuck
+    for rid, m in ups.moves:
+        p.plan.scale_up(rid, m)
+    for rid in list(p.plan.requests):
+        p.plan.append(rid)
+    return ups.moves
+
+
+def test_a_full_tail_scales_up_to_a_free_member_and_nothing_moves():
+    p = _planner()
+    _admit(p, "a", 1000)  # tail member 1: 500 tokens in 32 blocks, 1 block free
+    moves = [(i, mv) for i in range(40) for mv in _step(p)]
+    assert moves == [(28, ("a", 2))]  # 12 slots left in its last block, 16 in the free one; then member 2
+    req = p.plan.get("a")
+    assert req.ranges == (KVRange(0, 0, 500), KVRange(1, 500, 1028), KVRange(2, 1028, 1040))
+    assert p.placed_blocks(1) == 33 and p.placed_blocks(2) == 1
+
+
+def test_no_member_to_scale_up_to_is_stuck():
+    p = _planner(members=2, blocks=2, kvp_tokens=20, block_size=4)
+    _admit(p, "a", 15)  # [0, 8) on 0 and [8, 15) on 1: every member holds some; 1 slot left at the tail
+    _step(p)
+    ups = p.scale_ups()
+    assert ups.stuck == ["a"] and not ups.moves
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError):
+        GroupConfig(0, 10)
+    with pytest.raises(ValueError):
+        GroupConfig(2, 10, kvp_tokens=-1)
+    with pytest.raises(ValueError, match="members"):
+        GroupPlanner(GroupConfig(2, 10), KVPPlan([0, 1, 2]))
+
+
+# ---- the group as one engine, on gloo processes ----
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from spindle_model.testing import tiny_llama
+
+    hf, _ = tiny_llama(seed=3)
+    with torch.no_grad():
+        for name, prm in hf.named_parameters():
+            if "norm" not in name:
+                prm.mul_(8.0)  # sharper logits: greedy tokens differ step to step
+    path = tmp_path_factory.mktemp("tiny-llama-kvp-group")
+    hf.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 301) for _ in range(n)]
+
+
+def test_group_engine_gives_the_single_engine_tokens(tiny_dir, tmp_path):
+    from spindle_engine.kvp.group_testing import group_engine_worker
+    from spindle_model.testing import run_gloo
+
+    greedy = {"max_tokens": 14, "temperature": 0, "ignore_eos": True}
+    script = [
+        {"step": 0, "op": "resume", "id": "long", "prompt": _ids(40, 1), "params": {**greedy, "max_tokens": 20}},
+        {"step": 1, "op": "resume", "id": "short", "prompt": _ids(9, 2), "params": {**greedy, "max_tokens": 8}},
+        {"step": 1, "op": "resume", "id": "gone", "prompt": _ids(5, 4), "params": greedy},
+        {"step": 3, "op": "abort", "id": "gone"},
+        {
+            "step": 3,
+            "op": "resume",
+            "id": "seeded",
+            "prompt": _ids(6, 3),
+            "params": {"max_tokens": 6, "temperature": 0.8, "seed": 5, "ignore_eos": True},
+        },
+    ]
+    config = {"model": tiny_dir, "block_size": 4, "kv_cache_tokens": 32, "max_model_len": 128}
+    results = run_gloo(group_engine_worker, 3, tmp_path, json.dumps(config), 21, json.dumps(script), timeout=120)
+    leader = results[0]
+    got = {k.removeprefix("tokens:"): v.tolist() for k, v in leader.items() if k.startswith("tokens:")}
+    engine = Engine(EngineConfig(model=tiny_dir, block_size=4, kv_cache_tokens=4096, max_model_len=128))
+    for e in script:
+        if e["op"] == "resume" and e["id"] != "gone":
+            engine.add_request(e["id"], e["prompt"], SamplingParams(**e["params"]))
+    ref: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            ref.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert len(got.pop("gone")) < 14
+    assert got == ref
+    assert len(set(ref["long"])) > 1
+    # long: [0, 21) on 0 and [21, 40) on 1, mastered by 1; short on 2 mastered by 2; gone and seeded on 2
+    # mastered by 0 (which holds none of them); long's tail fills member 1 and moves to 2 at step 13
+    assert int(leader["scale_ups"]) == 1
+    assert leader["blocks_used"].tolist() == [0, 0]
+    assert leader["member_blocks_used"].tolist() == [0, 0]
+    assert [int(r["blocks_used"]) for r in results[1:]] == [0, 0]

@@ -1,0 +1,53 @@
+"""`--kvp-size` / `--kvp-tokens` of the decode instance and `spindle up --decode-kvp` (flags, ranks, refusals)."""
+
+import pytest
+
+from spindle_decode.__main__ import build_parser
+from spindle_decode.__main__ import main as decode_main
+from spindle_decode.kvp_follower import main as follower_main
+from spindle_decode.kvp_lockstep import KVPOptions
+from spindle_launcher.plan import Runtime, StackConfig, build_plan
+
+RUNTIME = Runtime(nats_url="nats://127.0.0.1:4222", dist_init="tcp://127.0.0.1:29500", port=8000)
+
+
+def test_kvp_members_take_consecutive_ranks_after_their_leader():
+    config = StackConfig(prefill=1, decode=2, decode_kvp=3, kvp_tokens=500, port=8000)
+    assert config.world_size == 1 + 1 + 2 * 3
+    specs = {s.name: s for s in build_plan(config, RUNTIME)}
+    leader = specs["decode-1"].args
+    assert leader[leader.index("--rank") + 1] == "5"
+    assert leader[leader.index("--kvp-size") + 1] == "3" and leader[leader.index("--kvp-tokens") + 1] == "500"
+    for j, rank in ((1, "6"), (2, "7")):
+        f = specs[f"decode-1-kvp{j}"]
+        assert f.module == "spindle_decode.kvp_follower"
+        assert f.args[f.args.index("--rank") + 1] == rank and f.args[f.args.index("--leader-rank") + 1] == "5"
+        assert f.args[f.args.index("--world-size") + 1] == "8"
+    assert "decode-0-kvp3" not in specs and not any("tp" in n.split("-")[-1] for n in specs if "kvp" not in n)
+
+
+def test_bad_kvp_stacks_are_refused():
+    with pytest.raises(ValueError, match="decode_tp 1"):
+        StackConfig(decode_kvp=2, decode_tp=2)
+    with pytest.raises(ValueError, match="decode_kvp"):
+        StackConfig(decode_kvp=0)
+    with pytest.raises(ValueError, match="decode_kvp > 1"):
+        StackConfig(kvp_tokens=100)
+    with pytest.raises(ValueError, match="non-negative"):
+        StackConfig(decode_kvp=2, kvp_tokens=-1)
+    with pytest.raises(ValueError):
+        KVPOptions(0)
+
+
+def test_decode_cli_refuses_kvp_with_tp_and_ranks_outside_the_world(capsys):
+    base = ["--instance-id", "decode-0", "--rank", "2", "--world-size", "4"]
+    with pytest.raises(SystemExit):
+        decode_main([*base, "--kvp-size", "2", "--tp-size", "2"])
+    assert "--tp-size 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        decode_main([*base, "--kvp-size", "3"])
+    assert "exceeds --world-size" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        follower_main(["--rank", "2", "--leader-rank", "2", "--kvp-size", "2", "--world-size", "4"])
+    assert "not a follower" in capsys.readouterr().err
+    assert "kvp_follower" in build_parser().format_help()
