@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 import transformers
+from engine_roofline import format_roofline, roofline
 from torch import Tensor
 from torch.profiler import ProfilerActivity, profile, record_function
 from tqdm import tqdm
@@ -693,6 +694,7 @@ def main(argv: list[str] | None = None) -> int:
         **measured,
         "targets": TARGETS,
         "reference_transformers_fp32": REFERENCE_TRANSFORMERS,
+        "roofline": roofline(models.config, args.dtypes, measured),
     }
     if args.profile:
         text, summary = run_profiles(models, args)
@@ -708,6 +710,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(format_table(result))
     print(format_dtypes(result))
+    print(format_roofline(result["roofline"]))
     if args.profile:
         print("\nwhere Spindle's time goes (fractions of one step's wall time under the profiler):")
         for title, split in result["profile"].items():

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .cpu import decode as cpu_decode
 from .merge import merge_attn_states_many
 from .reference import BLOCK_K, BLOCK_Q, _attend_one, _split, positions
 
@@ -53,7 +54,8 @@ def paged_decode(
 
     Returns `out [B, Hq, D]` and `lse [Hq, B]` fp32 (None with `return_lse=False`, which runs each split as
     one `scaled_dot_product_attention`). A sequence with `seq_len == 0` gets `(0, -inf)`. The context is cut
-    into `num_splits` block-aligned ranges; None picks enough to keep each under DECODE_SPLIT_TOKENS keys.
+    into `num_splits` block-aligned ranges; None picks enough to keep each under DECODE_SPLIT_TOKENS keys, or,
+    on a CPU with Spindle's kernels (`spindle_attention.cpu`), runs the native kernel, which splits by itself.
     """
     _check_cache(k_cache, v_cache, block_table)
     b, hq, d = q.shape
@@ -66,6 +68,9 @@ def paged_decode(
     max_len = int(seq_lens.max()) if b else 0
     if max_len > block_table.shape[1] * block_size:
         raise ValueError(f"seq_len {max_len} exceeds block_table capacity {block_table.shape[1] * block_size}")
+    if num_splits is None and cpu_decode.supported(q, k_cache, v_cache):
+        out, lse = cpu_decode.DecodeBatch(block_table, seq_lens, hkv).run(q, k_cache, v_cache, scale)
+        return out.to(q.dtype), (lse if return_lse else None)
     num_blocks = max(1, -(-max_len // block_size))
     if num_splits is None:
         num_splits = max(1, math.ceil(max_len / DECODE_SPLIT_TOKENS))

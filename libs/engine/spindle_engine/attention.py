@@ -1,18 +1,20 @@
 """The engine's attention context: writes each layer's new K/V into the paged cache, then attends.
 
 A step's flat token batch is laid out decode tokens first (one per decoding sequence), then prefill
-chunks. Decodes run as one batched `paged_decode`; a chunk with no history attends to itself (one
+chunks. Decodes run as one batched `paged_decode` (on CPU, the native kernel's batch is prepared once per
+step and run for every layer); a chunk with no history attends to itself (one
 `scaled_dot_product_attention`), a chunk with history attends over the paged cache (`paged_prefill`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from spindle_attention import attention_fwd, paged_decode, paged_prefill
+from spindle_attention import attention_fwd, cpu, paged_decode, paged_prefill
 
 from .kv_cache import KVCache
 
@@ -43,6 +45,9 @@ class PagedAttentionContext:
         self.decode_block_table = decode_block_table  # [num_decodes, max_blocks] int32
         self.decode_seq_lens = decode_seq_lens  # [num_decodes], including the new token
         self.prefills = prefills
+        self._native: cpu.DecodeBatch | None = None
+        if num_decodes and cpu.available() and cache.k[0].device.type == "cpu":
+            self._native = cpu.DecodeBatch(decode_block_table, decode_seq_lens, cache.k[0].shape[2])
 
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         k_cache = self.cache.k[layer - self.first_layer]  # [blocks, block_size, Hkv, D]
@@ -66,4 +71,6 @@ class PagedAttentionContext:
         return out
 
     def _decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        if self._native is not None and cpu.decode.supported(q, k_cache, v_cache):
+            return self._native.run(q, k_cache, v_cache, 1.0 / math.sqrt(q.shape[-1]))[0].to(q.dtype)
         return paged_decode(q, k_cache, v_cache, self.decode_block_table, self.decode_seq_lens, return_lse=False)[0]

@@ -1,9 +1,11 @@
-"""Linear layers without bias, with a faster CPU path.
+"""Linear layers without bias, with faster CPU paths.
 
-On CPU, oneDNN's prepacked GEMM (the kernel torch's inductor uses for frozen weights) beats the default
-`F.linear` for bfloat16 (it uses the CPU's bf16 dot-product instructions): measured in the engine here, decode
-at batch 8 went from 77 to 68 ms per step. For float32 it was slower end to end (2048-token prefill 540 vs
-600 tok/s), so float32 stays on `F.linear`. The plain weight is kept for loading and sharding.
+- Few rows (decode batches, up to `cpu.MAX_ROWS`): Spindle's packed small-batch GEMM
+  (`spindle_attention.cpu.PackedWeight`), bound by reading the weight once; packed lazily on the first such
+  call, so instances that only prefill never hold the copy.
+- Many rows in bfloat16: oneDNN's prepacked GEMM (the kernel torch's inductor uses for frozen weights), which
+  uses the CPU's bf16 dot-product instructions. For float32, `F.linear` (MKL) was faster end to end.
+The plain weight is kept for loading, sharding and the large-batch path.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from spindle_attention import cpu
 
 _mkldnn = getattr(torch.ops, "mkldnn", None)
 _HAS_PACKED = (
@@ -20,6 +24,28 @@ _HAS_PACKED = (
 )
 
 
+class SmallBatchWeight:
+    """A weight's packed copy for few-row products, made on first use (None where the kernels are off)."""
+
+    def __init__(self) -> None:
+        self._packed: cpu.PackedWeight | None = None
+        self._off = False
+
+    def reset(self) -> None:
+        self._packed, self._off = None, False
+
+    def linear(self, x: Tensor, weight: Tensor, out_dtype: torch.dtype | None = None) -> Tensor | None:
+        """`x @ weight.T` by the packed kernel, or None when it does not apply (caller uses torch)."""
+        if self._off or x.dim() != 2 or x.shape[0] > cpu.MAX_ROWS or x.device.type != "cpu":
+            return None
+        if self._packed is None:
+            if not cpu.available() or weight.device.type != "cpu" or weight.dtype not in cpu.gemm.DTYPES:
+                self._off = True
+                return None
+            self._packed = cpu.PackedWeight(weight)
+        return self._packed.linear(x, out_dtype)
+
+
 class Linear(nn.Module):
     """`y = x @ weight.T` with weight `[out_features, in_features]`; call `pack()` after loading weights."""
 
@@ -27,14 +53,18 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self._packed: Tensor | None = None
+        self.small = SmallBatchWeight()
 
     def pack(self) -> None:
-        """Prepare the oneDNN copy of the weight (CPU bfloat16 only; a no-op elsewhere)."""
+        """Prepare the fast paths for the loaded weight (oneDNN copy for CPU bfloat16; small-batch on demand)."""
         self._packed = None
+        self.small.reset()
         if _HAS_PACKED and self.weight.device.type == "cpu" and self.weight.dtype == torch.bfloat16:
             self._packed = _mkldnn._reorder_linear_weight(self.weight.detach(), 1)
 
     def forward(self, x: Tensor) -> Tensor:
+        if (y := self.small.linear(x, self.weight)) is not None:
+            return y
         if self._packed is not None and x.dim() == 2:
             return _mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
         return F.linear(x, self.weight)

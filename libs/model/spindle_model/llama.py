@@ -24,7 +24,7 @@ from spindle_attention.distributed.comm import RankGroup
 
 from .config import ModelConfig
 from .layers import RMSNorm, RotaryEmbedding, apply_rope, interleave_rows
-from .linear import Linear
+from .linear import Linear, SmallBatchWeight
 from .parallel import TPShard, all_reduce_, tp_rank_world
 
 TPGroup = dist.ProcessGroup | RankGroup | None
@@ -151,6 +151,7 @@ class LlamaModel(nn.Module):
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
             tied = config.tie_word_embeddings and self.embed_tokens is not None
             self.lm_head = self.embed_tokens if tied else _param(config.vocab_size, config.hidden_size, dtype=dtype)
+        self._lm_head_small = SmallBatchWeight()
 
     @property
     def num_local_q_heads(self) -> int:
@@ -189,6 +190,8 @@ class LlamaModel(nn.Module):
         """Final-norm hidden states `[N, H]` -> fp32 logits `[N, vocab]` (last stage only)."""
         if not self.is_last:
             raise ValueError("only the last pipeline stage computes logits")
+        if (logits := self._lm_head_small.linear(hidden, self.lm_head, torch.float32)) is not None:
+            return logits
         return F.linear(hidden, self.lm_head).float()
 
     def required_weights(self) -> list[str]:
@@ -215,6 +218,7 @@ class LlamaModel(nn.Module):
             prefix = f"model.layers.{layer.layer_id}."
             layer.load_weights({n: weights[prefix + n] for n in DecoderLayer.WEIGHTS})
         if self.is_last:
+            self._lm_head_small.reset()
             self.norm.weight.copy_(weights["model.norm.weight"])
             if self.lm_head is not self.embed_tokens:
                 self.lm_head.copy_(

@@ -1,0 +1,16 @@
+"""CPU kernels (AVX-512, built on first use): small-batch GEMM over packed weights and paged decode.
+
+`available()` says whether they loaded; every caller keeps its torch path for when they did not.
+"""
+
+from . import decode, gemm
+from .decode import DecodeBatch
+from .gemm import MAX_ROWS, PackedWeight
+from .native import kernels
+
+
+def available() -> bool:
+    return kernels() is not None
+
+
+__all__ = ["MAX_ROWS", "DecodeBatch", "PackedWeight", "available", "decode", "gemm", "kernels"]

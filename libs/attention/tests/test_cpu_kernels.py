@@ -1,0 +1,101 @@
+"""Spindle's native CPU kernels (spindle_attention.cpu) against torch: paged decode and the packed small-batch
+GEMM, in float32 and bfloat16, with shapes that do not divide the kernels' tiles."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from spindle_attention import cpu, paged_decode
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="needs AVX-512 and a C compiler (CPU kernels off)")
+
+
+def _cache(lens: list[int], hkv: int, d: int, block_size: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    width = max(1, max(-(-n // block_size) for n in lens))
+    table = torch.zeros(len(lens), width, dtype=torch.int32)
+    for i, n in enumerate(lens):
+        for j in range(-(-n // block_size)):
+            table[i, j] = perm.pop()
+    return k_cache, v_cache, table
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 72), (4, 4, 16)])
+def test_paged_decode_matches_torch_path(dtype, hq, hkv, d):
+    lens = [1, 59, 339, 0, 1500]  # 1500 tokens: several context splits per item
+    k_cache, v_cache, table = _cache(lens, hkv, d, 16, dtype)
+    q = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(3)).to(dtype)
+    seq_lens = torch.tensor(lens)
+    out, lse = paged_decode(q, k_cache, v_cache, table, seq_lens)  # native (num_splits=None)
+    ref, ref_lse = paged_decode(q, k_cache, v_cache, table, seq_lens, num_splits=1)  # torch
+    tol = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(out, ref, **tol)
+    torch.testing.assert_close(lse[:, [0, 1, 2, 4]], ref_lse[:, [0, 1, 2, 4]], atol=2e-5, rtol=1e-5)
+    assert torch.all(out[3] == 0) and torch.isneginf(lse[:, 3]).all()
+
+
+def test_paged_decode_bad_block_id_raises():
+    k_cache, v_cache, table = _cache([40], 3, 64, 16, torch.float32)
+    table[0, 1] = k_cache.shape[0] + 5
+    with pytest.raises(IndexError, match="outside the cache"):
+        paged_decode(torch.zeros(1, 9, 64), k_cache, v_cache, table, torch.tensor([40]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(960, 576), (130, 77), (7, 1536)])
+def test_packed_gemm_matches_linear(dtype, n, k):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    packed = cpu.PackedWeight(w)
+    for m in (1, 5, 6, 13, cpu.MAX_ROWS):
+        x = torch.randn(m, k, generator=g).to(dtype)
+        ref = F.linear(x.double(), w.double())
+        y = packed.linear(x, torch.float32)
+        torch.testing.assert_close(y.double(), ref, atol=1e-3 * k**0.5, rtol=1e-4)
+        assert packed.linear(x).dtype == dtype
+
+
+def test_packed_gemm_rows_do_not_depend_on_the_batch():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(300, 576, generator=g)
+    packed = cpu.PackedWeight(w)
+    x = torch.randn(11, 576, generator=g)
+    batched = packed.linear(x)
+    for i in (0, 6, 10):
+        assert torch.equal(packed.linear(x[i : i + 1]), batched[i : i + 1])
+
+
+def test_packed_gemm_rejects_bad_shapes():
+    packed = cpu.PackedWeight(torch.randn(8, 16))
+    with pytest.raises(ValueError, match="features"):
+        packed.linear(torch.randn(2, 15))
+    with pytest.raises(ValueError, match="2-D"):
+        cpu.PackedWeight(torch.randn(8, 16, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    "env,why",
+    [({"SPINDLE_CPU_KERNELS": "0"}, ""), ({"CC": "false"}, "building kernels.c failed")],
+)
+def test_without_the_kernels_everything_falls_back_to_torch(tmp_path, env, why):
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import logging, torch; logging.basicConfig(level=logging.INFO)\n"
+        "from spindle_attention import cpu, paged_decode\n"
+        "assert not cpu.available()\n"
+        "k = torch.randn(4, 16, 3, 64)\n"
+        "out, lse = paged_decode(torch.randn(1, 9, 64), k, k, torch.tensor([[2, 0]]), torch.tensor([20]))\n"
+        "assert out.shape == (1, 9, 64) and torch.isfinite(lse).all()\n"
+    )
+    run_env = {**os.environ, "SPINDLE_CACHE_DIR": str(tmp_path), **env}
+    done = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert why in done.stderr
