@@ -57,8 +57,10 @@ PROFILE_OUT_NAME = "engine_profile.txt"
 TARGETS = {"prefill_2048_ratio": 3, "decode_b1_ratio": 5, "decode_b8_ratio": 3}
 # transformers fp32 figures quoted in the issue that set the targets (tokens/s, on its machine)
 REFERENCE_TRANSFORMERS = {"prefill_2048_tok_s": 370, "decode_b1_tok_s": 11.5, "decode_b8_tok_s": 58}
+NATIVE_GEMM_LABEL = "spindle::cpu_gemm"  # Spindle's small-batch GEMM kernel (spindle_attention.cpu), not an aten op
 GEMM_OPS = frozenset(
     {"aten::linear", "aten::matmul", "aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise"}
+    | {NATIVE_GEMM_LABEL}
 )
 ATTENTION_LABEL = "spindle::attention"
 # SmolLM2-135M's shape, for --random-weights
@@ -481,20 +483,26 @@ def count_runs(args: argparse.Namespace, with_hf: bool) -> int:
 
 @contextlib.contextmanager
 def labelled_attention() -> Iterator[None]:
-    """Wrap the engine's attention in a profiler range so its time (KV writes included) can be attributed."""
+    """Wrap the engine's attention and Spindle's native GEMM in profiler ranges so their time (KV writes
+    included) can be attributed: the native kernels are not aten ops the profiler would name."""
+    from spindle_attention.cpu import PackedWeight
     from spindle_engine.attention import PagedAttentionContext
 
-    original = PagedAttentionContext.attention
+    original, original_gemm = PagedAttentionContext.attention, PackedWeight.linear
 
     def attention(self: PagedAttentionContext, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         with record_function(ATTENTION_LABEL):
             return original(self, layer, q, k, v)
 
-    PagedAttentionContext.attention = attention
+    def gemm(self: PackedWeight, x: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
+        with record_function(NATIVE_GEMM_LABEL):
+            return original_gemm(self, x, out_dtype)
+
+    PagedAttentionContext.attention, PackedWeight.linear = attention, gemm
     try:
         yield
     finally:
-        PagedAttentionContext.attention = original
+        PagedAttentionContext.attention, PackedWeight.linear = original, original_gemm
 
 
 def _has_ancestor(event: Any, names: frozenset[str]) -> bool:
