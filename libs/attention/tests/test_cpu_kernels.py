@@ -25,7 +25,7 @@ def _cache(lens: list[int], hkv: int, d: int, block_size: int, dtype: torch.dtyp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 72), (4, 4, 16)])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 128), (8, 2, 72), (4, 4, 16)])
 def test_paged_decode_matches_torch_path(dtype, hq, hkv, d):
     lens = [1, 59, 339, 0, 1500]  # 1500 tokens: several context splits per item
     k_cache, v_cache, table = _cache(lens, hkv, d, 16, dtype)

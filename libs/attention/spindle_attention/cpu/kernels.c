@@ -110,7 +110,7 @@ void spindle_gemm_packed(const float* x, const void* p, void* y, int64_t M, int6
  * Work items are (sequence, KV head, split of the context); each keeps an online-softmax state for the
  * G = Hq/Hkv query heads sharing that KV head, so every K/V row is read once per item. */
 
-#define CHUNK 32
+#define CHUNK 32 /* tokens whose scores are computed before one softmax update */
 #define MAXG 16
 
 static inline float dot_row(const float* q, const void* k, int64_t D, int es) {
@@ -211,6 +211,81 @@ static int decode_item(const float* q, const char* kc, const char* vc, const int
     return 0;
 }
 
+/* The same item with the head dim a compile-time multiple of 16 (64, 128): one query head at a time, its q and
+ * output accumulator in registers, the chunk's K/V rows re-read from L1 for each of the G heads. */
+#define DECODE_ITEM_FIXED(NAME, DV, ET, LOAD)                                                                      \
+    static int NAME(const float* q, const char* kc, const char* vc, const int64_t* table, int64_t nblocks,          \
+                    int64_t t0, int64_t t1, int64_t h, int64_t G, int64_t Hkv, int64_t bs, float scale,             \
+                    float* state) {                                                                                \
+        const int64_t D = 16 * DV, row = Hkv * D; /* elements per token slot */                                    \
+        for (int64_t g = 0; g < G; g++) {                                                                          \
+            float* st = state + g * (D + 2);                                                                       \
+            st[0] = -INFINITY;                                                                                     \
+            st[1] = 0.0f;                                                                                          \
+            memset(st + 2, 0, (size_t)D * sizeof(float));                                                          \
+        }                                                                                                          \
+        for (int64_t c0 = t0; c0 < t1; c0 += CHUNK) {                                                              \
+            const int64_t n = (t1 - c0) < CHUNK ? (t1 - c0) : CHUNK;                                               \
+            const ET* kp[CHUNK];                                                                                   \
+            const ET* vp[CHUNK];                                                                                   \
+            for (int64_t j = 0; j < n; j++) {                                                                      \
+                const int64_t t = c0 + j, blk = table[t / bs];                                                     \
+                if (blk < 0 || blk >= nblocks) return -1;                                                          \
+                const int64_t off = (blk * bs + t % bs) * row + h * D;                                             \
+                kp[j] = (const ET*)kc + off;                                                                       \
+                vp[j] = (const ET*)vc + off;                                                                       \
+            }                                                                                                      \
+            for (int64_t g = 0; g < G; g++) {                                                                      \
+                float* st = state + g * (D + 2);                                                                   \
+                __m512 qv[DV], av[DV];                                                                             \
+                float s[CHUNK];                                                                                    \
+                for (int v = 0; v < DV; v++) qv[v] = _mm512_loadu_ps(q + g * D + 16 * v);                          \
+                for (int64_t j = 0; j < n; j++) {                                                                  \
+                    __m512 a = _mm512_mul_ps(qv[0], LOAD(kp[j]));                                                  \
+                    for (int v = 1; v < DV; v++) a = _mm512_fmadd_ps(qv[v], LOAD(kp[j] + 16 * v), a);              \
+                    s[j] = _mm512_reduce_add_ps(a) * scale;                                                        \
+                }                                                                                                  \
+                float mx = st[0];                                                                                  \
+                for (int64_t j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;                                        \
+                const float corr = expf(st[0] - mx);                                                               \
+                float sum = 0.0f;                                                                                  \
+                for (int64_t j0 = 0; j0 < n; j0 += 16) {                                                           \
+                    const __mmask16 lanes = (n - j0) >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j0)) - 1); \
+                    const __m512 e = exp512_nonpos(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, s + j0), _mm512_set1_ps(mx))); \
+                    _mm512_mask_storeu_ps(s + j0, lanes, e);                                                       \
+                    sum += _mm512_mask_reduce_add_ps(lanes, e);                                                    \
+                }                                                                                                  \
+                st[0] = mx;                                                                                        \
+                st[1] = st[1] * corr + sum;                                                                        \
+                const __m512 cv = _mm512_set1_ps(corr);                                                            \
+                for (int v = 0; v < DV; v++) av[v] = _mm512_mul_ps(_mm512_loadu_ps(st + 2 + 16 * v), cv);          \
+                for (int64_t j = 0; j < n; j++) {                                                                  \
+                    const __m512 pj = _mm512_set1_ps(s[j]);                                                        \
+                    for (int v = 0; v < DV; v++) av[v] = _mm512_fmadd_ps(pj, LOAD(vp[j] + 16 * v), av[v]);         \
+                }                                                                                                  \
+                for (int v = 0; v < DV; v++) _mm512_storeu_ps(st + 2 + 16 * v, av[v]);                             \
+            }                                                                                                      \
+        }                                                                                                          \
+        return 0;                                                                                                  \
+    }
+
+DECODE_ITEM_FIXED(decode_item_f32_64, 4, float, load16_f32)
+DECODE_ITEM_FIXED(decode_item_f32_128, 8, float, load16_f32)
+DECODE_ITEM_FIXED(decode_item_bf16_64, 4, bf16_t, load16_bf16)
+DECODE_ITEM_FIXED(decode_item_bf16_128, 8, bf16_t, load16_bf16)
+
+static int decode_any(const float* q, const char* kc, const char* vc, const int64_t* table, int64_t nblocks,
+                      int64_t t0, int64_t t1, int64_t h, int64_t G, int64_t Hkv, int64_t D, int64_t bs, int es,
+                      float scale, float* state) {
+    if (D == 64)
+        return es == 2 ? decode_item_bf16_64(q, kc, vc, table, nblocks, t0, t1, h, G, Hkv, bs, scale, state)
+                       : decode_item_f32_64(q, kc, vc, table, nblocks, t0, t1, h, G, Hkv, bs, scale, state);
+    if (D == 128)
+        return es == 2 ? decode_item_bf16_128(q, kc, vc, table, nblocks, t0, t1, h, G, Hkv, bs, scale, state)
+                       : decode_item_f32_128(q, kc, vc, table, nblocks, t0, t1, h, G, Hkv, bs, scale, state);
+    return decode_item(q, kc, vc, table, nblocks, t0, t1, h, G, Hkv, D, bs, es, scale, state);
+}
+
 int spindle_paged_decode(const float* q, const void* k_cache, const void* v_cache, const int64_t* block_table,
                          const int64_t* seq_lens, float* out, float* lse, int64_t B, int64_t Hq, int64_t Hkv,
                          int64_t D, int64_t bs, int64_t W, int64_t nblocks, float scale, int es, int64_t splits,
@@ -226,8 +301,8 @@ int spindle_paged_decode(const float* q, const void* k_cache, const void* v_cach
         const int64_t b = it / (Hkv * splits), h = (it / splits) % Hkv, sp = it % splits;
         const int64_t len = seq_lens[b], per = (len + splits - 1) / splits;
         const int64_t t0 = sp * per < len ? sp * per : len, t1 = (sp + 1) * per < len ? (sp + 1) * per : len;
-        if (decode_item(q + (b * Hq + h * G) * D, (const char*)k_cache, (const char*)v_cache, block_table + b * W,
-                        nblocks, t0, t1, h, G, Hkv, D, bs, es, scale, states + it * G * width))
+        if (decode_any(q + (b * Hq + h * G) * D, (const char*)k_cache, (const char*)v_cache, block_table + b * W,
+                       nblocks, t0, t1, h, G, Hkv, D, bs, es, scale, states + it * G * width))
             bad = 1;
     }
     if (bad) {
