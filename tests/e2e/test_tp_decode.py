@@ -1,7 +1,8 @@
 """A decode instance of tensor-parallel size 2 (`spindle up --decode-tp 2`) in the real stack, fed by SP-2
-prefill groups (`fixed-sp:sp=2`: each of the two holders' KV parts reaches the TP leader, which forwards each
-follower its heads): the single engine's tokens (greedy and seeded sampling), blocks freed on every rank, and a
-follower's death ends its requests with an error instead of a hang."""
+prefill groups (`fixed-sp:sp=2`: each of the two holders sends each decode rank only its KV heads, directly):
+the single engine's tokens (greedy and seeded sampling), exactly each rank's heads received by each rank and
+nothing forwarded by the leader, blocks freed on every rank, and a follower's death ends its requests with an
+error instead of a hang."""
 
 from __future__ import annotations
 
@@ -72,6 +73,34 @@ def test_seeded_sampling_equals_the_engine(tp_stack, reference_engine, tokenizer
         for o in reference_engine.step():
             ref += o.new_token_ids
     assert stream_text(events, chat=False) == tokenizer.decode(ref)
+
+
+def _tp_counters(stack) -> dict[str, int]:
+    r = httpx.get(stack.url + "/v1/spindle/instances", timeout=5)
+    r.raise_for_status()
+    (decode,) = [i for i in r.json()["instances"] if i["instance_id"] == "decode-0"]
+    return {k: v for k, v in decode.get("counters", {}).items() if k.startswith("tp_kv_")}
+
+
+def test_each_rank_receives_only_its_heads_from_the_holders(tp_stack, reference_engine, tokenizer):
+    from spindle_engine.sp import decode_heads
+    from spindle_engine.tp import slice_bytes
+
+    before = _tp_counters(tp_stack)
+    n = 501
+    ids = _prompts(tokenizer, [n])[0]
+    events = _stream(tp_stack, {"model": "smollm2", "prompt": ids, "max_tokens": 6, "temperature": 0})
+    assert stream_text(events, chat=False) == tokenizer.decode(engine_greedy(reference_engine, [ids], 6)[0])
+    c, dtype = reference_engine.model_config, reference_engine.cache.k.dtype
+    grown = {
+        f"tp_kv_direct_bytes_tp{t}": slice_bytes(n, c.num_layers, hi - lo, c.head_dim, dtype)
+        for t, (lo, hi) in enumerate(decode_heads(c, 2))
+    }
+    forwarded = before.get("tp_kv_forwarded_bytes", 0)  # the leader forwards no heads of a direct transfer
+    want = {k: before.get(k, 0) + v for k, v in grown.items()} | {"tp_kv_forwarded_bytes": forwarded}
+    got = wait_until(lambda: (d := _tp_counters(tp_stack)) == want and d, 5)
+    print(f"\n[tp=2] direct KV bytes per rank for {n} tokens: {grown}")
+    assert got == want, (_tp_counters(tp_stack), want)
 
 
 def test_disconnect_frees_blocks_on_every_rank(tp_stack):

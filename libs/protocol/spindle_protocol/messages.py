@@ -168,9 +168,15 @@ class KVPart(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ReserveReply(msgspec.Struct, frozen=True, kw_only=True):
+    """With `tp_ranks` (a tensor-parallel decode instance), the holder sends each rank `tp_ranks[t]` only the KV
+    heads `tp_heads[t]` ([start, end)) of its KV, under `tp_tags[t]`, instead of the whole KV under `tag`."""
+
     accepted: bool
     tag: int = 0  # data-plane tag the receiver posted its receive under
     reason: str = ""  # "no_space", "unknown", "bad_header", ...
+    tp_ranks: list[int] = []
+    tp_tags: list[int] = []
+    tp_heads: list[list[int]] = []
 
 
 class KVParked(msgspec.Struct, frozen=True, kw_only=True):

@@ -10,8 +10,12 @@ here as one range in tiled order and is put back in prompt order once pulled.
 
 With `tp_size` T > 1 this process leads a tensor-parallel instance of T consecutive ranks: its engine is a
 `TPLeaderEngine` that mirrors every call to the followers (`python -m spindle_decode.tp_follower`) and steps
-with them. KV still arrives here whole (every KV head); the leader keeps its heads and forwards each follower
-its slice with the mirrored call. Only the leader talks NATS. A follower that dies or hangs stops the engine
+with them. A prompt's KV comes to every rank directly: the leader's `ReserveReply` gives the holder the ranks, their
+KV-head ranges and one tag per rank, tells each follower (through the TP control stream) to post its receive, and
+the holder sends each rank only its heads (`receive_direct`). KV pulled from the kvstore (parked or preempted
+requests) still arrives here whole; the leader keeps its heads and forwards each follower its slice with the
+mirrored call. Stats counters report the KV bytes each rank received directly and the bytes forwarded. Only the
+leader talks NATS. A follower that dies or hangs stops the engine
 thread (TPError), and the instance fails every request it holds and exits non-zero.
 
 With `kvp_size` K > 1 it leads a KV-parallel group instead (kvp_lockstep.py): K member processes at consecutive
@@ -31,13 +35,15 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+import torch
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
 from spindle_attention.distributed.comm import RankGroup
 from spindle_engine import Engine, StepOutput
 from spindle_engine.kvp.lockstep import KVPLeaderEngine
-from spindle_engine.tp import TPLeaderEngine, leader_engine
+from spindle_engine.tp import TPLeaderEngine, leader_engine, to_runs
 from spindle_protocol import subjects
 from spindle_protocol.messages import (
     DecodeStarted,
@@ -147,7 +153,34 @@ class DecodeInstance(Instance):
 
     async def _on_stats(self, msg: Any, raw: Msg) -> InstanceStats:
         stats = await super()._on_stats(msg, raw)
+        if isinstance(self.engine, TPLeaderEngine):
+            e = self.engine
+            direct = [e.direct_bytes, *e.follower_direct_bytes]
+            counters = {f"tp_kv_direct_bytes_tp{t}": b for t, b in enumerate(direct)}
+            counters["tp_kv_forwarded_bytes"] = e.forwarded_bytes
+            stats = msgspec.structs.replace(stats, counters={**stats.counters, **counters})
         return kvp_lockstep.with_counters(stats, self.engine)
+
+    async def receive_direct(
+        self, request_id: str, src: int, positions: torch.Tensor
+    ) -> tuple[ReserveReply, TensorHeader]:
+        """TP: every rank of this instance receives its KV heads for `positions` from holder `src` itself (the
+        followers post their receives when the mirrored call reaches them). Returns the holder's reply and the
+        header of this rank's own receive, under `reply.tag`."""
+        engine = self.engine
+        assert isinstance(engine, TPLeaderEngine)
+        tags = [self.dp.new_tag() for _ in range(engine.tp_size)]
+        runs = to_runs(positions)
+        await self.call(lambda e: e.receive_direct(request_id, src, tags, runs))
+        header = header_for(dtype_name(engine.cache.k.dtype), engine.kv_shape(positions.numel()))
+        reply = ReserveReply(
+            accepted=True,
+            tag=tags[0],
+            tp_ranks=list(engine.group.ranks),
+            tp_tags=tags,
+            tp_heads=[list(h) for h in engine.heads],
+        )
+        return reply, header
 
     async def before_engine_stop(self) -> None:
         if isinstance(self.engine, TPLeaderEngine | KVPLeaderEngine) and self.thread.is_alive():
@@ -184,9 +217,18 @@ class DecodeInstance(Instance):
         if not ok:
             return ReserveReply(accepted=False, reason="no_space")
         job = self._new_job(spec, raw.headers)
-        tag = self.dp.new_tag()
-        self._spawn(self._receive(job, src=msg.src_rank, tag=tag, header=msg.kv, first_token=msg.first_token))
-        return ReserveReply(accepted=True, tag=tag)
+        reply, header = ReserveReply(accepted=True, tag=self.dp.new_tag()), msg.kv
+        if isinstance(self.engine, TPLeaderEngine):  # each rank receives its heads from the holder
+            try:
+                reply, header = await self.receive_direct(rid, msg.src_rank, torch.arange(n))
+            except Exception as e:  # the request went away meanwhile
+                await self.give_up(job, e)
+                return ReserveReply(accepted=False, reason=f"aborted or refused: {e}")
+        receive = self._receive(
+            job, src=msg.src_rank, tag=reply.tag, header=header, first_token=msg.first_token, nbytes=msg.kv.nbytes
+        )
+        self._spawn(receive)
+        return reply
 
     async def _receive(
         self,
@@ -198,9 +240,11 @@ class DecodeInstance(Instance):
         first_token: int = -1,
         resume: preempt.Resume | None = None,
         tiled: tuple[SPChunkSpec, ...] = (),
+        nbytes: int = 0,
     ) -> None:
         """Receive the KV, then decode: a prompt's with `first_token`, or a preempted request's (`resume`).
-        With `tiled`, the KV is an SP prompt's parts in tiled order (spindle_worker.sp_plan.untile)."""
+        With `tiled`, the KV is an SP prompt's parts in tiled order (spindle_worker.sp_plan.untile). `nbytes`:
+        the KV's bytes over every rank when this rank receives only its heads (default: `header`'s)."""
         rid = job.request_id
         ctx = trace.set_span_in_context(job.span)
         try:
@@ -214,7 +258,7 @@ class DecodeInstance(Instance):
                         kv = untile(kv, tiled)
                     tokens, num_prompt = [*prompt, first_token], len(prompt)
                     job.stats["transfer_ms"] = (time.time() - t0) * 1e3
-                    job.stats["kv_bytes"] = float(header.nbytes)
+                    job.stats["kv_bytes"] = float(nbytes or header.nbytes)
                 else:
                     kv = await recv
                     tokens, num_prompt = resume.token_ids, resume.num_prompt_tokens

@@ -10,6 +10,8 @@ gets the blocks), and every later part gets the same answer, so parts never end 
   other parked requests as one range [0, N); it is pulled with one `KVGet` and un-permuted by the plan.
 Later parts that arrive while the first part's reservation is being made wait for its outcome. Each holder's
 positions follow from the plan it names, so every part is checked against exactly the tokens that holder has.
+On a tensor-parallel instance every rank receives each part's heads for itself (`DecodeInstance.receive_direct`):
+the leader assembles its heads here, each follower its own at the mirrored resume.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from nats.aio.msg import Msg
 
 from spindle_engine.sp import assemble_kv
+from spindle_engine.tp import TPLeaderEngine
 from spindle_protocol import subjects
 from spindle_protocol.messages import DecodeStarted, KVParked, ReserveKV, ReserveReply, SPChunkSpec, TensorHeader
 from spindle_protocol.prompts import load_prompt
@@ -95,9 +98,19 @@ async def on_reserve_part(inst: DecodeInstance, msg: ReserveKV, raw: Msg) -> Res
     entry.senders.add(part.member)
     if msg.first_token >= 0:
         entry.first_token = msg.first_token
-    tag = inst.dp.new_tag()
-    inst._spawn(_receive_part(inst, entry, positions, msg.src_rank, tag, msg.kv))
-    return ReserveReply(accepted=True, tag=tag)
+    reply, header = ReserveReply(accepted=True, tag=inst.dp.new_tag()), msg.kv
+    if isinstance(inst.engine, TPLeaderEngine):  # each rank receives this part's heads from the holder
+        try:
+            reply, header = await inst.receive_direct(rid, msg.src_rank, positions)
+        except Exception as e:  # the request went away meanwhile
+            job = entry.job
+            assert job is not None
+            job.cancel.set()  # the other parts' receives stop too
+            inst.sp_parts.pop(rid, None)
+            await inst.give_up(job, e)
+            return ReserveReply(accepted=False, reason=f"aborted or refused: {e}")
+    inst._spawn(_receive_part(inst, entry, positions, msg.src_rank, reply.tag, header, msg.kv.nbytes))
+    return reply
 
 
 async def _decide(inst: DecodeInstance, entry: PartsInFlight, msg: ReserveKV, raw: Msg) -> ReserveReply | None:
@@ -124,15 +137,22 @@ def _part_header(inst: DecodeInstance, num_tokens: int) -> TensorHeader:
 
 
 async def _receive_part(
-    inst: DecodeInstance, entry: PartsInFlight, positions: torch.Tensor, src: int, tag: int, header: TensorHeader
+    inst: DecodeInstance,
+    entry: PartsInFlight,
+    positions: torch.Tensor,
+    src: int,
+    tag: int,
+    header: TensorHeader,
+    nbytes: int,
 ) -> None:
+    """Receive one part (on a TP instance, the leader's heads of it); `nbytes`: the part's bytes over every rank."""
     job = entry.job
     assert job is not None
     rid = job.request_id
     try:
         kv = await inst.dp.recv_async(header, src, tag, cancel=job.cancel, timeout_s=RECEIVE_TIMEOUT_S)
         entry.parts.append((positions, kv))
-        entry.bytes += header.nbytes
+        entry.bytes += nbytes
         if len(entry.parts) < entry.num_parts:
             return
         inst.sp_parts.pop(rid, None)

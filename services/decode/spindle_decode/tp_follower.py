@@ -2,7 +2,9 @@
 
 It holds its shard of the model and of every request's KV and steps in lockstep with its leader (the decode
 instance at `--leader-rank`), replaying the engine calls the leader sends before each step
-(spindle_engine.tp). It talks no NATS: the leader alone publishes. It exits non-zero when the leader dies,
+(spindle_engine.tp). A prompt's KV heads for this rank come straight from the prefill holders on the data plane
+(header-checked `DataPlane.recv`, posted when the leader's `ReceiveKV` arrives); a parked or preempted request's
+come from the leader. It talks no NATS: the leader alone publishes. It exits non-zero when the leader dies,
 stays silent too long or the two diverge, and 0 when the leader stops the group.
 """
 
@@ -12,14 +14,21 @@ import argparse
 import logging
 import os
 import sys
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+
+import torch
 
 from spindle_attention.distributed.comm import RankGroup
-from spindle_engine.tp import TPFollower, follower_engine
+from spindle_engine.tp import Receiver, TPFollower, follower_engine
 from spindle_protocol import service
-from spindle_transfer import DataPlane
+from spindle_protocol.tensor_header import header_for
+from spindle_transfer import DataPlane, dtype_name
 from spindle_worker.instance import engine_config_from_args
 
 log = logging.getLogger("spindle.decode.tp")
+RECEIVE_TIMEOUT_S = 120.0  # for a holder to start sending (the leader's drop cancels it sooner)
 # GOMP_SPINCOUNT is set by spindle_decode/__init__.py, which `python -m` imports before torch loads.
 
 
@@ -41,6 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def data_plane_receiver(dp: DataPlane, pool: ThreadPoolExecutor) -> Receiver:
+    """Receives for `TPFollower`: each a header-checked `dp.recv` on `pool`."""
+
+    def receive(src: int, tag: int, shape: tuple[int, ...], dtype: torch.dtype, cancel: threading.Event) -> Future:
+        header = header_for(dtype_name(dtype), shape)
+        return pool.submit(partial(dp.recv, header, src, tag, cancel=cancel, timeout_s=RECEIVE_TIMEOUT_S))
+
+    return receive
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -59,7 +78,9 @@ def main(argv: list[str] | None = None) -> None:
             ranks[0],
             engine.allocator.num_blocks,
         )
-        TPFollower(engine, ranks[0]).serve()
+        pool = ThreadPoolExecutor(8, thread_name_prefix="kv-receive")
+        TPFollower(engine, ranks[0], receiver=data_plane_receiver(dp, pool)).serve()
+        pool.shutdown(wait=False, cancel_futures=True)
     except Exception:
         log.exception("tensor-parallel follower rank %d failed", args.rank)
         sys.exit(1)

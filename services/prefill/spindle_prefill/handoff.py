@@ -1,7 +1,10 @@
 """The KV hand-off from a prefill instance (Tetris §4.2 handshake).
 
 1. Ask the decode instance to reserve blocks (`ReserveKV`); it posts a receive and answers with a tag.
-2. Send the KV tensor on the data plane under that tag.
+2. Send the KV tensor on the data plane under that tag. A tensor-parallel decode instance answers with its ranks,
+   their KV-head ranges and one tag per rank instead: each rank gets only its heads, straight from here, so the
+   sequence-sharded prefill layout becomes the head-sharded decode layout in that one transfer. The followers'
+   slices go first and the leader's last: once the leader has its part, every rank has its own.
 If the decode instance has no room, the KV parks in the kvstore (`KVPut`, then the tensor) and the decode
 instance is told where it waits (`KVParked`); it pulls the KV when blocks free.
 
@@ -12,12 +15,14 @@ of the request's tiled entry (see `KVParked`); the decode instance answers every
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING
 
 import torch
 from opentelemetry import trace
 
+from spindle_engine.sp import split_for_decode
 from spindle_protocol import subjects
 from spindle_protocol.messages import KVParked, KVPart, KVPut, ReserveKV, ReserveReply, TransferDone
 from spindle_transfer import header_of
@@ -55,7 +60,11 @@ async def hand_off(
             ReserveReply,
             timeout=HANDSHAKE_TIMEOUT_S,
         )
-        if reply.accepted:
+        if reply.accepted and reply.tp_ranks:
+            span.set_attribute("spindle.tp_ranks", list(reply.tp_ranks))
+            await send_heads(inst, kv, reply)
+            parked = False
+        elif reply.accepted:
             await inst.dp.send_async(kv, cmd.decode_rank, reply.tag, header)
             parked = False
         elif reply.reason == "no_space" and cmd.kvstore_instance:
@@ -97,3 +106,23 @@ async def hand_off(
             parked=parked,
         ),
     )
+
+
+def head_slices(kv: torch.Tensor, reply: ReserveReply) -> list[tuple[torch.Tensor, int, int]]:
+    """`(slice, rank, tag)` per rank of a tensor-parallel decode instance: its KV heads of `kv`."""
+    ranks, tags, heads = reply.tp_ranks, reply.tp_tags, reply.tp_heads
+    if not len(ranks) == len(tags) == len(heads) or any(len(h) != 2 for h in heads):
+        raise HandOffError(f"a bad tensor-parallel layout: ranks {ranks}, tags {tags}, heads {heads}")
+    try:
+        parts = split_for_decode(kv, [(lo, hi) for lo, hi in heads])
+    except ValueError as e:
+        raise HandOffError(f"the decode instance's heads {heads} do not fit the KV: {e}") from e
+    return list(zip(parts, ranks, tags, strict=True))
+
+
+async def send_heads(inst: PrefillInstance, kv: torch.Tensor, reply: ReserveReply) -> None:
+    """Send each decode rank its heads: the followers together, then the leader (`tp_ranks[0]`)."""
+    (lead, *follow) = head_slices(kv, reply)
+    await asyncio.gather(*(inst.dp.send_async(part, rank, tag, header_of(part)) for part, rank, tag in follow))
+    part, rank, tag = lead
+    await inst.dp.send_async(part, rank, tag, header_of(part))

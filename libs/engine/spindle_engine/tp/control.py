@@ -2,9 +2,11 @@
 
 Before each step the leader sends every follower one `Control`: the engine-mutating calls since the last one,
 in order, and whether to step. On the wire, per follower: an int64 `[nbytes]`, then the msgspec (msgpack)
-bytes as a uint8 tensor, then one KV tensor per `Resume` call (that follower's heads, in call order). The
-follower answers each `Control`, after applying it and stepping, with an int64 `Ack`: `[seq, used blocks,
-total blocks, checksum of the step's tokens]`, so the leader notices a diverged or dead follower at once.
+bytes as a uint8 tensor, then one KV tensor per `Resume` call that is not `direct` (that follower's heads, in
+call order). A `direct` resume's KV came to the follower from the prefill holders themselves (`ReceiveKV`,
+direct.py). The follower answers each `Control`, after applying it and stepping, with an int64 `Ack`: `[seq,
+used blocks, total blocks, checksum of the step's tokens, KV bytes received directly so far]`; the first four
+must equal the leader's, so the leader notices a diverged or dead follower at once.
 
 Tags: `RANK_GROUP_TAG + CONTROL_TAG + 0..3` (length, payload, KV parts, ack); the all-reduce of the model
 uses `RANK_GROUP_TAG + 8192 + [0, 2T)` (spindle_model.parallel), KVP `RANK_GROUP_TAG + 4096 + ...`.
@@ -27,7 +29,8 @@ from ..sampling_params import SamplingParams
 
 CONTROL_TAG = 12288
 _LENGTH, _PAYLOAD, _KV, _ACK = (RANK_GROUP_TAG + CONTROL_TAG + i for i in range(4))
-ACK_WORDS = 4
+ACK_WORDS = 5
+CHECKED_ACK_WORDS = 4  # the last word (direct KV bytes) is a counter, not compared
 
 
 class AddRequest(msgspec.Struct, frozen=True, tag="add"):
@@ -47,19 +50,31 @@ class CancelReservation(msgspec.Struct, frozen=True, tag="cancel"):
 
 
 class Resume(msgspec.Struct, frozen=True, tag="resume"):
-    """`Engine.resume`; the follower's KV heads for `len(token_ids) - 1` tokens follow the message."""
+    """`Engine.resume`; the follower's KV heads for `len(token_ids) - 1` tokens follow the message, or, when
+    `direct`, were received from the holders the `ReceiveKV` calls named."""
 
     request_id: str
     token_ids: list[int]
     num_prompt_tokens: int
     params: SamplingParams
+    direct: bool = False
+
+
+class ReceiveKV(msgspec.Struct, frozen=True, tag="receive_kv"):
+    """Post a receive from holder `src` of this rank's KV heads for the positions `runs` ([start, end) runs in
+    the part's order), under `tags[tp rank]`; the request's `Resume` (direct) uses every part posted."""
+
+    request_id: str
+    src: int
+    tags: list[int]
+    runs: list[list[int]]
 
 
 class Abort(msgspec.Struct, frozen=True, tag="abort"):
     request_id: str
 
 
-Call = AddRequest | Reserve | CancelReservation | Resume | Abort
+Call = AddRequest | Reserve | CancelReservation | Resume | ReceiveKV | Abort
 
 
 class Control(msgspec.Struct, frozen=True):
@@ -107,7 +122,7 @@ def recv_control(
     control = _decoder.decode(payload.numpy().tobytes())
     parts = []
     for call in control.calls:
-        if isinstance(call, Resume):
+        if isinstance(call, Resume) and not call.direct:
             t = torch.empty(kv_shape(len(call.token_ids) - 1), dtype=kv_dtype)
             _wait([dist.irecv(t, leader, tag=_KV)], timeout_s, f"KV of {call.request_id} from rank {leader}")
             parts.append(t)

@@ -4,8 +4,11 @@ Every rank runs an `Engine` on its shard of the model (`LlamaModel(tp_group=Rank
 configuration and the same KV capacity in tokens, so identical call sequences make the schedulers pick
 identical batches and the all-reduces line up. `TPLeaderEngine` is an `Engine` whose mutating calls are
 recorded; its `step()` first sends the followers the calls since the last step (control.py), then steps.
-KV comes in with every KV head (what one engine would hold): the leader keeps its heads and sends each
-follower its own slice with the mirrored `resume`. `TPFollower.serve()` applies each message and steps.
+KV comes in one of two ways. Whole (every KV head, what one engine would hold: a parked or preempted request
+pulled from the kvstore): the leader keeps its heads and sends each follower its own slice with the mirrored
+`resume`. Direct (`receive_direct`, then `resume` with the leader's heads only): each prefill holder sends each
+rank its heads itself, the followers post their receives when the mirrored `ReceiveKV` arrives and put the
+parts in place at the mirrored `Resume` (direct.py). `TPFollower.serve()` applies each message and steps.
 
 A peer that dies or stops answering ends the step with `TPError` after `timeout_s` (or at once when its
 connection closes): the leader's engine thread stops and the service fails its requests.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 
 from torch import Tensor
@@ -29,11 +33,13 @@ from ..kv_cache import KVCache
 from ..sampling_params import SamplingParams
 from ..sp.kv_parts import decode_heads, split_for_decode
 from .control import (
+    CHECKED_ACK_WORDS,
     Abort,
     AddRequest,
     Call,
     CancelReservation,
     Control,
+    ReceiveKV,
     Reserve,
     Resume,
     TPError,
@@ -43,12 +49,14 @@ from .control import (
     send_ack,
     send_control,
 )
+from .direct import DirectReceives, Receiver
 
 log = logging.getLogger("spindle.engine.tp")
 
 STEP_TIMEOUT_S = 60.0  # longest wait for a peer within a step (a control message, an ack)
 KEEPALIVE_S = 1.0  # an idle leader still sends an empty message this often (followers notice its death)
 LEADER_SILENCE_S = 120.0  # a follower that hears nothing for this long gives up
+DIRECT_WAIT_S = 30.0  # a direct resume's parts: the leader's arrived last, so the followers' are in (or dead)
 STARTUP_TIMEOUT_S = 600.0  # the first exchange waits for the followers to load the model
 
 
@@ -91,6 +99,10 @@ class TPLeaderEngine(Engine):
         self.timeout_s = timeout_s
         self.keepalive_s = keepalive_s
         self.follower_blocks_used = [0] * len(self.followers)
+        self.follower_direct_bytes = [0] * len(self.followers)  # KV bytes each follower received from holders
+        self.direct_bytes = 0  # KV bytes this rank received from holders (its heads only)
+        self.forwarded_bytes = 0  # KV bytes this rank sent followers (whole KV imports: parked, preempted)
+        self._direct: set[str] = set()  # requests whose KV the ranks receive from the holders
         self._calls: list[Call] = []
         self._kv: list[list[Tensor]] = [[] for _ in self.followers]
         self._seq = 0
@@ -106,6 +118,17 @@ class TPLeaderEngine(Engine):
         """The shape of the KV `resume` takes: every KV head, as one engine would hold it."""
         c = self.model_config
         return (2, len(self.model.layers), num_tokens, c.num_kv_heads, c.head_dim)
+
+    def receive_direct(self, request_id: str, src: int, tags: list[int], runs: list[list[int]]) -> None:
+        """Have every follower post a receive of its heads for positions `runs` from holder `src` under
+        `tags[its tp rank]` (this rank receives under `tags[0]` itself); the request's `resume` then takes this
+        rank's heads only. Call once per holder, after `reserve`."""
+        if request_id not in self.reserved:
+            raise ValueError(f"request {request_id!r} has no reservation")
+        if len(tags) != self.tp_size:
+            raise ValueError(f"{len(tags)} tags for {self.tp_size} ranks")
+        self._direct.add(request_id)
+        self._calls.append(ReceiveKV(request_id, src, list(tags), [list(r) for r in runs]))
 
     # ---- mirrored calls ----
 
@@ -123,6 +146,7 @@ class TPLeaderEngine(Engine):
 
     def cancel_reservation(self, request_id: str) -> bool:
         done = super().cancel_reservation(request_id)
+        self._direct.discard(request_id)
         if done:
             self._calls.append(CancelReservation(request_id))
         return done
@@ -130,6 +154,12 @@ class TPLeaderEngine(Engine):
     def resume(
         self, request_id: str, token_ids: list[int], num_prompt_tokens: int, kv: Tensor, params: SamplingParams
     ) -> None:
+        if request_id in self._direct:  # the followers received their heads from the holders
+            super().resume(request_id, token_ids, num_prompt_tokens, kv, params)
+            self._direct.discard(request_id)
+            self._calls.append(Resume(request_id, list(token_ids), num_prompt_tokens, params, direct=True))
+            self.direct_bytes += kv.numel() * kv.element_size()
+            return
         shape = self.import_kv_shape(len(token_ids) - 1)
         if tuple(kv.shape) != shape:
             raise ValueError(f"KV shape {tuple(kv.shape)} does not match {shape} (every KV head)")
@@ -138,9 +168,11 @@ class TPLeaderEngine(Engine):
         self._calls.append(Resume(request_id, list(token_ids), num_prompt_tokens, params))
         for f, part in enumerate(parts[1:]):
             self._kv[f].append(part)
+            self.forwarded_bytes += part.numel() * part.element_size()
 
     def abort(self, request_id: str) -> bool:
         done = super().abort(request_id)
+        self._direct.discard(request_id)
         if done:
             self._calls.append(Abort(request_id))
         return done
@@ -173,9 +205,10 @@ class TPLeaderEngine(Engine):
         acks = recv_acks(self.followers, timeout_s)
         expected = [control.seq, self.allocator.num_used, self.allocator.num_blocks, checksum(outputs)]
         for peer, ack in zip(self.followers, acks, strict=True):
-            if ack != expected:
+            if ack[:CHECKED_ACK_WORDS] != expected:
                 raise TPError(f"rank {peer} diverged: ack {ack}, leader {expected} (seq, used, blocks, checksum)")
         self.follower_blocks_used = [a[1] for a in acks]
+        self.follower_direct_bytes = [a[CHECKED_ACK_WORDS] for a in acks]
         return outputs
 
     def close(self) -> None:
@@ -190,12 +223,26 @@ class TPLeaderEngine(Engine):
 
 
 class TPFollower:
-    """Replays the leader's calls on this rank's engine and steps with it, until told to stop."""
+    """Replays the leader's calls on this rank's engine and steps with it, until told to stop.
 
-    def __init__(self, engine: Engine, leader: int, *, timeout_s: float = LEADER_SILENCE_S) -> None:
+    `receiver` receives the KV parts the holders send this rank directly (`ReceiveKV`); without one, such a call
+    is an error."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        leader: int,
+        *,
+        timeout_s: float = LEADER_SILENCE_S,
+        receiver: Receiver | None = None,
+        direct_timeout_s: float = DIRECT_WAIT_S,
+    ) -> None:
         self.engine = engine
         self.leader = leader
         self.timeout_s = timeout_s
+        self.tp_rank = engine.model.shard.rank
+        self.direct = None if receiver is None else DirectReceives(receiver, engine.kv_shape, engine.cache.k.dtype)
+        self.direct_timeout_s = direct_timeout_s
 
     def serve(self) -> None:
         e = self.engine
@@ -211,7 +258,8 @@ class TPFollower:
             expected_seq += 1
             self.apply(control.calls, parts)
             outputs = e.step() if control.step else []
-            ack = [control.seq, e.allocator.num_used, e.allocator.num_blocks, checksum(outputs)]
+            direct = 0 if self.direct is None else self.direct.bytes
+            ack = [control.seq, e.allocator.num_used, e.allocator.num_blocks, checksum(outputs), direct]
             send_ack(ack, self.leader, STEP_TIMEOUT_S)
 
     def apply(self, calls: list[Call], parts: list[Tensor]) -> None:
@@ -225,10 +273,31 @@ class TPFollower:
                         raise TPError(f"reserve({call.request_id}) failed here but not on the leader")
                 case CancelReservation():
                     e.cancel_reservation(call.request_id)
+                    self._drop(call.request_id)
+                case ReceiveKV():
+                    if self.direct is None:
+                        raise TPError("the leader sent a direct KV receive, but this follower cannot receive one")
+                    self.direct.post(call.request_id, call.src, call.tags[self.tp_rank], call.runs)
                 case Resume():
-                    e.resume(call.request_id, call.token_ids, call.num_prompt_tokens, next(kv), call.params)
+                    part = self._direct_kv(call) if call.direct else next(kv)
+                    e.resume(call.request_id, call.token_ids, call.num_prompt_tokens, part, call.params)
                 case Abort():
                     e.abort(call.request_id)
+                    self._drop(call.request_id)
+
+    def _direct_kv(self, call: Resume) -> Tensor:
+        if self.direct is None:
+            raise TPError(f"a direct resume of {call.request_id} reached a follower that cannot receive one")
+        try:
+            return self.direct.take(call.request_id, len(call.token_ids) - 1, self.direct_timeout_s)
+        except (FutureTimeout, TimeoutError) as e:
+            raise TPError(f"the KV of {call.request_id} from its holders did not arrive here in time") from e
+        except Exception as e:  # a holder's transfer failed after the leader's own part arrived: we cannot go on
+            raise TPError(f"the KV of {call.request_id} from its holders failed here: {e}") from e
+
+    def _drop(self, request_id: str) -> None:
+        if self.direct is not None:
+            self.direct.drop(request_id)
 
 
 def follower_engine(config: EngineConfig, group: RankGroup) -> Engine:
