@@ -29,32 +29,39 @@ class ModelRunner:
         # decode tokens first, then prefill chunks; keep each chunk's index for the caller
         decodes = [(i, c) for i, c in enumerate(chunks) if c.num_tokens == 1]
         prefills = [(i, c) for i, c in enumerate(chunks) if c.num_tokens > 1]
+        bs = self.block_size
+        # decode tokens: positions and cache slots in plain Python (one tensor each, not a few per sequence)
         ids: list[int] = []
-        pos: list[Tensor] = []
-        slots: list[Tensor] = []
-        prefill_meta: list[PrefillChunk] = []
+        dec_pos: list[int] = []
+        dec_slots: list[int] = []
         sample_rows: list[int] = []
         sample_chunks: list[int] = []
-        decode_tables = []
-        for index, c in decodes + prefills:
+        for index, c in decodes:
+            seq, start = c.seq, c.seq.num_computed_tokens
+            ids.append(seq.token_ids[start])
+            dec_pos.append(start)
+            dec_slots.append(seq.block_table[start // bs] * bs + start % bs)
+            if start + 1 == seq.num_tokens:
+                sample_rows.append(len(ids) - 1)
+                sample_chunks.append(index)
+        pos: list[Tensor] = [torch.tensor(dec_pos, dtype=torch.long)]
+        slots: list[Tensor] = [torch.tensor(dec_slots, dtype=torch.long)]
+        prefill_meta: list[PrefillChunk] = []
+        for index, c in prefills:
             seq, start, n = c.seq, c.seq.num_computed_tokens, c.num_tokens
             offset = len(ids)
             ids.extend(seq.token_ids[start : start + n])
             table = torch.tensor(seq.block_table, dtype=torch.int32)
             pos.append(torch.arange(start, start + n))
             slots.append(self._slots(table, start, start + n))
-            if n == 1:
-                decode_tables.append(table)
-            else:
-                prefill_meta.append(PrefillChunk(offset, n, start, table.unsqueeze(0)))
+            prefill_meta.append(PrefillChunk(offset, n, start, table.unsqueeze(0)))
             if start + n == seq.num_tokens:
                 sample_rows.append(offset + n - 1)
                 sample_chunks.append(index)
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            decode_table = torch.zeros(len(decode_tables), width, dtype=torch.int64)
-            for i, t in enumerate(decode_tables):
-                decode_table[i, : len(t)] = t
+        if decodes:
+            tables = [c.seq.block_table for _, c in decodes]
+            width = max(len(t) for t in tables)
+            decode_table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
             decode_lens = torch.tensor([c.seq.num_computed_tokens + 1 for _, c in decodes])
         else:
             decode_table = torch.zeros(0, 1, dtype=torch.int32)
