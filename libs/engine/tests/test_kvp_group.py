@@ -3,6 +3,7 @@ scale-up of a tail that runs out of blocks; and a whole group driven as one engi
 
 import json
 import random
+import time
 
 import pytest
 import torch
@@ -189,3 +190,49 @@ def test_group_engine_gives_the_single_engine_tokens(tiny_dir, tmp_path):
     assert leader["blocks_used"].tolist() == [0, 0]
     assert leader["member_blocks_used"].tolist() == [0, 0]
     assert [int(r["blocks_used"]) for r in results[1:]] == [0, 0]
+
+
+def test_a_member_killed_mid_decode_fails_only_its_requests(tiny_dir, tmp_path):
+    """Member 1 dies inside a step: the requests it mastered or held KV of fail, the others finish with the single
+    engine's tokens, the survivors free every block and the group never places on member 1 again."""
+    from spindle_engine.kvp.group_testing import group_kill_worker, run_survivors
+
+    greedy = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    script = [
+        {"step": 0, "op": "resume", "id": "long", "prompt": _ids(40, 1), "params": greedy},  # on 0 and 1
+        {"step": 0, "op": "resume", "id": "short", "prompt": _ids(9, 2), "params": {**greedy, "max_tokens": 14}},
+        {"step": 1, "op": "resume", "id": "mid", "prompt": _ids(5, 4), "params": greedy},
+        {"step": 1, "op": "resume", "id": "four", "prompt": _ids(7, 5), "params": greedy},
+        {"step": 7, "op": "resume", "id": "late", "prompt": _ids(11, 6), "params": {**greedy, "max_tokens": 5}},
+    ]
+    config = {"model": tiny_dir, "block_size": 4, "kv_cache_tokens": 64, "max_model_len": 128}
+    t0 = time.monotonic()
+    results = run_survivors(group_kill_worker, 3, tmp_path, json.dumps(config), 21, json.dumps(script), 1, 4)
+    elapsed = time.monotonic() - t0
+    leader = results[0]
+    assert leader, "the leader did not survive"
+    assert results[1] == {}  # the victim
+    placed = {k.removeprefix("placed:"): v.tolist() for k, v in leader.items() if k.startswith("placed:")}
+    failed = {k.removeprefix("failed:") for k in leader if k.startswith("failed:")}
+    got = {k.removeprefix("tokens:"): v.tolist() for k, v in leader.items() if k.startswith("tokens:")}
+    involved = {rid for rid, members in placed.items() if 1 in members}
+    assert failed == involved and {"long", "four"} <= failed, (placed, failed)  # long: KV on 1; four: all on 1
+    assert placed["mid"] == [0, 2]  # mastered by 0, KV on 2: its q and partial states cross the survivors' link
+    assert 1 not in placed["late"]  # placed after the death: never on the dead member
+    survivors = [e for e in script if e["id"] not in failed]
+    assert survivors
+    engine = Engine(EngineConfig(model=tiny_dir, block_size=4, kv_cache_tokens=4096, max_model_len=128))
+    for e in survivors:
+        engine.add_request(e["id"], e["prompt"], SamplingParams(**e["params"]))
+    ref: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            ref.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert {rid: got[rid] for rid in ref} == ref
+    assert all(len(got[rid]) < 12 for rid in failed)
+    assert leader["gone"].tolist() == [1]
+    assert int(leader["num_blocks"]) == 2 * 16  # the group's capacity shrank by the dead member's blocks
+    assert leader["blocks_used"].tolist() == [0, 0]
+    assert leader["member_blocks_used"].tolist() == [[2, 0]]
+    assert int(results[2]["blocks_used"]) == 0
+    print(f"\n[kvp kill] 3 members, member 1 killed at step 4: {len(failed)} failed, {len(ref)} exact, {elapsed:.1f}s")

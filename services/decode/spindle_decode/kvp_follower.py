@@ -4,7 +4,8 @@ It holds the whole model and its member's token ranges of the group's requests' 
 leader gives it (runs their layers, samples their tokens) and serves the other masters' queries over its ranges,
 stepping in lockstep with the leader (the decode instance at `--leader-rank`, member 0), whose placement calls
 it replays before each step (spindle_engine.kvp.lockstep). It talks no NATS: the leader alone publishes. It exits
-non-zero when a peer dies, the leader stays silent too long or the members diverge, and 0 when the leader stops.
+non-zero when the leader dies or stays silent too long or the members diverge, and 0 when the leader stops;
+another member's death only drops the requests that member had a part in (the leader says `Gone`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ R..R+K-1 (the others run `python -m spindle_decode.kvp_follower`). Everything NA
 engine: the scheduler sees one instance whose KV blocks are the members' together, KV arrives whole at the
 leader (directly, in SP parts, or pulled from the kvstore), and the leader streams every request's tokens,
 whichever member masters it. Here: building and connecting the group, per-member block counts and the
-scale-up counter in the instance's stats, and failing the requests the group had to drop.
+scale-up counter in the instance's stats, and failing the requests the group had to drop (for want of blocks,
+or because a follower died: the group then goes on with the others and registers only their blocks).
 """
 
 from __future__ import annotations
@@ -71,12 +72,18 @@ def with_kvp_size(info: InstanceInfo, size: int) -> InstanceInfo:
 def with_counters(stats: InstanceStats, engine: object) -> InstanceStats:
     if not isinstance(engine, KVPLeaderEngine):
         return stats
-    counters = {"kvp_scale_ups": engine.scale_ups, "kvp_dropped": engine.dropped}
+    counters = {
+        "kvp_scale_ups": engine.scale_ups,
+        "kvp_dropped": engine.dropped,
+        "kvp_members_gone": len(engine.gone),
+        "kvp_lost_requests": engine.lost_requests,
+    }
     return msgspec.structs.replace(stats, counters={**stats.counters, **counters})
 
 
 def fail_dropped(inst: DecodeInstance, engine: KVPLeaderEngine) -> None:
-    """On the engine thread after a step: fail the requests the group dropped (no block for a next token)."""
+    """On the engine thread after a step: fail the requests the group dropped (no block for a next token, or a
+    member that died holding or mastering them; the group goes on without that member)."""
     for rid, message in engine.take_failures():
         job = inst.jobs.get(rid)
         if job is not None:

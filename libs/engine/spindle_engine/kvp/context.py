@@ -12,15 +12,18 @@ Per layer, on every member of the lockstep group (masters and pure holders alike
 5. merge each own request's states, in holder order, with `merge_attn_states_many`.
 
 Every message size follows from the shared `KVPPlan` (the rows of a message are the requests in admission
-order), so no header travels. Tags, on the default group above the RankGroup range: `KVP_TAG` for the
+order), so no header travels. A peer in `lost` (its process died, wire.py) is skipped: the exchanges between
+the others do not depend on it, so their requests stay exact; the rows of requests it held or mastered get
+garbage (a missing partial state counts as zeros), and the leader drops those requests after the step.
+Tags, on the default group above the RankGroup range: `KVP_TAG` for the
 per-step control message, `KVP_TAG + 1 + 2 * layer` for queries and `KVP_TAG + 2 + 2 * layer` for results.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -31,6 +34,7 @@ from spindle_attention.distributed.comm import RANK_GROUP_TAG, pack, unpack
 
 from .plan import KVPPlan, KVPRequest
 from .shard import KVShard
+from .wire import post, wait_peers
 
 KVP_TAG = RANK_GROUP_TAG + 4096
 
@@ -74,8 +78,10 @@ class KVPAttentionContext:
         tail_slots: dict[str, Tensor],
         stats: KVPStats,
         timeout_s: float | None = None,
+        lost: set[int] | None = None,
     ) -> None:
         self.me, self.ranks, self.shard, self.stats = me, ranks, shard, stats
+        self.lost = lost  # members found dead (shared with the member; may grow); None: a dead peer raises
         self.timeout_s = timeout_s  # longest wait for one peer message; None = forever
         self.first_layer = first_layer
         _, _, _, self.hkv, self.d = shard.cache.k.shape
@@ -111,15 +117,18 @@ class KVPAttentionContext:
     def _exchange(self, layer: int, q: Tensor | None, k: Tensor | None, v: Tensor | None) -> Tensor | None:
         li = layer - self.first_layer
         t0 = time.perf_counter()
-        q_in = {m: torch.empty(self._query_numel(rs, self.me), dtype=self.dtype) for m, rs in self.in_q.items()}
-        r_in = {h: torch.empty(self._result_nbytes(len(rs)), dtype=torch.uint8) for h, rs in self.out_q.items()}
-        q_works = [dist.irecv(buf, self.ranks[m], tag=query_tag(layer)) for m, buf in q_in.items()]
-        r_works = [dist.irecv(buf, self.ranks[h], tag=result_tag(layer)) for h, buf in r_in.items()]
+        lost = self.lost or set()
+        in_q = {m: rs for m, rs in self.in_q.items() if m not in lost}
+        out_q = {h: rs for h, rs in self.out_q.items() if h not in lost}
+        q_in = {m: torch.empty(self._query_numel(rs, self.me), dtype=self.dtype) for m, rs in in_q.items()}
+        r_in = {h: torch.empty(self._result_nbytes(len(rs)), dtype=torch.uint8) for h, rs in out_q.items()}
+        q_works = [self._post(dist.irecv, buf, m, query_tag(layer)) for m, buf in q_in.items()]
+        r_works = [self._post(dist.irecv, buf, h, result_tag(layer)) for h, buf in r_in.items()]
         sends = []
         row = {r.request_id: i for i, r in enumerate(self.batch)}
         if self.batch:
             assert q is not None and k is not None and v is not None and q.shape[0] == len(self.batch)
-            for h, rs in self.out_q.items():
+            for h, rs in out_q.items():
                 parts = []
                 for r in rs:
                     i = row[r.request_id]
@@ -129,7 +138,7 @@ class KVPAttentionContext:
                         parts += [k[i].reshape(-1), v[i].reshape(-1)]
                         self.stats.kv_bytes += 2 * k[i].numel() * k.element_size()
                 self._keep.append(torch.cat(parts))
-                sends.append(dist.isend(self._keep[-1], self.ranks[h], tag=query_tag(layer)))
+                sends.append(self._post(dist.isend, self._keep[-1], h, query_tag(layer)))
             for i, r in enumerate(self.batch):
                 if r.tail == self.me:
                     self.shard.write(li, self.tail_slots[r.request_id], k[i : i + 1], v[i : i + 1])
@@ -139,7 +148,7 @@ class KVPAttentionContext:
                 rows = torch.tensor(self.own_local)
                 own = self.shard.attend(li, [self.batch[i].request_id for i in self.own_local], q[rows])
             self.stats.attention_s += time.perf_counter() - ta
-        sends += self._serve(li, layer, q_works, q_in)
+        sends += self._serve(li, layer, q_works, q_in, in_q)
         if not self.batch:
             self._wait(sends)
             self._keep.clear()
@@ -147,7 +156,9 @@ class KVPAttentionContext:
             return None
         self._wait(r_works)
         states: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}  # (holder, request) -> (out [Hq, D], lse [Hq])
-        for h, rs in self.out_q.items():
+        for h, rs in out_q.items():
+            if h in lost:
+                continue
             lse, out = unpack(r_in[h], self._result_specs(len(rs)))
             for j, r in enumerate(rs):
                 states[(h, r.request_id)] = (out[j], lse[:, j])
@@ -159,21 +170,28 @@ class KVPAttentionContext:
         lses = torch.full((depth, self.hq, len(self.batch)), float("-inf"))
         for i, r in enumerate(self.batch):
             for s, h in enumerate(r.holders):
-                outs[s, i], lses[s, :, i] = states[(h, r.request_id)]
+                state = states.get((h, r.request_id))
+                if state is not None:  # missing: a lost holder (out 0, lse 0 keep the garbage row finite)
+                    outs[s, i], lses[s, :, i] = state
+                else:
+                    lses[s, :, i] = 0.0
         merged, _ = merge_attn_states_many(outs, lses)
         self._wait(sends)
         self._keep.clear()
         self.stats.layer_s += time.perf_counter() - t0
         return merged
 
-    def _serve(self, li: int, layer: int, works: list, q_in: dict[int, Tensor]) -> list:
+    def _serve(
+        self, li: int, layer: int, works: list, q_in: dict[int, Tensor], in_q: dict[int, list[KVPRequest]]
+    ) -> list:
         """Write the received tail k/v, attend every received query, send the states back."""
-        if not q_in:
-            return []
         self._wait(works)
+        in_q = {m: rs for m, rs in in_q.items() if m not in (self.lost or ())}
+        if not in_q:
+            return []
         ta = time.perf_counter()
         ids, qs, counts = [], [], []
-        for m, rs in self.in_q.items():
+        for m, rs in in_q.items():
             buf, off = q_in[m], 0
             for r in rs:
                 n = self.hq * self.d
@@ -190,15 +208,16 @@ class KVPAttentionContext:
         out, lse = self.shard.attend(li, ids, torch.stack(qs))
         self.stats.attention_s += time.perf_counter() - ta
         sends, first = [], 0
-        for (m, _), n in zip(self.in_q.items(), counts, strict=True):
+        for m, n in zip(in_q, counts, strict=True):
             msg = pack([lse[:, first : first + n].contiguous(), out[first : first + n]])
             self.stats.result_bytes += msg.numel()
             self._keep.append(msg)
-            sends.append(dist.isend(msg, self.ranks[m], tag=result_tag(layer)))
+            sends.append(self._post(dist.isend, msg, m, result_tag(layer)))
             first += n
         return sends
 
+    def _post(self, op: Callable[..., dist.Work], buf: Tensor, member: int, tag: int) -> tuple[int, dist.Work | None]:
+        return post(lambda: op(buf, self.ranks[member], tag=tag), member, self.lost)
+
     def _wait(self, works: list) -> None:
-        timeout = None if self.timeout_s is None else timedelta(seconds=self.timeout_s)
-        for w in works:
-            w.wait() if timeout is None else w.wait(timeout)
+        wait_peers(works, self.timeout_s, self.lost)

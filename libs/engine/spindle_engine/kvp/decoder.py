@@ -5,6 +5,11 @@ All members of the group run `step()` in lockstep (the same number of times, wit
 tail), runs every layer's exchange (`KVPAttentionContext`), samples the mastered requests' next tokens,
 then tells every other member which requests finished (one small int64 message per pair, tag `KVP_TAG`),
 so each holder frees its ranges of them.
+
+With `survive_loss` (a lockstep group), a peer found dead during a step joins `lost` and is skipped for the rest
+of it (wire.py); the step ends on the others, exact for the requests it had no part in. Between steps the
+leader's `Gone` makes every member `remove_member` it: drop every request it mastered or held KV of. Without
+it (verify runs) a dead peer raises `KVPError`.
 """
 
 from __future__ import annotations
@@ -12,7 +17,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -27,6 +31,7 @@ from ..sequence import Sequence, stop_reason
 from .context import KVP_TAG, KVPAttentionContext, KVPStats
 from .plan import KVPPlan, KVPRequest
 from .shard import KVShard
+from .wire import post, wait_peers
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class KVPMember:
         seed: int = 0,
         keep_logits: bool = False,
         timeout_s: float | None = None,
+        survive_loss: bool = False,
     ) -> None:
         if member not in ranks:
             raise ValueError(f"member {member} is not in the group {sorted(ranks)}")
@@ -72,6 +78,8 @@ class KVPMember:
         self.keep_logits = keep_logits
         self.logits: dict[str, list[Tensor]] = {}
         self.timeout_s = timeout_s  # longest wait for a peer's message within a step; None = forever
+        self.survive_loss = survive_loss  # a dead peer is skipped (lockstep.py); otherwise it raises KVPError
+        self.lost: set[int] = set()  # members found dead (skipped from then on)
         self.last_tokens: list[tuple[str, int, bool]] = []  # every request's (id, token, finished) of the last step
         self._token_bytes = KVCache.bytes_per_token(len(model.layers), cfg.num_kv_heads, cfg.head_dim, model.dtype)
 
@@ -135,6 +143,7 @@ class KVPMember:
         ctx = KVPAttentionContext(
             self.plan, self.me, self.ranks, self.shard, first_layer=self.model.layer_range[0],
             num_q_heads=self.model.num_local_q_heads, tail_slots=slots, stats=self.stats, timeout_s=self.timeout_s,
+            lost=self._lost,
         )  # fmt: skip
         outputs: list[KVPOutput] = []
         if ctx.batch:
@@ -169,18 +178,17 @@ class KVPMember:
         mine = torch.tensor([[o.token, int(o.finished)] for o in outputs], dtype=torch.int64).view(-1, 2)
         bufs, works = {}, []
         for m in self.plan.members:
-            if m == self.me:
+            if m == self.me or m in self.lost:
                 continue
             n = len(self.plan.mastered_by(m))
             if n:
-                bufs[m] = torch.empty(n, 2, dtype=torch.int64)
-                works.append(dist.irecv(bufs[m], self.ranks[m], tag=KVP_TAG))
+                buf = bufs[m] = torch.empty(n, 2, dtype=torch.int64)
+                works.append(post(lambda m=m, buf=buf: dist.irecv(buf, self.ranks[m], tag=KVP_TAG), m, self._lost))
             if len(outputs):
-                works.append(dist.isend(mine, self.ranks[m], tag=KVP_TAG))
+                works.append(post(lambda m=m: dist.isend(mine, self.ranks[m], tag=KVP_TAG), m, self._lost))
                 self.stats.control_bytes += mine.numel() * 8
-        timeout = None if self.timeout_s is None else timedelta(seconds=self.timeout_s)
-        for w in works:
-            w.wait() if timeout is None else w.wait(timeout)
+        wait_peers(works, self.timeout_s, self._lost)
+        bufs = {m: b for m, b in bufs.items() if m not in self.lost}  # a lost master's tokens: none
         bufs[self.me] = mine
         for m in sorted(bufs):
             for r, (token, done) in zip(self.plan.mastered_by(m), bufs[m].tolist(), strict=True):
@@ -200,6 +208,24 @@ class KVPMember:
             return False
         self._drop(request_id)
         return True
+
+    @property
+    def _lost(self) -> set[int] | None:
+        return self.lost if self.survive_loss else None
+
+    def involves(self, request_id: str, member: int) -> bool:
+        req = self.plan.requests[request_id]
+        return req.master == member or req.range_of(member) is not None
+
+    def remove_member(self, member: int) -> list[str]:
+        """`member` is gone: drop (and return) every request it masters or holds a range of, and skip it."""
+        if member == self.me:
+            raise ValueError(f"member {member} cannot remove itself")
+        self.lost.add(member)
+        dropped = [rid for rid in self.plan.requests if self.involves(rid, member)]
+        for rid in dropped:
+            self._drop(rid)
+        return dropped
 
     def abort_all(self) -> None:
         """Free everything this member holds (end of a run, or a failed group)."""

@@ -21,6 +21,8 @@ reported block counts against it.
   `commit` when it joins), and a new reservation must leave the group enough free blocks for that growth of
   every placed request, so admitting one request does not leave the ones decoding without room (there is no
   preemption inside a group: a stuck request fails). A refused reservation waits (the service parks it).
+- `mark_dead(m)`: a member that died leaves the group for good: nothing is placed there again, the group's
+  blocks shrink by its share, and reservations that used it are placed again on the others (or fail).
 """
 
 from __future__ import annotations
@@ -67,6 +69,16 @@ class GroupPlanner:
         self.reserved: dict[str, KVPRequest] = {}  # placed at reserve time; not in the plan until resumed
         self.final_tokens: dict[str, int] = {}  # placed request -> most KV tokens it may reach
         self.scale_up_count = 0
+        self.dead: set[int] = set()  # members gone for good
+
+    @property
+    def live_members(self) -> tuple[int, ...]:
+        return tuple(m for m in self.plan.members if m not in self.dead)
+
+    @property
+    def num_blocks(self) -> int:
+        """The live members' blocks (what the instance registers)."""
+        return len(self.live_members) * self.config.blocks_per_member
 
     # ---- block accounting ----
 
@@ -82,7 +94,7 @@ class GroupPlanner:
         return self.placed_blocks(member) + reserved
 
     def free_blocks(self, member: int) -> int:
-        return self.config.blocks_per_member - self.used_blocks(member)
+        return 0 if member in self.dead else self.config.blocks_per_member - self.used_blocks(member)
 
     def request_blocks(self, request_id: str) -> int:
         req = self.plan.requests.get(request_id) or self.reserved.get(request_id)
@@ -90,7 +102,7 @@ class GroupPlanner:
 
     @property
     def num_used(self) -> int:
-        return sum(self.used_blocks(m) for m in self.plan.members)
+        return sum(self.used_blocks(m) for m in self.live_members)
 
     def growth_blocks(self) -> int:
         """Blocks the placed requests may still take as they decode (one more each for a scale-up's new range)."""
@@ -110,8 +122,9 @@ class GroupPlanner:
         if num_tokens < 1:
             raise ValueError(f"cannot place {num_tokens} tokens")
         bs = self.config.block_size
-        free = {m: self.free_blocks(m) * bs for m in self.plan.members}  # tokens
-        order = sorted(self.plan.members, key=lambda m: (-free[m], m))
+        live = self.live_members
+        free = {m: self.free_blocks(m) * bs for m in live}  # tokens
+        order = sorted(live, key=lambda m: (-free[m], m))
         limit = self.config.kvp_tokens or num_tokens
         cuts = _cut(num_tokens, order, {m: min(limit, free[m]) for m in order})
         if cuts is None and self.config.kvp_tokens:
@@ -127,10 +140,11 @@ class GroupPlanner:
         for _, n in cuts:
             bounds.append(bounds[-1] + n)
         tail = members[-1]
-        mastering = dict.fromkeys(self.plan.members, 0)
+        mastering = dict.fromkeys(live, 0)
         for q in (*self.plan.requests.values(), *self.reserved.values()):
-            mastering[q.master] += 1
-        master = min(self.plan.members, key=lambda m: (mastering[m], m != tail, m not in members, m))
+            if q.master in mastering:
+                mastering[q.master] += 1
+        master = min(live, key=lambda m: (mastering[m], m != tail, m not in members, m))
         return KVPRequest.split(request_id, master, members, bounds)
 
     def _next_token_fits(self, cuts: list[tuple[int, int]]) -> bool:
@@ -140,11 +154,11 @@ class GroupPlanner:
         tail, n = cuts[-1]
         if _blocks(n + 1, bs) == _blocks(n, bs):
             return True
-        left = {m: self.free_blocks(m) for m in self.plan.members}
+        left = {m: self.free_blocks(m) for m in self.live_members}
         for m, k in cuts:
             left[m] -= _blocks(k, bs)
         holders = {m for m, _ in cuts}
-        return left[tail] >= 1 or any(left[m] >= 1 for m in self.plan.members if m not in holders)
+        return left[tail] >= 1 or any(left[m] >= 1 for m in self.live_members if m not in holders)
 
     def reserve(self, request_id: str, num_tokens: int) -> bool:
         if request_id in self.reserved or request_id in self.plan.requests:
@@ -152,7 +166,7 @@ class GroupPlanner:
         req = self.place(request_id, num_tokens)
         if req is None:
             return False
-        free = self.config.num_blocks - self.num_used - sum(self._range_blocks(r) for r in req.ranges)
+        free = self.num_blocks - self.num_used - sum(self._range_blocks(r) for r in req.ranges)
         if free < self.growth_blocks():
             return False
         self.reserved[request_id] = req
@@ -179,12 +193,24 @@ class GroupPlanner:
     def cancel(self, request_id: str) -> bool:
         return self.reserved.pop(request_id, None) is not None
 
+    def mark_dead(self, member: int) -> list[str]:
+        """`member` died (its requests already left the plan): place the reservations that used it again;
+        returns those that no longer fit (the caller fails them)."""
+        self.dead.add(member)
+        failed = []
+        for rid, req in list(self.reserved.items()):
+            if req.master == member or req.range_of(member) is not None:
+                del self.reserved[rid]
+                if not self.reserve(rid, req.num_tokens):
+                    failed.append(rid)
+        return failed
+
     # ---- growth ----
 
     def scale_ups(self) -> ScaleUps:
         """Which requests must move their tail before the next step (every request appends one token)."""
         bs = self.config.block_size
-        free = {m: self.free_blocks(m) for m in self.plan.members}
+        free = {m: self.free_blocks(m) for m in self.plan.members}  # 0 for a dead member
         growing: dict[int, list[KVPRequest]] = {}  # tail member -> requests whose next token needs a block
         for q in self.plan.requests.values():
             n = q.ranges[-1].num_tokens
@@ -198,7 +224,7 @@ class GroupPlanner:
                 if free[m] >= 0:
                     break
                 free[m] += 1
-                candidates = [c for c in self.plan.members if q.range_of(c) is None and free[c] >= 1]
+                candidates = [c for c in self.live_members if q.range_of(c) is None and free[c] >= 1]
                 if not candidates:
                     out.stuck.append(q.request_id)
                     continue

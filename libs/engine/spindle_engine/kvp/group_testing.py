@@ -4,13 +4,24 @@
 plays a script of calls before given steps (`play`): "resume" reserves a prefilled prompt and hands its KV (from
 one full engine, as a prefill instance sends it) to the group; "abort" ends a request. The test plays the same
 prompts on one engine. Each rank returns its blocks in use at the end; the leader also its tokens.
+
+`group_kill_worker` (under `run_survivors`, which expects a rank to die) plays a script too, but one follower
+ends its process in the middle of a given step (inside its first partial attention of that step); the leader
+also returns each request's placement and which requests failed.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import traceback
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
 
 from ..config import EngineConfig
 from ..engine import Engine
@@ -29,8 +40,11 @@ def prefilled(config: EngineConfig, prompt: list[int], params: SamplingParams) -
     return first, engine.export_kv("p")
 
 
-def play(leader: KVPLeaderEngine, ref_config: EngineConfig, script: list[dict]) -> dict[str, list[int]]:
-    """Apply `script` entries ({"step": k, "op": resume|abort, ...}) before step k; run until done."""
+def play(
+    leader: KVPLeaderEngine, ref_config: EngineConfig, script: list[dict], failed: dict[str, str] | None = None
+) -> dict[str, list[int]]:
+    """Apply `script` entries ({"step": k, "op": resume|abort, ...}) before step k; run until done. Requests the
+    group fails go to `failed` (id -> message)."""
     tokens: dict[str, list[int]] = {}
     step = 0
     last = max(e["step"] for e in script)
@@ -49,6 +63,10 @@ def play(leader: KVPLeaderEngine, ref_config: EngineConfig, script: list[dict]) 
             return tokens
         for out in leader.step():
             tokens[out.request_id] += out.new_token_ids
+        for rid, message in leader.take_failures():
+            if failed is None:
+                raise RuntimeError(f"{rid} failed: {message}")
+            failed[rid] = message
         step += 1
 
 
@@ -70,3 +88,91 @@ def group_engine_worker(rank: int, world: int, config_json: str, kvp_tokens: int
     out["scale_ups"] = torch.tensor([leader.scale_ups])
     leader.close()
     return out
+
+
+def group_kill_worker(
+    rank: int, world: int, config_json: str, kvp_tokens: int, script_json: str, victim: int, kill_step: int
+) -> dict:
+    config = EngineConfig(**json.loads(config_json))
+    member = load_member(config, rank, {m: m for m in range(world)}, timeout_s=60.0)
+    if rank == victim:
+        steps = [0]
+        step, attend = member.step, member.shard.attend
+
+        def counting_step() -> list:
+            steps[0] += 1
+            if steps[0] > kill_step + 1:  # it attended nothing in the kill step
+                os._exit(9)
+            return step()
+
+        def dying_attend(*args: object, **kwargs: object) -> object:
+            if steps[0] >= kill_step:
+                os._exit(9)  # mid-step: its peers wait for this layer's partial states
+            return attend(*args, **kwargs)
+
+        member.step, member.shard.attend = counting_step, dying_attend  # type: ignore[method-assign]
+    if rank > 0:
+        KVPFollower(member, leader=0).serve()
+        return {"blocks_used": torch.tensor([member.blocks_used])}
+    leader = KVPLeaderEngine(config, member, kvp_tokens=kvp_tokens, keepalive_s=3600.0)
+    leader.connect()
+    ref_config = EngineConfig(model=config.model, block_size=config.block_size, kv_cache_tokens=4096)
+    script = json.loads(script_json)
+    failed: dict[str, str] = {}
+    placed: dict[str, list[int]] = {}
+    resume = leader.resume
+
+    def recording_resume(request_id: str, *args: object, **kwargs: object) -> None:
+        resume(request_id, *args, **kwargs)  # type: ignore[arg-type]
+        req = member.plan.requests[request_id]
+        placed[request_id] = [req.master, *(r.member for r in req.ranges)]
+
+    leader.resume = recording_resume  # type: ignore[method-assign]
+    tokens = play(leader, ref_config, script, failed)
+    leader.step()  # one more exchange: the followers report their blocks after the last finishes
+    out = {f"tokens:{rid}": torch.tensor(t) for rid, t in tokens.items()}
+    out |= {f"placed:{rid}": torch.tensor(p) for rid, p in placed.items()}
+    out |= {f"failed:{rid}": torch.tensor([1]) for rid in failed}
+    out["blocks_used"] = torch.tensor([member.blocks_used, leader.allocator.num_used])
+    out["num_blocks"] = torch.tensor([leader.allocator.num_blocks])
+    out["member_blocks_used"] = torch.tensor(list(leader.member_blocks_used.items())).view(-1, 2)
+    out["gone"] = torch.tensor(sorted(leader.gone))
+    leader.close()
+    return out
+
+
+def _survivor_entry(rank: int, fn: Callable[..., dict], world: int, port: int, out_dir: str, args: tuple) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+    except BaseException:
+        traceback.print_exc()  # torch.multiprocessing would keep it for a join() that is not called here
+        raise
+    if result:
+        save_file({k: v.contiguous() for k, v in result.items()}, str(Path(out_dir) / f"rank{rank}.safetensors"))
+    os._exit(0)  # no barrier or process-group teardown: a peer is dead
+
+
+def run_survivors(
+    fn: Callable[..., dict], world: int, out_dir: Path, *args: object, timeout: float = 300.0
+) -> list[dict]:
+    """Like `spindle_model.testing.run_gloo`, for runs where a rank dies: each rank's results ({} if none)."""
+    from spindle_model.testing import free_port
+
+    ctx = mp.start_processes(
+        _survivor_entry, args=(fn, world, free_port(), str(out_dir), args), nprocs=world, join=False,
+        start_method="spawn",
+    )  # fmt: skip
+    for p in ctx.processes:
+        p.join(timeout)
+    for p in ctx.processes:
+        if p.is_alive():
+            p.kill()
+    results = []
+    for r in range(world):
+        f = Path(out_dir) / f"rank{r}.safetensors"
+        results.append(load_file(str(f)) if f.exists() else {})
+    return results

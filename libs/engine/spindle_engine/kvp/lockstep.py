@@ -9,8 +9,15 @@ each step the followers get the calls since the last one (wire.py), then all mem
 step yields every request's token on every member (the masters tell all), so the leader streams them all.
 `KVPFollower.serve()` replays and steps until told to stop.
 
-A member that dies or stops answering ends the step with `KVPError` (or another error from the data plane)
-after `timeout_s` at most: the leader's engine thread stops and the service fails every request it holds.
+A follower that dies (its process ends, closing its connections) does not end the group. Every member skips it
+from the moment it notices (wire.py), so the step ends on the others; the leader learns of it from its own step,
+a failed control message or ack, or the lost-member mask in the followers' acks, and then: fails the requests it
+mastered or held KV of (`take_failures`: the service ends them with an error), skips their tokens of that step,
+re-places reservations that used it, shrinks the group's blocks and puts `Gone(m)` first in the next control
+message, so every survivor drops the same requests before the next step. The other requests go on, exact.
+A member that stops answering while connected ends in a gloo timeout, which closes every connection of the
+waiting process: that, and the leader's own death, still ends the whole group with `KVPError` (the service then
+fails every request it holds).
 """
 
 from __future__ import annotations
@@ -30,14 +37,18 @@ from ..sampling_params import SamplingParams
 from ..sequence import Sequence, stop_reason
 from .decoder import KVPMember
 from .group import GroupConfig, GroupPlanner
+from .plan import KVPRequest
 from .wire import (
     Call,
     Control,
     Drop,
+    Gone,
     KVPError,
     Place,
     ScaleUp,
     checksum,
+    lost_mask,
+    mask_members,
     recv_acks,
     recv_control,
     send_ack,
@@ -70,7 +81,7 @@ def load_member(config: EngineConfig, member: int, ranks: dict[int, int], timeou
     return KVPMember(
         model, member, ranks, num_blocks=member_blocks(config, source.config), block_size=config.block_size,
         eos_token_ids=source.config.eos_token_ids, max_model_len=config.max_model_len, seed=config.seed,
-        timeout_s=timeout_s,
+        timeout_s=timeout_s, survive_loss=True,
     )  # fmt: skip
 
 
@@ -82,7 +93,7 @@ class _Allocator:
 
     @property
     def num_blocks(self) -> int:
-        return self.planner.config.num_blocks
+        return self.planner.num_blocks
 
     @property
     def num_used(self) -> int:
@@ -117,8 +128,10 @@ class KVPLeaderEngine:
         self.keepalive_s = keepalive_s
         self.requests: dict[str, Sequence] = {}  # every decoding request of the group, as its master samples it
         self.member_blocks_used = dict.fromkeys(self.followers, 0)  # from the last acks
-        self.failures: list[tuple[str, str]] = []  # requests dropped for want of blocks; the service fails them
-        self.dropped = 0  # how many, in all
+        self.failures: list[tuple[str, str]] = []  # requests dropped (no block, a dead member); the service fails them
+        self.dropped = 0  # how many dropped for want of blocks, in all
+        self.gone: set[int] = set()  # followers found dead and removed from the group
+        self.lost_requests = 0  # requests failed because a member holding or mastering them died
         self._calls: list[Call] = []
         self._kv: dict[int, list[Tensor]] = {m: [] for m in self.followers}
         self._seq = 0
@@ -277,21 +290,56 @@ class KVPLeaderEngine:
         kv, self._calls, self._kv = self._kv, [], {m: [] for m in self.followers}
         self._seq += 1
         self._last_sent = time.monotonic()
-        send_control(control, kv, self.followers, timeout_s)
+        lost = self.member.lost
+        lost |= send_control(control, kv, self.followers, timeout_s)
+        placement = dict(self.member.plan.requests)  # who held and mastered what in this step
         if step:
             try:
                 self.member.step()
+            except KVPError:
+                raise
             except RuntimeError as e:
                 raise KVPError(f"a KV-parallel step failed: {e}") from e
         tokens = self.member.last_tokens if step else []
-        acks = recv_acks(self.followers, timeout_s)
-        for m, ack in acks.items():
-            expected = [control.seq, self.planner.placed_blocks(m), checksum(tokens)]
-            if ack != expected:
-                raise KVPError(f"member {m} diverged: ack {ack}, leader {expected} (seq, used blocks, checksum)")
-            self.member_blocks_used[m] = ack[1]
+        acks = recv_acks(self.followers, timeout_s, lost)
+        for ack in acks.values():
+            lost |= mask_members(ack[3]) - {0}
+        if lost - self.gone:  # no ack check this step: the survivors drop the same requests before the next
+            tokens = self._lose(lost - self.gone, placement, tokens)
+            self.member_blocks_used.update((m, ack[1]) for m, ack in acks.items() if m in self.followers)
+        else:
+            for m, ack in acks.items():
+                expected = [control.seq, self.planner.placed_blocks(m), checksum(tokens)]
+                if ack[:3] != expected:
+                    raise KVPError(f"member {m} diverged: ack {ack}, leader {expected} (seq, used blocks, checksum)")
+                self.member_blocks_used[m] = ack[1]
         assert self.member.blocks_used == self.planner.placed_blocks(0), "the leader's blocks left the plan"
         return self._outputs(tokens)
+
+    def _lose(
+        self, members: set[int], placement: dict[str, KVPRequest], tokens: list[tuple[str, int, bool]]
+    ) -> list[tuple[str, int, bool]]:
+        """Followers died this step: fail their requests everywhere, keep the others' tokens (members that heard
+        from the dead ones and members that did not may differ on those requests until `Gone` is applied)."""
+        if 0 in members:
+            raise KVPError("the leader cannot lose itself")
+        hit = {rid for rid, q in placement.items() if q.master in members or any(r.member in members for r in q.ranges)}
+        for m in sorted(members):
+            log.warning("KVP member %d (rank %d) is gone; failing its requests", m, self.member.ranks[m])
+            self.gone.add(m)
+            self.followers.pop(m, None)
+            self._kv.pop(m, None)
+            self.member_blocks_used.pop(m, None)
+            self.member.remove_member(m)
+            self._calls.insert(0, Gone(m))
+            for rid in self.planner.mark_dead(m):
+                self.failures.append((rid, f"KV-parallel member {m} died and the group has no room for {rid}"))
+        for rid in sorted(hit):
+            if self.requests.pop(rid, None) is not None:
+                self.planner.forget(rid)
+                self.lost_requests += 1
+                self.failures.append((rid, f"a KV-parallel member holding {rid} died (members {sorted(members)})"))
+        return [t for t in tokens if t[0] not in hit]
 
     def _outputs(self, tokens: list[tuple[str, int, bool]]) -> list[StepOutput]:
         outputs = []
@@ -351,7 +399,9 @@ class KVPFollower:
             if control.step:
                 m.step()
             tokens = m.last_tokens if control.step else []
-            send_ack([control.seq, m.blocks_used, checksum(tokens)], self.leader, STEP_TIMEOUT_S)
+            if 0 in m.lost:
+                raise KVPError(f"member {m.me} lost the leader (rank {self.leader})")
+            send_ack([control.seq, m.blocks_used, checksum(tokens), lost_mask(m.lost)], self.leader, STEP_TIMEOUT_S)
 
     def apply(self, calls: list[Call], parts: list[Tensor]) -> None:
         m, kv = self.member, iter(parts)
@@ -369,6 +419,9 @@ class KVPFollower:
                     m.scale_up(call.request_id, call.member)
                 case Drop():
                     m.abort(call.request_id)
+                case Gone():
+                    dropped = m.remove_member(call.member)
+                    log.warning("member %d: member %d is gone; dropped %s", m.me, call.member, dropped)
 
 
 def leader_engine(config: EngineConfig, kvp_size: int, first_rank: int, *, kvp_tokens: int = 0) -> KVPLeaderEngine:

@@ -4,7 +4,14 @@ Before each step the leader sends every follower one `Control`: the placement ca
 order, and whether to step. On the wire, per follower: an int64 `[nbytes]`, the msgspec (msgpack) bytes as a
 uint8 tensor, then one KV tensor per `Place` that gives this follower a non-empty range (its tokens only, every
 layer and KV head, in call order). After applying it and stepping, the follower answers with an int64 ack
-`[seq, used blocks, checksum of the step's tokens]`, so the leader notices a diverged or dead member at once.
+`[seq, used blocks, checksum of the step's tokens, bitmask of the members it lost]`, so the leader notices a
+diverged or dead member at once.
+
+A peer whose process died closes its connections, and gloo fails every operation with it at once while the
+pairs between the others keep working: such a peer is *lost* (`wait_peers`), its operations are skipped and the
+leader tells everyone `Gone` before the next step. A peer that stays connected but silent ends in a gloo timeout
+instead, and a gloo timeout closes every pair of the process ("Application timeout caused pair closure"): that
+one is a `KVPError`, as is any failure talking to the leader.
 
 Tags: `RANK_GROUP_TAG + 12288 + 16..19` (the tensor-parallel control channel uses `+ 0..3`).
 """
@@ -25,7 +32,7 @@ from ..sampling_params import SamplingParams
 from .plan import KVPRequest, KVRange
 
 _LENGTH, _PAYLOAD, _KV, _ACK = (RANK_GROUP_TAG + 12288 + 16 + i for i in range(4))
-ACK_WORDS = 3
+ACK_WORDS = 4
 
 
 class Place(msgspec.Struct, frozen=True, tag="place"):
@@ -58,7 +65,13 @@ class Drop(msgspec.Struct, frozen=True, tag="drop"):
     request_id: str
 
 
-Call = Place | ScaleUp | Drop
+class Gone(msgspec.Struct, frozen=True, tag="gone"):
+    """`member` died: every member drops the requests it masters or holds KV of, and never talks to it again."""
+
+    member: int
+
+
+Call = Place | ScaleUp | Drop | Gone
 
 
 class Control(msgspec.Struct, frozen=True):
@@ -76,6 +89,48 @@ class KVPError(RuntimeError):
     """A member of the KVP group is gone, timed out or diverged; the group cannot go on."""
 
 
+def peer_gone(e: BaseException) -> bool:
+    """A failed operation whose peer closed its connection (it died), not a timeout (which closed every pair)."""
+    text = str(e).lower()
+    return "timed out" not in text and "timeout" not in text
+
+
+def wait_peers(works: list[tuple[int, dist.Work | None]], timeout_s: float | None, lost: set[int] | None) -> None:
+    """Wait for each `(peer, work)`; a peer that died is added to `lost` (its other operations are skipped), or
+    raises `KVPError` when `lost` is None (a group that cannot go on without a member)."""
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+    for peer, w in works:
+        if w is None or (lost is not None and peer in lost):
+            continue
+        try:
+            w.wait() if timeout is None else w.wait(timeout)
+        except RuntimeError as e:
+            if lost is None or not peer_gone(e):
+                raise KVPError(f"waiting for member {peer} failed: {e}") from e
+            lost.add(peer)
+
+
+def post(op: Callable[[], dist.Work], peer: int, lost: set[int] | None) -> tuple[int, dist.Work | None]:
+    """Start a send or receive with `peer` unless it is lost (or found lost now; `lost` None: raise)."""
+    if lost is not None and peer in lost:
+        return peer, None
+    try:
+        return peer, op()
+    except RuntimeError as e:
+        if lost is None or not peer_gone(e):
+            raise KVPError(f"talking to member {peer} failed: {e}") from e
+        lost.add(peer)
+        return peer, None
+
+
+def lost_mask(lost: set[int]) -> int:
+    return sum(1 << m for m in lost)
+
+
+def mask_members(mask: int) -> set[int]:
+    return {m for m in range(63) if mask >> m & 1}
+
+
 def wait_all(works: list[dist.Work], timeout_s: float, what: str) -> None:
     try:
         for w in works:
@@ -86,15 +141,22 @@ def wait_all(works: list[dist.Work], timeout_s: float, what: str) -> None:
 
 def send_control(
     control: Control, kv_parts: dict[int, list[Tensor]], followers: dict[int, int], timeout_s: float
-) -> None:
-    """Send `control` to every follower (member -> rank); `kv_parts[member]` are its Place tensors."""
+) -> set[int]:
+    """Send `control` to every follower (member -> rank); `kv_parts[member]` are its Place tensors.
+
+    Returns the followers found dead (their connection closed); a timeout raises `KVPError`."""
     payload = torch.frombuffer(bytearray(_encoder.encode(control)), dtype=torch.uint8)
     length = torch.tensor([payload.numel()], dtype=torch.int64)
-    works = []
+    works, lost = [], set()
     for m, peer in followers.items():
-        works += [dist.isend(length, peer, tag=_LENGTH), dist.isend(payload, peer, tag=_PAYLOAD)]
-        works += [dist.isend(t, peer, tag=_KV) for t in kv_parts.get(m, [])]
-    wait_all(works, timeout_s, f"KVP control message {control.seq} to ranks {sorted(followers.values())}")
+        works.append(post(lambda peer=peer: dist.isend(length, peer, tag=_LENGTH), m, lost))
+        works.append(post(lambda peer=peer: dist.isend(payload, peer, tag=_PAYLOAD), m, lost))
+        works += [post(lambda t=t, peer=peer: dist.isend(t, peer, tag=_KV), m, lost) for t in kv_parts.get(m, [])]
+    try:
+        wait_peers(works, timeout_s, lost)
+    except KVPError as e:
+        raise KVPError(f"KVP control message {control.seq} to ranks {sorted(followers.values())}: {e}") from e
+    return lost
 
 
 def recv_control(
@@ -125,8 +187,13 @@ def send_ack(ack: list[int], leader: int, timeout_s: float) -> None:
     wait_all([dist.isend(t, leader, tag=_ACK)], timeout_s, f"KVP ack to rank {leader}")
 
 
-def recv_acks(followers: dict[int, int], timeout_s: float) -> dict[int, list[int]]:
-    bufs = {m: torch.empty(ACK_WORDS, dtype=torch.int64) for m in followers}
-    works = [dist.irecv(bufs[m], peer, tag=_ACK) for m, peer in followers.items()]
-    wait_all(works, timeout_s, f"KVP acks from ranks {sorted(followers.values())}")
-    return {m: b.tolist() for m, b in bufs.items()}
+def recv_acks(followers: dict[int, int], timeout_s: float, lost: set[int]) -> dict[int, list[int]]:
+    """The acks of the followers not in `lost`; those found dead meanwhile join `lost` (and have none)."""
+    bufs = {m: torch.empty(ACK_WORDS, dtype=torch.int64) for m in followers if m not in lost}
+    works = [post(lambda m=m, peer=peer: dist.irecv(bufs[m], peer, tag=_ACK), m, lost) for m, peer in followers.items()
+             if m in bufs]  # fmt: skip
+    try:
+        wait_peers(works, timeout_s, lost)
+    except KVPError as e:
+        raise KVPError(f"KVP acks from ranks {sorted(followers.values())}: {e}") from e
+    return {m: b.tolist() for m, b in bufs.items() if m not in lost}
