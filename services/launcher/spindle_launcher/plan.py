@@ -138,6 +138,7 @@ class ServiceSpec:
     name: str  # process name in the stack: kvstore-0, scheduler, prefill-0, ..., decode-0, gateway
     argv: tuple[str, ...]  # [python, -m, module, flags...]
     env: dict[str, str]  # added to the launcher's environment
+    survivable: bool = False  # its exit does not stop the stack (a KVP group goes on without a dead follower)
 
     @property
     def module(self) -> str:
@@ -205,7 +206,7 @@ def build_plan(config: StackConfig, runtime: Runtime, python: str = sys.executab
             if runtime.parent_pid:
                 flags += ["--parent-pid", str(runtime.parent_pid)]
             argv = (python, "-m", "spindle_decode.kvp_follower", *flags)
-            specs.append(ServiceSpec(f"decode-{i}-kvp{j}", argv, dict(env)))
+            specs.append(ServiceSpec(f"decode-{i}-kvp{j}", argv, dict(env), survivable=True))
         for j in range(1, config.decode_tp):
             flags = ["--instance-id", f"decode-{i}", "--rank", str(rank + j), "--leader-rank", str(rank)]
             flags += ["--tp-size", str(config.decode_tp), "--world-size", str(config.world_size)]

@@ -69,6 +69,7 @@ class Stack:
         self._nats: NatsServer | None = None
         self._stop_requested = threading.Event()
         self._stopped = False
+        self._reported: set[str] = set()
         self.runtime: Runtime | None = None
         self.specs: list[ServiceSpec] = []
 
@@ -129,8 +130,16 @@ class Stack:
         self._stop_requested.set()
 
     def dead(self) -> tuple[str, int] | None:
-        exited = self._supervisor.exited()
-        return exited[0] if exited else None
+        """The first child that exited and whose exit stops the stack (a KVP follower's does not: its group
+        goes on without it; its exit is reported once)."""
+        survivable = {s.name for s in self.specs if s.survivable}
+        for name, code in self._supervisor.exited():
+            if name not in survivable:
+                return name, code
+            if name not in self._reported:
+                self._reported.add(name)
+                self._echo(f"{name} exited (code {code}); its KVP group goes on without it")
+        return None
 
     def wait(self, poll_s: float = 0.2) -> tuple[str, int] | None:
         """Block until a child exits, (name, return code), or request_stop() was called (None)."""

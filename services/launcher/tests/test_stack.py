@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-from spindle_launcher.plan import StackConfig
+from spindle_launcher.plan import ServiceSpec, StackConfig
 from spindle_launcher.stack import Stack, StackError
 
 STAND_INS = str(Path(__file__).with_name("stand_ins.py"))
@@ -117,3 +117,19 @@ def test_dry_run_and_bad_flags() -> None:
     assert "--world-size 3" in lines[0] and "nats://127.0.0.1:4999" in lines[-1]
     r = run([sys.executable, "-m", "spindle_launcher", "up", "--decode", "0"])
     assert r.returncode == 2 and "need at least one decode instance" in r.stderr
+
+
+def test_a_kvp_followers_exit_does_not_stop_the_stack(stand_ins: ModuleType) -> None:
+    def plan(config, runtime):
+        specs = stand_ins.stand_in_plan(config, runtime)
+        return [*specs, ServiceSpec("decode-0-kvp1", stand_ins.SLEEPER, {}, survivable=True)]
+
+    lines: list[str] = []
+    stack = Stack(StackConfig(prefill=1, decode=1, port=0, ready_timeout=30), echo=lines.append, plan=plan)
+    with stack:
+        stack.processes["decode-0-kvp1"].kill()
+        stack.processes["decode-0-kvp1"].wait()
+        assert stack.dead() is None and stack.dead() is None
+        assert sum("decode-0-kvp1 exited" in line for line in lines) == 1
+        stack.processes["decode-0"].kill()
+        assert stack.wait() == ("decode-0", -signal.SIGKILL)
