@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from spindle_engine.kvp.lockstep import follower
@@ -20,35 +19,27 @@ from spindle_protocol import service
 from spindle_transfer import DataPlane
 from spindle_worker.instance import engine_config_from_args
 
+from .follower_args import check_follower_rank, follower_parser
+
 log = logging.getLogger("spindle.decode.kvp")
 # GOMP_SPINCOUNT is set by spindle_decode/__init__.py, which `python -m` imports before torch loads.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m spindle_decode.kvp_follower",
-        description="A follower member of a KV-parallel decode group: joins the data plane, loads the model, "
+    return follower_parser(
+        "python -m spindle_decode.kvp_follower",
+        "A follower member of a KV-parallel decode group: joins the data plane, loads the model, "
         "holds its token ranges of the group's KV and steps in lockstep with the leader (the decode instance at "
         "--leader-rank). Its KV capacity is --kv-cache-tokens / --kv-cache-memory-gb, like the leader's.",
+        "--kvp-size",
+        "members of the group (leader included)",
     )
-    p.add_argument("--rank", type=int, required=True, help="this process's rank in the data-plane group")
-    p.add_argument("--leader-rank", type=int, required=True, help="the rank of the group's leader (member 0)")
-    p.add_argument("--kvp-size", type=int, required=True, help="members of the group (leader included)")
-    p.add_argument("--world-size", type=int, required=True, help="number of ranks in the data-plane group")
-    p.add_argument("--dist-init", default="tcp://127.0.0.1:29500", help="torch.distributed rendezvous (%(default)s)")
-    service.add_engine_args(p)
-    p.add_argument("--log-level", default=os.environ.get("SPINDLE_LOG_LEVEL", "INFO"), help="DEBUG, INFO, ...")
-    p.add_argument("--parent-pid", type=int, default=0, help="ignored (the launcher's death signal ends it)")
-    p.add_argument("--instance-id", default=None, help="the leader's instance id, for the logs")
-    return p
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    ranks = range(args.leader_rank, args.leader_rank + args.kvp_size)
-    if args.kvp_size < 2 or args.rank not in ranks[1:] or ranks[-1] >= args.world_size:
-        parser.error(f"rank {args.rank} is not a follower of leader {args.leader_rank} with kvp size {args.kvp_size}")
+    check_follower_rank(parser, args, args.kvp_size, "kvp")
     service.setup_logging(args.log_level, "decode-kvp")
     engine_config = engine_config_from_args(args)
     member = args.rank - args.leader_rank

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,27 +26,21 @@ from spindle_protocol.tensor_header import header_for
 from spindle_transfer import DataPlane, dtype_name
 from spindle_worker.instance import engine_config_from_args
 
+from .follower_args import check_follower_rank, follower_parser
+
 log = logging.getLogger("spindle.decode.tp")
 RECEIVE_TIMEOUT_S = 120.0  # for a holder to start sending (the leader's drop cancels it sooner)
 # GOMP_SPINCOUNT is set by spindle_decode/__init__.py, which `python -m` imports before torch loads.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m spindle_decode.tp_follower",
-        description="A follower rank of a tensor-parallel decode instance: joins the data plane, loads its shard "
+    return follower_parser(
+        "python -m spindle_decode.tp_follower",
+        "A follower rank of a tensor-parallel decode instance: joins the data plane, loads its shard "
         "of the model and steps in lockstep with the leader (the decode instance at --leader-rank).",
+        "--tp-size",
+        "ranks of the instance (leader included)",
     )
-    p.add_argument("--rank", type=int, required=True, help="this process's rank in the data-plane group")
-    p.add_argument("--leader-rank", type=int, required=True, help="the rank of the instance's leader")
-    p.add_argument("--tp-size", type=int, required=True, help="ranks of the instance (leader included)")
-    p.add_argument("--world-size", type=int, required=True, help="number of ranks in the data-plane group")
-    p.add_argument("--dist-init", default="tcp://127.0.0.1:29500", help="torch.distributed rendezvous (%(default)s)")
-    service.add_engine_args(p)
-    p.add_argument("--log-level", default=os.environ.get("SPINDLE_LOG_LEVEL", "INFO"), help="DEBUG, INFO, ...")
-    p.add_argument("--parent-pid", type=int, default=0, help="ignored (the launcher's death signal ends it)")
-    p.add_argument("--instance-id", default=None, help="the leader's instance id, for the logs")
-    return p
 
 
 def data_plane_receiver(dp: DataPlane, pool: ThreadPoolExecutor) -> Receiver:
@@ -63,9 +56,7 @@ def data_plane_receiver(dp: DataPlane, pool: ThreadPoolExecutor) -> Receiver:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    ranks = tuple(range(args.leader_rank, args.leader_rank + args.tp_size))
-    if args.tp_size < 2 or args.rank not in ranks[1:] or ranks[-1] >= args.world_size:
-        parser.error(f"rank {args.rank} is not a follower of leader {args.leader_rank} with tp size {args.tp_size}")
+    ranks = tuple(check_follower_rank(parser, args, args.tp_size, "tp"))
     service.setup_logging(args.log_level, "decode-tp")
     engine_config = engine_config_from_args(args)
     try:
