@@ -14,7 +14,7 @@ import argparse
 import logging
 import sys
 
-from spindle_engine.kvp.lockstep import follower
+from spindle_engine.kvp.follower import follower
 from spindle_protocol import service
 from spindle_transfer import DataPlane
 from spindle_worker.instance import engine_config_from_args

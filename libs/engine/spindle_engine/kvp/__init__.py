@@ -5,7 +5,7 @@
 - `context.KVPAttentionContext`: the per-layer exchange (q and the new k/v out, partial states back, merge).
 - `decoder.KVPMember`: one member's lockstep decode loop (masters some requests, serves the rest).
 - `group.GroupPlanner`: where a group puts each request (split by a per-member token limit, master, scale-ups).
-- `lockstep.KVPLeaderEngine` / `KVPFollower`: a group of member processes driven as one decode engine
+- `lockstep.KVPLeaderEngine` / `follower.KVPFollower`: a group of member processes driven as one decode engine
   (the control channel is wire.py); what `spindle up --decode-kvp K` runs.
 """
 

@@ -26,7 +26,8 @@ from safetensors.torch import load_file, save_file
 from ..config import EngineConfig
 from ..engine import Engine
 from ..sampling_params import SamplingParams
-from .lockstep import KVPFollower, KVPLeaderEngine, load_member
+from .follower import KVPFollower
+from .lockstep import KVPLeaderEngine, load_member
 
 
 def prefilled(config: EngineConfig, prompt: list[int], params: SamplingParams) -> tuple[int, torch.Tensor]:

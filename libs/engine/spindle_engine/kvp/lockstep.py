@@ -7,7 +7,7 @@ ranges and master of a request, before each step the scale-ups. KV arrives whole
 head); the leader keeps its range and sends each follower only its own with the mirrored `Place`. Before
 each step the followers get the calls since the last one (wire.py), then all members step together; each
 step yields every request's token on every member (the masters tell all), so the leader streams them all.
-`KVPFollower.serve()` replays and steps until told to stop.
+`KVPFollower.serve()` (follower.py) replays and steps until told to stop.
 
 A follower that dies (its process ends, closing its connections) does not end the group. Every member skips it
 from the moment it notices (wire.py), so the step ends on the others; the leader learns of it from its own step,
@@ -47,11 +47,8 @@ from .wire import (
     Place,
     ScaleUp,
     checksum,
-    lost_mask,
     mask_members,
     recv_acks,
-    recv_control,
-    send_ack,
     send_control,
 )
 
@@ -370,66 +367,7 @@ class KVPLeaderEngine:
             log.warning("could not stop the KVP followers: %s", e)
 
 
-class KVPFollower:
-    """Replays the leader's placement calls on this member and steps with the group, until told to stop."""
-
-    def __init__(self, member: KVPMember, leader: int, *, timeout_s: float = LEADER_SILENCE_S) -> None:
-        self.member = member
-        self.leader = leader
-        self.timeout_s = timeout_s
-
-    def kv_shape(self, num_tokens: int) -> tuple[int, ...]:
-        hkv, d = self.member.shard.cache.k.shape[3:]
-        return (2, len(self.member.model.layers), num_tokens, hkv, d)
-
-    def serve(self) -> None:
-        m = self.member
-        dtype = m.shard.cache.k.dtype
-        expected_seq = 0
-        while True:
-            timeout = self.timeout_s if expected_seq else STARTUP_TIMEOUT_S
-            control, parts = recv_control(self.leader, m.me, self.kv_shape, dtype, timeout)
-            if control.stop:
-                log.info("member %d: the leader stopped the group", m.me)
-                return
-            if control.seq != expected_seq:
-                raise KVPError(f"control message {control.seq} arrived, expected {expected_seq}")
-            expected_seq += 1
-            self.apply(control.calls, parts)
-            if control.step:
-                m.step()
-            tokens = m.last_tokens if control.step else []
-            if 0 in m.lost:
-                raise KVPError(f"member {m.me} lost the leader (rank {self.leader})")
-            send_ack([control.seq, m.blocks_used, checksum(tokens), lost_mask(m.lost)], self.leader, STEP_TIMEOUT_S)
-
-    def apply(self, calls: list[Call], parts: list[Tensor]) -> None:
-        m, kv = self.member, iter(parts)
-        for call in calls:
-            match call:
-                case Place():
-                    req = call.request()
-                    mine = req.range_of(m.me)
-                    part = next(kv) if mine is not None and mine.num_tokens else None
-                    tokens = call.token_ids if req.master == m.me else None
-                    m.add_request(
-                        req, part, token_ids=tokens, num_prompt_tokens=call.num_prompt_tokens, params=call.params
-                    )  # fmt: skip
-                case ScaleUp():
-                    m.scale_up(call.request_id, call.member)
-                case Drop():
-                    m.abort(call.request_id)
-                case Gone():
-                    dropped = m.remove_member(call.member)
-                    log.warning("member %d: member %d is gone; dropped %s", m.me, call.member, dropped)
-
-
 def leader_engine(config: EngineConfig, kvp_size: int, first_rank: int, *, kvp_tokens: int = 0) -> KVPLeaderEngine:
     """Member 0 of a group at global ranks first_rank..first_rank+kvp_size-1 (call `connect()` once joined)."""
     ranks = {m: first_rank + m for m in range(kvp_size)}
     return KVPLeaderEngine(config, load_member(config, 0, ranks, STEP_TIMEOUT_S), kvp_tokens=kvp_tokens)
-
-
-def follower(config: EngineConfig, kvp_size: int, first_rank: int, member: int) -> KVPFollower:
-    ranks = {m: first_rank + m for m in range(kvp_size)}
-    return KVPFollower(load_member(config, member, ranks, STEP_TIMEOUT_S), first_rank)
