@@ -168,9 +168,12 @@ def launch(spec: VerifySpec, out_dir: Path, timeout_s: float = 600.0) -> list[tu
                 p.kill()
                 p.wait()
             log.close()
-    if failed or any(p.returncode != 0 for p, _ in procs):
+    errors = [r for r, (p, _) in enumerate(procs) if p.returncode != 0]
+    if failed is None and errors:  # every rank exited between two polls
+        failed, bad = f"rank {errors[0]} exited with an error", errors[0]
+    if failed:
         tail = (out_dir / f"rank{bad}.log").read_text()[-3000:]
-        raise RuntimeError(f"verify ranks failed ({failed or 'non-zero exit'}); rank {bad} log:\n{tail}")
+        raise RuntimeError(f"verify ranks failed ({failed}); rank {bad} log:\n{tail}")
     results = []
     for r in range(world):
         st = out_dir / f"rank{r}.safetensors"
