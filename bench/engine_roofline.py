@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from spindle_model import ModelConfig
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def _median_s(fn, repeats: int = 5) -> float:
+def _median_s(fn: Callable[[], object], repeats: int = 5) -> float:
     fn()
     times = []
     for _ in range(repeats):

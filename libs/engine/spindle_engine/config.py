@@ -37,3 +37,7 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    def kv_tokens(self, bytes_per_token: int) -> int:
+        """KV capacity in tokens: `kv_cache_tokens`, or what fits into `kv_cache_memory_gb`."""
+        return self.kv_cache_tokens or int(self.kv_cache_memory_gb * 2**30 // bytes_per_token)

@@ -75,8 +75,7 @@ class Engine:
         per_token = KVCache.bytes_per_token(
             len(model.layers), model.num_local_kv_heads, model_config.head_dim, config.torch_dtype
         )
-        tokens = config.kv_cache_tokens or int(config.kv_cache_memory_gb * 2**30 // per_token)
-        num_blocks = tokens // config.block_size
+        num_blocks = config.kv_tokens(per_token) // config.block_size
         if num_blocks * config.block_size < self.max_model_len:
             raise ValueError(
                 f"KV cache of {num_blocks * config.block_size} tokens cannot hold one {self.max_model_len}-token "

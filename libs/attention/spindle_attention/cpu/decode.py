@@ -42,6 +42,8 @@ class DecodeBatch:
     block_table `[B, max_blocks]`, seq_lens `[B]` (the caller has checked them against the cache shape)."""
 
     def __init__(self, block_table: Tensor, seq_lens: Tensor, kv_heads: int) -> None:
+        self.lib = kernels()
+        assert self.lib is not None
         self.table = block_table.to(torch.int64).contiguous()
         self.lens = seq_lens.to(torch.int64).contiguous()
         self.batch = self.lens.shape[0]
@@ -50,9 +52,8 @@ class DecodeBatch:
         self.splits = num_splits(self.batch, kv_heads, max_len, self.threads)
 
     def run(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-        """q `[B, Hq, D]`; caches `[blocks, block_size, Hkv, D]`. Returns fp32 `out [B, Hq, D]`, `lse [Hq, B]`."""
-        lib = kernels()
-        assert lib is not None and supported(q, k_cache, v_cache)
+        """q `[B, Hq, D]`; caches `[blocks, block_size, Hkv, D]` (`supported` by the caller). Returns fp32
+        `out [B, Hq, D]`, `lse [Hq, B]`."""
         b, hq, d = q.shape
         num_blocks, block_size, hkv, _ = k_cache.shape
         assert b == self.batch and hq % hkv == 0
@@ -61,7 +62,7 @@ class DecodeBatch:
         lse = torch.empty(hq, b, dtype=torch.float32)
         if b == 0:
             return out, lse
-        rc = lib.spindle_paged_decode(
+        rc = self.lib.spindle_paged_decode(
             qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), self.table.data_ptr(), self.lens.data_ptr(),
             out.data_ptr(), lse.data_ptr(), b, hq, hkv, d, block_size, self.table.shape[1], num_blocks, float(scale),
             k_cache.element_size(), self.splits, self.threads,

@@ -24,6 +24,7 @@ class PackedWeight:
         lib = kernels()
         if lib is None:
             raise RuntimeError("CPU kernels are not available")
+        self.lib = lib
         if weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype not in DTYPES:
             raise ValueError(f"expected a 2-D float32/bfloat16 CPU weight, got {weight.dtype} {tuple(weight.shape)}")
         w = weight.detach().contiguous()
@@ -36,8 +37,6 @@ class PackedWeight:
 
     def linear(self, x: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
         """`x [M, K] @ weight.T` -> `[M, N]` in `out_dtype` (default x's dtype; float32 or bfloat16)."""
-        lib = kernels()
-        assert lib is not None
         m, k = x.shape
         if k != self.in_features:
             raise ValueError(f"x has {k} features, the weight {self.in_features}")
@@ -45,7 +44,7 @@ class PackedWeight:
         assert out_dtype in DTYPES
         xf = x.to(torch.float32).contiguous()
         y = torch.empty(m, self.out_features, dtype=out_dtype)
-        lib.spindle_gemm_packed(
+        self.lib.spindle_gemm_packed(
             xf.data_ptr(), self.data.data_ptr(), y.data_ptr(), m, self.out_features, k, self.data.element_size(),
             int(out_dtype == torch.bfloat16), torch.get_num_threads(),
         )  # fmt: skip

@@ -65,7 +65,7 @@ def member_blocks(config: EngineConfig, model_config: ModelConfig) -> int:
     per_token = KVCache.bytes_per_token(
         model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, config.torch_dtype
     )
-    tokens = config.kv_cache_tokens or int(config.kv_cache_memory_gb * 2**30 // per_token)
+    tokens = config.kv_tokens(per_token)
     if tokens < config.block_size:
         raise ValueError(f"a KVP member needs at least one {config.block_size}-token block, got {tokens} tokens")
     return tokens // config.block_size

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from spindle_attention.distributed.comm import RANK_GROUP_TAG
 
+from .. import control_frames
 from ..sampling_params import SamplingParams
 from .plan import KVPRequest, KVRange
 
@@ -132,11 +133,7 @@ def mask_members(mask: int) -> set[int]:
 
 
 def wait_all(works: list[dist.Work], timeout_s: float, what: str) -> None:
-    try:
-        for w in works:
-            w.wait(timedelta(seconds=timeout_s))
-    except RuntimeError as e:
-        raise KVPError(f"{what} failed: {e}") from e
+    control_frames.wait_all(works, timeout_s, what, KVPError)
 
 
 def send_control(
@@ -145,8 +142,7 @@ def send_control(
     """Send `control` to every follower (member -> rank); `kv_parts[member]` are its Place tensors.
 
     Returns the followers found dead (their connection closed); a timeout raises `KVPError`."""
-    payload = torch.frombuffer(bytearray(_encoder.encode(control)), dtype=torch.uint8)
-    length = torch.tensor([payload.numel()], dtype=torch.int64)
+    length, payload = control_frames.encode_frame(_encoder, control)
     works, lost = [], set()
     for m, peer in followers.items():
         works.append(post(lambda peer=peer: dist.isend(length, peer, tag=_LENGTH), m, lost))
@@ -163,11 +159,8 @@ def recv_control(
     leader: int, member: int, kv_shape: Callable[[int], tuple[int, ...]], kv_dtype: torch.dtype, timeout_s: float
 ) -> tuple[Control, list[Tensor]]:
     """The next `Control` from `leader` and this member's KV parts (`kv_shape(num_tokens)` each)."""
-    length = torch.empty(1, dtype=torch.int64)
-    wait_all([dist.irecv(length, leader, tag=_LENGTH)], timeout_s, f"KVP control length from rank {leader}")
-    payload = torch.empty(int(length.item()), dtype=torch.uint8)
-    wait_all([dist.irecv(payload, leader, tag=_PAYLOAD)], timeout_s, f"KVP control message from rank {leader}")
-    control = _decoder.decode(payload.numpy().tobytes())
+    tags = (_LENGTH, _PAYLOAD)
+    control = control_frames.recv_frame(leader, tags, _decoder, timeout_s, "KVP control message", KVPError)
     parts = []
     for call in control.calls:
         if isinstance(call, Place) and (mine := call.request().range_of(member)) is not None and mine.num_tokens:
@@ -183,8 +176,7 @@ def checksum(tokens: list[tuple[str, int, bool]]) -> int:
 
 
 def send_ack(ack: list[int], leader: int, timeout_s: float) -> None:
-    t = torch.tensor(ack, dtype=torch.int64)
-    wait_all([dist.isend(t, leader, tag=_ACK)], timeout_s, f"KVP ack to rank {leader}")
+    control_frames.send_ints(ack, leader, _ACK, timeout_s, f"KVP ack to rank {leader}", KVPError)
 
 
 def recv_acks(followers: dict[int, int], timeout_s: float, lost: set[int]) -> dict[int, list[int]]:

@@ -15,7 +15,6 @@ uses `RANK_GROUP_TAG + 8192 + [0, 2T)` (spindle_model.parallel), KVP `RANK_GROUP
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import timedelta
 
 import msgspec
 import torch
@@ -24,6 +23,7 @@ from torch import Tensor
 
 from spindle_attention.distributed.comm import RANK_GROUP_TAG
 
+from ..control_frames import encode_frame, recv_frame, send_ints, wait_all
 from ..engine import StepOutput
 from ..sampling_params import SamplingParams
 
@@ -93,17 +93,12 @@ class TPError(RuntimeError):
 
 
 def _wait(works: list[dist.Work], timeout_s: float, what: str) -> None:
-    try:
-        for w in works:
-            w.wait(timedelta(seconds=timeout_s))
-    except RuntimeError as e:
-        raise TPError(f"{what} failed: {e}") from e
+    wait_all(works, timeout_s, what, TPError)
 
 
 def send_control(control: Control, kv_parts: list[list[Tensor]], followers: tuple[int, ...], timeout_s: float) -> None:
     """Send `control` to every follower; `kv_parts[f]` are follower f's tensors for the Resume calls."""
-    payload = torch.frombuffer(bytearray(_encoder.encode(control)), dtype=torch.uint8)
-    length = torch.tensor([payload.numel()], dtype=torch.int64)
+    length, payload = encode_frame(_encoder, control)
     works = []
     for f, peer in enumerate(followers):
         works += [dist.isend(length, peer, tag=_LENGTH), dist.isend(payload, peer, tag=_PAYLOAD)]
@@ -115,11 +110,7 @@ def recv_control(
     leader: int, kv_shape: Callable[[int], tuple[int, ...]], kv_dtype: torch.dtype, timeout_s: float
 ) -> tuple[Control, list[Tensor]]:
     """The next `Control` from `leader` and its KV parts; `kv_shape(num_tokens)` is this rank's KV shape."""
-    length = torch.empty(1, dtype=torch.int64)
-    _wait([dist.irecv(length, leader, tag=_LENGTH)], timeout_s, f"control length from rank {leader}")
-    payload = torch.empty(int(length.item()), dtype=torch.uint8)
-    _wait([dist.irecv(payload, leader, tag=_PAYLOAD)], timeout_s, f"control message from rank {leader}")
-    control = _decoder.decode(payload.numpy().tobytes())
+    control = recv_frame(leader, (_LENGTH, _PAYLOAD), _decoder, timeout_s, "control message", TPError)
     parts = []
     for call in control.calls:
         if isinstance(call, Resume) and not call.direct:
@@ -135,8 +126,7 @@ def checksum(outputs: list[StepOutput]) -> int:
 
 
 def send_ack(ack: list[int], leader: int, timeout_s: float) -> None:
-    t = torch.tensor(ack, dtype=torch.int64)
-    _wait([dist.isend(t, leader, tag=_ACK)], timeout_s, f"ack to rank {leader}")
+    send_ints(ack, leader, _ACK, timeout_s, f"ack to rank {leader}", TPError)
 
 
 def recv_acks(followers: tuple[int, ...], timeout_s: float) -> list[list[int]]:

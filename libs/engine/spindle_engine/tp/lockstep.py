@@ -63,12 +63,11 @@ STARTUP_TIMEOUT_S = 600.0  # the first exchange waits for the followers to load 
 def tp_engine_config(config: EngineConfig, model_config: ModelConfig, tp_size: int) -> EngineConfig:
     """`config` with the KV capacity fixed in tokens, the same on every rank: what the leader's heads (the
     most of any rank) fit into `kv_cache_memory_gb`, unless `kv_cache_tokens` is given."""
-    TPShard.create(model_config, 0, tp_size)  # ValueError for a size the model's KV heads do not allow
+    heads = TPShard.create(model_config, 0, tp_size).num_kv_heads  # ValueError for a size the model cannot split
     if config.kv_cache_tokens is not None:
         return config
-    heads = TPShard.create(model_config, 0, tp_size).num_kv_heads
     per_token = KVCache.bytes_per_token(model_config.num_layers, heads, model_config.head_dim, config.torch_dtype)
-    return replace(config, kv_cache_tokens=int(config.kv_cache_memory_gb * 2**30 // per_token))
+    return replace(config, kv_cache_tokens=config.kv_tokens(per_token))
 
 
 def load_tp_model(config: EngineConfig, group: RankGroup) -> LlamaModel:
