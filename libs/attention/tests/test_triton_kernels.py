@@ -357,3 +357,33 @@ def test_merge_rejects_bad_shapes():
         tri.merge_attn_states_many(outs[0], lses)
     with pytest.raises(ValueError, match="at least one"):
         tri.merge_attn_states_many([], [])
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "stripe", "zigzag"])
+def test_sp_shard_positions_run_on_the_kernel(layout):
+    """What ring/ulysses attention runs on CUDA: a rank's shard against another's block plus history."""
+    from spindle_attention.distributed import shard_positions
+    from spindle_attention.distributed.local import triton_by_runs
+
+    sp, n, hist = 3, 59, 23
+    q_pos = shard_positions(n, sp, layout, 2, offset=hist)
+    k_pos = torch.cat([shard_positions(n, sp, layout, 1, offset=hist), torch.arange(hist)])  # block + history
+    q, k, v = _qkv(len(q_pos), len(k_pos), 9, 3, seed=11)
+    state = triton_by_runs(q, k, v, q_pos.to(DEVICE), k_pos.to(DEVICE), 0.25)
+    assert state is not None
+    _assert_close(*state, *_naive(q, k, v, q_pos, k_pos, scale=0.25))
+
+
+def test_scattered_positions_fall_back_to_the_reference():
+    from spindle_attention.distributed.local import MAX_RUN_PAIRS, affine_runs, triton_by_runs
+
+    assert affine_runs(torch.tensor([3, 5, 7, 8, 9, 20, 4])) == [
+        (0, 3, 3, 2),
+        (3, 2, 8, 1),
+        (5, 1, 20, 1),
+        (6, 1, 4, 1),
+    ]
+    pos = torch.randperm(64)
+    assert affine_runs(pos, MAX_RUN_PAIRS) is None and len(affine_runs(pos)) ** 2 > MAX_RUN_PAIRS
+    q, k, v = _qkv(64, 64, 4, 2)
+    assert triton_by_runs(q, k, v, pos, pos, 0.25) is None

@@ -34,8 +34,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..merge import merge_attn_states
-from ..reference import attention_fwd
 from .comm import CommStats, Group, Timer, all_gather_ints, global_rank, group_rank_size, p2p_args, pack, unpack
+from .local import local_attention
 
 # Called with (k [n, Hkv, D], v [n, Hkv, D], positions int64 [n]) for every block that visits this rank.
 RetainFn = Callable[[Tensor, Tensor, Tensor], None]
@@ -188,7 +188,7 @@ def ring_attention(
             if retain is not None:
                 retain(k_b, v_b, pos_b)
             if n_cur and tq and meta[src][4] <= q_max:  # skip blocks entirely in every query's future
-                o, lse = attention_fwd(q, k_b, v_b, q_positions=q_pos, k_positions=pos_b, softmax_scale=scale)
+                o, lse = local_attention(q, k_b, v_b, q_positions=q_pos, k_positions=pos_b, softmax_scale=scale)
                 out_acc, lse_acc = merge_attn_states(out_acc, lse_acc, o.float(), lse)
         with Timer(stats, "wait_s"):
             for r in reqs:

@@ -23,9 +23,9 @@ import math
 import torch
 from torch import Tensor
 
-from ..reference import attention_fwd
 from .comm import CommStats, Group, Timer, all_gather_ints, all_to_all_bytes, group_rank_size, pack, unpack
 from .layouts import _runs
+from .local import local_attention
 from .ring import History, _check_history, check_inputs
 
 
@@ -56,7 +56,7 @@ def _attend_heads(
     if not aligned:  # a partial group: give every query head its own copy of its KV head (local only)
         idx = torch.tensor([h // group - kv_lo for h in range(qs, qe)], device=k.device)
         k, v = k.index_select(1, idx), v.index_select(1, idx)
-    return attention_fwd(q, k, v, q_positions=q_pos, k_positions=k_pos, softmax_scale=scale)
+    return local_attention(q, k, v, q_positions=q_pos, k_positions=k_pos, softmax_scale=scale)
 
 
 def ulysses_attention(
