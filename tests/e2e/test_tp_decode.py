@@ -1,5 +1,6 @@
-"""A decode instance of tensor-parallel size 2 (`spindle up --decode-tp 2`) in the real stack, fed by SP-2
-prefill groups (`fixed-sp:sp=2`: each of the two holders sends each decode rank only its KV heads, directly):
+"""A decode instance of tensor-parallel size 2 (`spindle up --decode-tp 2`) in the real stack, fed by
+`request-sp:max_sp=2` with a profile that puts prompts under ~340 tokens on one prefill instance and longer
+ones on SP-2 groups (each holder, one or two, sends each decode rank only its KV heads, directly):
 the single engine's tokens (greedy and seeded sampling), exactly each rank's heads received by each rank and
 nothing forwarded by the leader, blocks freed on every rank, and a follower's death ends its requests with an
 error instead of a hang."""
@@ -16,15 +17,17 @@ import pytest
 from .conftest import engine_greedy, instance_blocks, start_stack, wait_until
 from .sse import read_events, stream_text
 from .test_failures import read_events_from
-from .test_sp_stack import _profile
+from .test_sp_grow import _grow_profile
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def tp_stack(tmp_path_factory):
-    profile = _profile(tmp_path_factory.mktemp("tp-profile"))
-    s = start_stack(tmp_path_factory, "tp", prefill=2, decode=1, decode_tp=2, strategy="fixed-sp:sp=2", profile=profile)
+    profile = _grow_profile(tmp_path_factory.mktemp("tp-profile"))  # SP 1: 0.1 s + 10 ms/token; SP 2: 1.8 s + 5
+    s = start_stack(
+        tmp_path_factory, "tp", prefill=2, decode=1, decode_tp=2, strategy="request-sp:max_sp=2", profile=profile
+    )
     try:
         yield s
     finally:
@@ -82,12 +85,12 @@ def _tp_counters(stack) -> dict[str, int]:
     return {k: v for k, v in decode.get("counters", {}).items() if k.startswith("tp_kv_")}
 
 
-def test_each_rank_receives_only_its_heads_from_the_holders(tp_stack, reference_engine, tokenizer):
+@pytest.mark.parametrize("n", [501, 200], ids=["two-holders", "one-holder"])
+def test_each_rank_receives_only_its_heads_from_the_holders(tp_stack, reference_engine, tokenizer, n):
     from spindle_engine.sp import decode_heads
     from spindle_engine.tp import slice_bytes
 
     before = _tp_counters(tp_stack)
-    n = 501
     ids = _prompts(tokenizer, [n])[0]
     events = _stream(tp_stack, {"model": "smollm2", "prompt": ids, "max_tokens": 6, "temperature": 0})
     assert stream_text(events, chat=False) == tokenizer.decode(engine_greedy(reference_engine, [ids], 6)[0])
