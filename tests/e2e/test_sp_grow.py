@@ -1,6 +1,7 @@
 """`request-sp:grow=C` in the real stack: with prefill-0 busy, a request starts at once on prefill-1 and its
 group grows to both instances when prefill-0 is predicted free (history re-balanced to the new member); its
-greedy tokens, and those of the request that kept prefill-0 busy, equal the single engine's."""
+greedy tokens, and those of the request that kept prefill-0 busy, equal the single engine's; prefill-0 enters
+the grown chunk only after the first one ended (it waits on its event loop, not on its engine thread)."""
 
 from __future__ import annotations
 
@@ -123,6 +124,9 @@ def test_a_request_starts_on_the_free_instance_and_grows(tmp_path_factory, tmp_p
         assert first == f"0:{split}" and second == third == f"{split}:800" and split % GROW == 0, by_sp
         grown = [s for s in chunks if s.attributes["spindle.sp"] == 2]
         assert sum(s.attributes["spindle.rebalance_bytes"] for s in grown) > 0  # history moved to the new member
+        # the joining member waited for the first chunk off its engine thread and entered only after it ended
+        (alone,) = [s for s in chunks if s.attributes["spindle.sp"] == 1]
+        assert all(s.start >= alone.end for s in grown), [(s.start - alone.end) / 1e9 for s in grown]
         print(f"\n[grow] chunks {by_sp}; both requests done in {elapsed:.1f}s")
     finally:
         stack.stop()

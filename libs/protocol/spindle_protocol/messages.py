@@ -116,6 +116,16 @@ class SPChunkSpec(msgspec.Struct, frozen=True, kw_only=True):
     layout: str = "zigzag"  # contiguous | stripe | zigzag (ring attention) | all-to-all (Ulysses)
 
 
+class SPChunkDone(msgspec.Struct, frozen=True, kw_only=True):
+    """`member` finished chunk `chunk` of `request_id`'s SP plan, or with `error` gave the plan up. Sent to the
+    members that join the plan later, so they wait for the group off their engine thread."""
+
+    request_id: str
+    chunk: int
+    member: str
+    error: str = ""
+
+
 class RunPrefill(msgspec.Struct, frozen=True, kw_only=True):
     """Prefill `request` and hand its KV to `decode_instance` (data-plane rank `decode_rank`).
 

@@ -42,6 +42,11 @@ def prefill_run(instance_id: str) -> str:
     return f"{PREFIX}.prefill.{check_token(instance_id, 'instance id')}.run"
 
 
+def prefill_sp_chunk_done(instance_id: str) -> str:
+    """prefill -> a prefill instance joining an SP plan at the next chunk, publish: SPChunkDone."""
+    return f"{PREFIX}.prefill.{check_token(instance_id, 'instance id')}.sp_chunk_done"
+
+
 def decode_reserve(instance_id: str) -> str:
     """prefill -> one decode instance, request-reply: ReserveKV -> ReserveReply (the transfer handshake)."""
     return f"{PREFIX}.decode.{check_token(instance_id, 'instance id')}.reserve"

@@ -16,12 +16,13 @@ from opentelemetry import trace
 
 from spindle_engine import StepOutput
 from spindle_protocol import subjects
-from spindle_protocol.messages import PrefillDone, PrefillProgress, RunPrefill
+from spindle_protocol.messages import PrefillDone, PrefillProgress, RunPrefill, SPChunkDone
 from spindle_protocol.prompts import load_prompt
 from spindle_telemetry import extract
 from spindle_worker import Instance, Job, sampling_params
 
 from .handoff import hand_off
+from .sp_gate import SPJoinGate
 from .sp_prefill import SPQueue
 
 log = logging.getLogger("spindle.prefill")
@@ -36,7 +37,13 @@ class PrefillJob(Job):
 class PrefillInstance(Instance):
     async def serve(self) -> None:
         self.sp_queue = SPQueue(self)
+        self.sp_gate = SPJoinGate()
+        await self.bus.subscribe(subjects.prefill_sp_chunk_done(self.id), SPChunkDone, self._on_sp_chunk_done)
         await self.bus.subscribe(subjects.prefill_run(self.id), RunPrefill, self._on_run)
+
+    async def _on_sp_chunk_done(self, msg: SPChunkDone, raw: Msg) -> None:
+        if msg.request_id in self.jobs:  # a late word about a plan that is over here is dropped
+            self.sp_gate.notify(msg)
 
     async def _on_run(self, cmd: RunPrefill, raw: Msg) -> None:
         spec = cmd.request

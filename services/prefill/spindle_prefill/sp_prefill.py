@@ -7,6 +7,8 @@ each plan to all its members before the next plan, NATS keeps that order per sub
 runs its SP jobs one at a time in arrival order (`SPQueue`). Once queued, a job always runs its chunks even
 if the request is aborted meanwhile (a member that skipped would leave its group waiting); the result is
 then dropped. A dead peer makes the group's waits fail, and the request fails with 503 on every member.
+A member that joins a growing plan later waits for the group's earlier chunks on the event loop, not on its
+engine thread (sp_gate.py), so its engine serves other work meanwhile.
 
 After the last chunk the member that computed the last prompt token samples the first token and streams
 it; every member that holds KV hands its share to the decode instance (`ReserveKV` with a `KVPart`), or parks it
@@ -28,15 +30,20 @@ from spindle_engine.sampler import sample
 from spindle_engine.sequence import Sequence
 from spindle_engine.sp import ChunkReport, SPPrefill
 from spindle_protocol import subjects
-from spindle_protocol.messages import Abort, KVPart, PrefillDone
+from spindle_protocol.messages import Abort, KVPart, PrefillDone, SPChunkDone, SPChunkSpec
 from spindle_protocol.prompts import load_prompt
 from spindle_worker import sampling_params
 from spindle_worker.sp_plan import plan_from_chunks, tiling
 
 from .handoff import hand_off
+from .sp_gate import all_joiners, joiners_after, joins_at
 
 if TYPE_CHECKING:
     from .instance import PrefillInstance, PrefillJob
+
+# After an abort, how long a joining member still waits for its group's earlier chunks (the group runs a
+# queued plan to its end; a missing member makes the others wait until their data plane's 60 s timeout).
+JOIN_ABORT_GRACE_S = 30.0
 
 log = logging.getLogger("spindle.prefill.sp")
 
@@ -62,6 +69,8 @@ class SPQueue:
                 await run_sp_job(self.inst, job)
             except Exception:
                 log.exception("SP prefill of %s failed", job.request_id)
+            finally:
+                self.inst.sp_gate.forget(job.request_id)
 
 
 async def run_sp_job(inst: PrefillInstance, job: PrefillJob) -> None:
@@ -76,8 +85,18 @@ async def run_sp_job(inst: PrefillInstance, job: PrefillJob) -> None:
         inst.engine.validate_prompt(prompt)  # reads only the engine's fixed limits
         params = sampling_params(spec.sampling)
     except (ValueError, KeyError) as e:  # members would wait for us until their data-plane timeout
+        await _give_up(inst, cmd.chunks, rid, str(e))
         await inst.fail(job, 400, f"bad SP request: {e}")
         return
+    join = joins_at(cmd.chunks, inst.id)
+    if join > 0:
+        why = await inst.sp_gate.wait(
+            rid, join - 1, set(cmd.chunks[join - 1].members), lambda: inst.is_aborted(rid), JOIN_ABORT_GRACE_S
+        )
+        if why:
+            await _give_up(inst, cmd.chunks, rid, why)
+            await inst.fail(job, 503, f"sequence-parallel prefill failed: {why}")
+            return
 
     def work(engine: Engine) -> tuple[int | None, torch.Tensor, list]:
         sp = SPPrefill(engine.model, engine.cache, engine.allocator, rid, prompt, plan, member, ranks)
@@ -86,6 +105,7 @@ async def run_sp_job(inst: PrefillInstance, job: PrefillJob) -> None:
             logits = sp.run_chunk_or_release(k)
             c = plan.chunks[k]
             inst.from_thread(_progress(inst, job, c.start, c.end, t0, time.time(), sp.reports[-1]))
+            inst.from_thread(_tell_joiners(inst, cmd.chunks, rid, k))
         first = None
         if logits is not None:
             seq = Sequence(rid, list(prompt), params)
@@ -100,6 +120,7 @@ async def run_sp_job(inst: PrefillInstance, job: PrefillJob) -> None:
     except Exception as e:  # gloo reports a dead peer as a closed or reset connection
         cause = str(e).split(". This is typically", 1)[0]
         cause = cause.split("] ", 1)[-1] if cause.startswith("[") else cause
+        await _give_up(inst, cmd.chunks, rid, cause)
         await inst.fail(job, 503, f"sequence-parallel prefill failed (a group member died or is unreachable?): {cause}")
         return
     if inst.is_aborted(rid) or inst.jobs.get(rid) is not job:
@@ -136,6 +157,23 @@ async def run_sp_job(inst: PrefillInstance, job: PrefillJob) -> None:
         return
     if inst.jobs.pop(rid, None) is not None:
         job.span.end()
+
+
+async def _tell_joiners(inst: PrefillInstance, chunks: list[SPChunkSpec], rid: str, k: int) -> None:
+    for joiner in joiners_after(chunks, k):
+        await inst.bus.publish(
+            subjects.prefill_sp_chunk_done(joiner), SPChunkDone(request_id=rid, chunk=k, member=inst.id)
+        )
+
+
+async def _give_up(inst: PrefillInstance, chunks: list[SPChunkSpec], rid: str, why: str) -> None:
+    """Tell every member that joins the plan after its start that this one will not get there."""
+    for joiner in all_joiners(chunks):
+        if joiner != inst.id:
+            await inst.bus.publish(
+                subjects.prefill_sp_chunk_done(joiner),
+                SPChunkDone(request_id=rid, chunk=-1, member=inst.id, error=why or "failed"),
+            )
 
 
 async def _progress(
