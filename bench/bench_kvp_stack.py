@@ -2,7 +2,7 @@
 
 Starts `spindle up --decode-kvp K --kvp-tokens N` with a small per-member KV cache, sends requests whose
 prompts fill members nearly to the limit (so each tail member soon runs out of room for new tokens), a few at a
-time, and reads the decode instance's counters (`kvp_scale_ups`, `kvp_dropped`) from
+time, and reads the decode instance's counters (`kvp_scale_ups`, `kvp_scale_downs`, `kvp_dropped`) from
 `/v1/spindle/instances`. Prints a table and writes JSON.
 
     python bench/bench_kvp_stack.py                        # K=3, 512 tokens per member, 9 requests
@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         "failed": len(results) - ok,
         "wall_s": wall,
         "kvp_scale_ups": counters.get("kvp_scale_ups", 0),
+        "kvp_scale_downs": counters.get("kvp_scale_downs", 0),
         "kvp_dropped": counters.get("kvp_dropped", 0),
         "kv_blocks_total": stats["kv_blocks_total"],
         "blocks_left": stats["kv_blocks_used"],
@@ -118,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nKVP decode group: {args.kvp} members x {args.member_tokens} tokens, --kvp-tokens {args.kvp_tokens}")
     print(f"requests {len(results)} ({ok} completed, {len(results) - ok} failed) in {wall:.1f} s")
     print(f"scale-ups {result['kvp_scale_ups']} ({result['kvp_scale_ups'] / len(results):.2f} per request), "
-          f"dropped {result['kvp_dropped']}, blocks held at the end {result['blocks_left']}")  # fmt: skip
+          f"scale-downs {result['kvp_scale_downs']}, dropped {result['kvp_dropped']}, "
+          f"blocks held at the end {result['blocks_left']}")  # fmt: skip
     log.info("wrote %s", args.out)
     return 0 if ok == len(results) else 1
 

@@ -56,6 +56,7 @@ def test_registers_one_instance_with_every_members_blocks(kvp_stack):
     stats = _decode_stats(kvp_stack)
     assert stats["kv_blocks_total"] == 3 * MEMBER_TOKENS // 16
     assert stats["counters"]["kvp_scale_ups"] == 0
+    assert stats["counters"]["kvp_scale_downs"] == 0  # the scale-down policy is off unless asked for
 
 
 def test_split_prompt_scales_up_and_equals_the_engine(kvp_stack, reference_engine, tokenizer):
@@ -68,8 +69,9 @@ def test_split_prompt_scales_up_and_equals_the_engine(kvp_stack, reference_engin
     for events, ref in zip(results, engine_greedy(reference_engine, prompts, 24), strict=True):
         assert events[-1] == "[DONE]"
         assert stream_text(events, chat=False) == tokenizer.decode(ref)
-    ups = _decode_stats(kvp_stack)["counters"]["kvp_scale_ups"]
-    print(f"[kvp=3] scale-ups so far: {ups}")
+    counters = _decode_stats(kvp_stack)["counters"]
+    ups = counters["kvp_scale_ups"]
+    print(f"[kvp=3] scale-ups so far: {ups}, scale-downs {counters['kvp_scale_downs']}")
     assert ups >= 1  # the 1000-token prompt's tail member (500 tokens in all its 32 blocks) fills after 12 tokens
     assert wait_until(lambda: not any(instance_blocks(kvp_stack)["decode-0"].values()), 5), instance_blocks(kvp_stack)
 

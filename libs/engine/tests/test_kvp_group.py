@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from spindle_engine import Engine, EngineConfig, SamplingParams
-from spindle_engine.kvp import KVPPlan, KVRange
+from spindle_engine.kvp import KVPPlan, KVPRequest, KVRange
 from spindle_engine.kvp.group import GroupConfig, GroupPlanner
 
 
@@ -120,11 +120,53 @@ def test_no_member_to_scale_up_to_is_stuck():
     assert ups.stuck == ["a"] and not ups.moves
 
 
+def _fragment_planner(scale_down_tokens: int = 8) -> GroupPlanner:
+    """Member 0 holds b and a's first 30 tokens (full); a's tail, 4 tokens, went to member 1 (a scale-up)."""
+    p = GroupPlanner(GroupConfig(3, 10, 4, 0, scale_down_tokens), KVPPlan([0, 1, 2]))
+    p.plan.add(KVPRequest.split("a", 0, [0, 1], [0, 30, 34]))  # 8 blocks on 0, 1 on 1
+    p.plan.add(KVPRequest.split("b", 2, [0], [0, 8]))  # 2 blocks on 0: member 0 is full
+    p.commit("a", 40)
+    p.commit("b", 8)
+    return p
+
+
+def test_a_fragment_merges_back_once_its_neighbour_has_room():
+    p = _fragment_planner()
+    assert p.free_blocks(0) == 0 and p.scale_downs() == []  # no room before it
+    assert not p.scale_down_fits("a", 1)
+    p.plan.finish("b")
+    p.forget("b")
+    assert p.scale_downs() == [("a", 1, 0)]  # 2 blocks free: 1 for the 4 tokens, 1 for a's last 6
+    assert p.scale_down_fits("a", 1) and p.scale_down_fits("a", 0)  # explicit: room for the range is enough
+    p.plan.scale_down("a", 1)
+    assert p.plan.get("a").ranges == (KVRange(0, 0, 34),) and p.placed_blocks(0) == 9 and p.placed_blocks(1) == 0
+    assert all(not moves for _ in range(6) for moves in [_step(p)])  # its growth fits: it never scales up again
+    assert p.plan.get("a").num_tokens == 40 and p.scale_downs() == []
+
+
+def test_scale_downs_skip_masters_long_ranges_and_tight_neighbours():
+    assert _fragment_planner(scale_down_tokens=0).scale_downs() == []  # off
+    p = _fragment_planner(scale_down_tokens=4)  # the 4-token tail is not shorter than 4
+    p.plan.finish("b")
+    assert p.scale_downs() == []
+    p = _fragment_planner()
+    p.plan.finish("b")
+    p.commit("a", 48)  # a's growth after a merge (14 tokens on 0) would need 3 blocks there, only 1 would be left
+    assert p.scale_downs() == []
+    p = GroupPlanner(GroupConfig(2, 10, 4, 0, 8), KVPPlan([0, 1]))
+    p.plan.add(KVPRequest.split("m", 1, [0, 1], [0, 20, 23]))  # the fragment is on the master: it stays
+    assert p.scale_downs() == []
+    with pytest.raises(ValueError, match="only holder"):
+        p.plan.add(KVPRequest.split("one", 0, [0], [0, 3])) or p.scale_down_fits("one", 0)
+
+
 def test_config_is_validated():
     with pytest.raises(ValueError):
         GroupConfig(0, 10)
     with pytest.raises(ValueError):
         GroupConfig(2, 10, kvp_tokens=-1)
+    with pytest.raises(ValueError, match="scale_down_tokens"):
+        GroupConfig(2, 10, scale_down_tokens=-1)
     with pytest.raises(ValueError, match="members"):
         GroupPlanner(GroupConfig(2, 10), KVPPlan([0, 1, 2]))
 
@@ -192,6 +234,76 @@ def test_group_engine_gives_the_single_engine_tokens(tiny_dir, tmp_path):
     assert [int(r["blocks_used"]) for r in results[1:]] == [0, 0]
 
 
+def test_group_engine_scale_downs_move_kv_once_and_keep_the_engine_tokens(tiny_dir, tmp_path, caplog):
+    """Scale-downs in a running group: by the policy (a range below 16 tokens merges into a neighbour with room: two
+    front merges) and asked for (`request_scale_down`: a's tail and master leaves, its range goes to the end of
+    its predecessor's, which becomes the tail while the master keeps mastering without KV); greedy
+    tokens stay the single engine's, each move sends its range's KV once and every block is freed."""
+    from spindle_engine.kvp.group_testing import group_engine_worker
+    from spindle_model.testing import run_gloo
+
+    greedy = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    script = [
+        # [0, 15) on 0, [15, 30) on 1, [30, 40) on 2, mastered by 2; the policy merges 0's range into 1's front
+        {"step": 0, "op": "resume", "id": "a", "prompt": _ids(40, 1), "params": greedy},
+        {"step": 1, "op": "resume", "id": "b", "prompt": _ids(9, 2), "params": {**greedy, "max_tokens": 8}},
+        # [0, 15) on 0 and a 5-token tail on 2, mastered by 1: the policy merges 0's range into 2's front
+        {"step": 2, "op": "resume", "id": "c", "prompt": _ids(20, 3), "params": {**greedy, "max_tokens": 9}},
+        {"step": 4, "op": "scale_down", "id": "a", "member": 2},  # a's tail and master: 1 becomes the tail
+    ]
+    config = {"model": tiny_dir, "block_size": 4, "kv_cache_tokens": 64, "max_model_len": 128}
+    results = run_gloo(group_engine_worker, 3, tmp_path, json.dumps(config), 15, json.dumps(script), 16, timeout=120)
+    leader = results[0]
+    got = {k.removeprefix("tokens:"): v.tolist() for k, v in leader.items() if k.startswith("tokens:")}
+    engine = Engine(EngineConfig(model=tiny_dir, block_size=4, kv_cache_tokens=4096, max_model_len=128))
+    for e in script:
+        if e["op"] == "resume":
+            engine.add_request(e["id"], e["prompt"], SamplingParams(**e["params"]))
+    ref: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            ref.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert got == ref
+    assert int(leader["scale_downs"]) == 3 and int(leader["scale_ups"]) == 0
+    moved = [r["moved"].tolist() for r in results]  # per member: [bytes, tokens]
+    assert [t for _, t in moved] == [15 + 15, 0, 14]  # a's and c's [0, 15); a's [30, 44) after 4 steps
+    per_token = 3 * 2 * 3 * 8 * 4  # layers x (K, V) x KV heads x head dim x fp32
+    assert all(b == t * per_token for b, t in moved)
+    assert leader["blocks_used"].tolist() == [0, 0] and leader["member_blocks_used"].tolist() == [0, 0]
+    assert [int(r["blocks_used"]) for r in results[1:]] == [0, 0]
+    print(f"\n[kvp scale-down] moved {sum(b for b, _ in moved)} B for {sum(t for _, t in moved)} tokens")
+
+
+def test_a_tail_scaled_up_for_want_of_room_moves_back_when_the_room_returns(tiny_dir, tmp_path):
+    """10 blocks of 4 per member: "first" ([0, 8) on 0, [8, 16) on 1, [16, 20) on 2) leaves member 0 room for 8
+    blocks, which "long" (32 tokens, no range split possible) fills; its next token scales it up onto member 1.
+    Once "first" finishes, member 0 has room again and the policy merges long's 2-token tail back into its range."""
+    from spindle_engine.kvp.group_testing import group_engine_worker
+    from spindle_model.testing import run_gloo
+
+    greedy = {"temperature": 0, "ignore_eos": True}
+    script = [
+        {"step": 0, "op": "resume", "id": "first", "prompt": _ids(20, 5), "params": {**greedy, "max_tokens": 4}},
+        {"step": 1, "op": "resume", "id": "long", "prompt": _ids(32, 6), "params": {**greedy, "max_tokens": 6}},
+    ]
+    config = {"model": tiny_dir, "block_size": 4, "kv_cache_tokens": 40, "max_model_len": 128}
+    results = run_gloo(group_engine_worker, 3, tmp_path, json.dumps(config), 8, json.dumps(script), 8, timeout=120)
+    leader = results[0]
+    got = {k.removeprefix("tokens:"): v.tolist() for k, v in leader.items() if k.startswith("tokens:")}
+    engine = Engine(EngineConfig(model=tiny_dir, block_size=4, kv_cache_tokens=4096, max_model_len=128))
+    for e in script:
+        engine.add_request(e["id"], e["prompt"], SamplingParams(**e["params"]))
+    ref: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            ref.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert got == ref
+    assert int(leader["scale_ups"]) == 1 and int(leader["scale_downs"]) == 1
+    assert [r["moved"].tolist() for r in results] == [[0, 0], [2 * 3 * 2 * 3 * 8 * 4, 2], [0, 0]]
+    assert leader["blocks_used"].tolist() == [0, 0] and leader["member_blocks_used"].tolist() == [0, 0]
+    assert [int(r["blocks_used"]) for r in results[1:]] == [0, 0]
+
+
 def test_a_member_killed_mid_decode_fails_only_its_requests(tiny_dir, tmp_path):
     """Member 1 dies inside a step: the requests it mastered or held KV of fail, the others finish with the single
     engine's tokens, the survivors free every block and the group never places on member 1 again."""
@@ -236,3 +348,34 @@ def test_a_member_killed_mid_decode_fails_only_its_requests(tiny_dir, tmp_path):
     assert leader["member_blocks_used"].tolist() == [[2, 0]]
     assert int(results[2]["blocks_used"]) == 0
     print(f"\n[kvp kill] 3 members, member 1 killed at step 4: {len(failed)} failed, {len(ref)} exact, {elapsed:.1f}s")
+
+
+def test_a_leaver_killed_before_its_kv_arrives_fails_only_that_request(tiny_dir, tmp_path):
+    """Member 1 leaves a's holders (its [15, 30) goes to the leader's end) and dies before sending it: a fails (the
+    plan no longer names member 1 as a holder; the move in flight does), b goes on exact, every block is freed."""
+    from spindle_engine.kvp.group_testing import group_kill_worker, run_survivors
+
+    greedy = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    script = [
+        {"step": 0, "op": "resume", "id": "a", "prompt": _ids(40, 1), "params": greedy},  # 0, 1, 2; mastered by 2
+        {"step": 0, "op": "resume", "id": "b", "prompt": _ids(9, 2), "params": greedy},  # on 2, mastered by 0
+        {"step": 2, "op": "scale_down", "id": "a", "member": 1},
+    ]
+    config = {"model": tiny_dir, "block_size": 4, "kv_cache_tokens": 64, "max_model_len": 128}
+    args = (json.dumps(config), 15, json.dumps(script), 1, 3, True)  # dies in its third step, before moving
+    results = run_survivors(group_kill_worker, 3, tmp_path, *args)
+    leader = results[0]
+    assert leader and results[1] == {}
+    placed = {k.removeprefix("placed:"): v.tolist() for k, v in leader.items() if k.startswith("placed:")}
+    assert placed == {"a": [2, 0, 1, 2], "b": [0, 2]}
+    failed = {k.removeprefix("failed:") for k in leader if k.startswith("failed:")}
+    assert failed == {"a"}
+    engine = Engine(EngineConfig(model=tiny_dir, block_size=4, kv_cache_tokens=4096, max_model_len=128))
+    engine.add_request("b", script[1]["prompt"], SamplingParams(**greedy))
+    ref: list[int] = []
+    while engine.has_unfinished():
+        ref += [t for o in engine.step() for t in o.new_token_ids]
+    assert leader["tokens:b"].tolist() == ref
+    assert leader["gone"].tolist() == [1]
+    assert leader["blocks_used"].tolist() == [0, 0] and leader["member_blocks_used"].tolist() == [[2, 0]]
+    assert int(results[2]["blocks_used"]) == 0

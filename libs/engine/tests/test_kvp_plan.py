@@ -154,3 +154,73 @@ def test_one_member_group_decodes_like_the_engine_and_refuses_to_outgrow_its_blo
     dec.abort_all()
     dec.shard.allocator.check_invariants()
     assert dec.blocks_used == 0
+
+
+def test_scale_down_merges_into_the_neighbour_before_else_after():
+    req = KVPRequest.split("r", 2, [0, 1, 2], [0, 37, 101, 150])
+    down = req.scale_down(1)  # a middle range: its predecessor's range grows at its end
+    assert down.ranges == (KVRange(0, 0, 101), KVRange(2, 101, 150)) and down.master == 2
+    assert req.scale_down(1, into=2).ranges == (KVRange(0, 0, 37), KVRange(2, 37, 150))
+    first = req.scale_down(0)  # the first range: its successor takes it in front of its own
+    assert first.ranges == (KVRange(1, 0, 101), KVRange(2, 101, 150))
+    tail = req.scale_down(2)  # the tail (and master) leaves: the receiver becomes the tail, the master stays
+    assert tail.ranges == (KVRange(0, 0, 37), KVRange(1, 37, 150)) and tail.tail == 1 and tail.master == 2
+    fresh = req.scale_up(3).scale_down(3)  # an empty tail leaves: nothing moves
+    assert fresh.ranges == req.ranges
+    plan = KVPPlan([0, 1, 2])
+    plan.add(req)
+    assert plan.scale_down("r", 0).ranges == first.ranges and plan.get("r") == first
+
+
+@pytest.mark.parametrize(
+    ("member", "into", "match"),
+    [(5, None, "holds no range"), (0, 2, "next to"), (1, 1, "next to")],
+)
+def test_scale_down_rules(member, into, match):
+    req = KVPRequest.split("r", 0, [0, 1, 2], [0, 5, 9, 12])
+    with pytest.raises(ValueError, match=match):
+        req.scale_down(member, into)
+
+
+def test_the_last_holder_cannot_leave():
+    with pytest.raises(ValueError, match="only holder"):
+        KVPRequest.split("r", 0, [1], [0, 5]).scale_down(1)
+
+
+@pytest.mark.parametrize("front", [False, True])
+def test_shard_merge_at_either_end_keeps_local_slot_zero(front):
+    """A receiver takes an adjacent range (block size 4, neither range block-aligned); its partial attention then
+    equals attention over the merged tokens, and the leaver's blocks are all free."""
+    torch.manual_seed(1)
+    kv = torch.randn(2, 2, 13, 2, 8)
+    split = 6
+    leaver, receiver = _shard(), _shard()
+    mine, theirs = (slice(split, 13), slice(0, split)) if front else (slice(0, split), slice(split, 13))
+    receiver.add_range("r", mine.start, kv[:, :, mine])
+    leaver.add_range("r", theirs.start, kv[:, :, theirs])
+    leaver.add_range("other", 0, torch.randn(2, 2, 3, 2, 8))  # its blocks come first: the merge is not a copy
+    receiver.make_room("r", theirs.stop - theirs.start)
+    moved = leaver.take("r")
+    assert "r" not in leaver and leaver.allocator.blocks_by_owner() == {"other": 1}
+    receiver.merge("r", moved, front=front)
+    assert receiver.start("r") == 0 and receiver.num_tokens("r") == 13
+    assert torch.equal(receiver.read("r"), kv)
+    assert receiver.allocator.blocks_by_owner() == {"r": 4}
+    q = torch.randn(1, 4, 8)
+    for layer in range(2):
+        out, _ = receiver.attend(layer, ["r"], q)
+        full, _ = attention_fwd(q, kv[0, layer], kv[1, layer], causal=False)
+        torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-6)
+    slot = receiver.grow("r")  # the merged range still grows at its end
+    assert int(slot) // 4 in receiver._ranges["r"].table and receiver.num_tokens("r") == 14
+
+
+def test_shard_make_room_refuses_without_change():
+    s = _shard(num_blocks=3)
+    s.add_range("r", 0, torch.zeros(2, 2, 9, 2, 8))  # 3 blocks
+    with pytest.raises(OutOfBlocksError):
+        s.make_room("r", 4)
+    assert s.num_tokens("r") == 9 and s.allocator.num_used == 3
+    s.make_room("r", 3)  # fits the last block's free slots
+    s.free_all()
+    s.allocator.check_invariants()

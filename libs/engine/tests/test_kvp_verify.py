@@ -67,6 +67,30 @@ def test_tiny_model_kvp_matches_single_instance(tiny_dir, plan, kvp, split, scal
     assert 0 < master["q_bytes"] + master["kv_bytes"] < master["kv_move_bytes"]
 
 
+@pytest.mark.parametrize(
+    ("kvp", "split", "scale_down_at", "member"),
+    [
+        (2, [0, 77], 3, None),  # the tail (member 1) leaves: member 0, the master, appends [77, 204) to its [0, 77)
+        (3, None, 2, 0),  # the first range's holder and master leaves: member 1 takes [0, 33) in front of its own
+    ],
+)
+def test_tiny_model_kvp_scale_down_matches_single_instance(tiny_dir, kvp, split, scale_down_at, member):
+    spec = VerifySpec(
+        tiny_dir, "float32", "0:@0", "zigzag", _ids(201, 301), 1, None, 7, kvp=kvp, kvp_split=split,
+        scale_down_at=scale_down_at, scale_down_member=member,
+    )  # fmt: skip
+    result = verify(spec, timeout_s=120)
+    _check(result)
+    kvp_ranks = {r["member"]: r for r in result.ranks if r["role"] == "kvp"}
+    leaver = kvp_ranks[kvp - 1 if member is None else member]
+    lo, hi = leaver["range"]
+    assert lo % 16 or hi % 16  # not a block boundary
+    moved = hi - lo + (scale_down_at - 1 if lo and member is None else 0)  # the tail grew before it left
+    per_token = 3 * 2 * 3 * 8 * 4  # layers x (K, V) x KV heads x head dim x fp32: the theory
+    assert leaver["scale_down_tokens"] == moved and leaver["scale_down_bytes"] == moved * per_token
+    assert sum(r["scale_down_bytes"] for r in kvp_ranks.values()) == leaver["scale_down_bytes"]
+
+
 def test_cli_rejects_bad_kvp_options(tmp_path, capsys):
     prompt = tmp_path / "p.json"
     prompt.write_text(json.dumps(_ids(50, 300)))
@@ -79,6 +103,14 @@ def test_cli_rejects_bad_kvp_options(tmp_path, capsys):
     assert "ranges for --kvp 2" in capsys.readouterr().err
     assert main([*base, "--kvp", "2", "--kvp-split", "5,20"]) == 2
     assert main([*base, "--kvp", "60"]) == 2
+    assert main([*base, "--scale-down-at", "2"]) == 2
+    assert "needs --kvp" in capsys.readouterr().err
+    assert main([*base, "--kvp", "1", "--scale-down-at", "2"]) == 2
+    assert "two KV holders" in capsys.readouterr().err
+    assert main([*base, "--kvp", "2", "--scale-down-at", "2", "--scale-down-member", "2"]) == 2
+    assert main([*base, "--kvp", "2", "--scale-down-member", "1"]) == 2
+    assert main([*base, "--kvp", "2", "--scale-down-at", "3", "--scale-up-at", "3", "--scale-down-member", "2"]) == 2
+    assert "only after --scale-up-at" in capsys.readouterr().err
 
 
 def _engine_reference(model_dir: str, requests: list[GroupRequest]) -> dict[str, list[int]]:
@@ -143,6 +175,22 @@ def test_smollm2_kvp_matches_single_instance(plan, kvp, split, scale_up_at):
         kvp_split=split, scale_up_at=scale_up_at,
     )  # fmt: skip
     _check(verify(spec, timeout_s=600))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("member", "scale_down_at"), [(None, 3), (1, 2)])
+def test_smollm2_kvp_scale_down_matches_single_instance(member, scale_down_at):
+    """KVP 3 over [0, 167), [167, 500), [500, 1001): the tail leaves into member 1's end, or member 1's range
+    moves to the end of member 0's (the master's)."""
+    spec = VerifySpec(
+        "smollm2", "float32", "0:@0", "zigzag", _ids(1001, 49152, 7), 1, None, 6, kvp=3,
+        scale_down_at=scale_down_at, scale_down_member=member,
+    )  # fmt: skip
+    result = verify(spec, timeout_s=600)
+    _check(result)
+    leaver = next(r for r in result.ranks if r.get("role") == "kvp" and r["scale_down_tokens"])
+    per_token = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M: layers x (K, V) x KV heads x head dim x fp32
+    assert leaver["scale_down_bytes"] == leaver["scale_down_tokens"] * per_token
 
 
 def test_member_killed_mid_decode_fails_the_others_cleanly(tiny_dir, tmp_path, monkeypatch):

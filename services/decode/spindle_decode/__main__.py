@@ -42,6 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --kvp-size > 1: the per-member KV token limit of a new request; a longer prompt is split over "
         "ceil(len / N) members (0 = on one member when one has room; default %(default)s)",
     )
+    p.add_argument(
+        "--kvp-scale-down-tokens",
+        type=int,
+        default=0,
+        help="with --kvp-size > 1: a request's range shorter than this on a member that is not its master moves "
+        "once, between steps, into a neighbouring member's range when that member has room for it and its growth "
+        "(scale-down; 0 = never; default %(default)s)",
+    )
     service.add_engine_args(p)
     service.add_common_args(p)
     return p
@@ -52,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     service.setup_logging(args.log_level, "decode")
     try:
         config = InstanceConfig.from_args("decode", args)
-        kvp = KVPOptions(args.kvp_size, args.kvp_tokens)
+        kvp = KVPOptions(args.kvp_size, args.kvp_tokens, args.kvp_scale_down_tokens)
         if kvp.size > 1 and config.tp_size > 1:
             raise ValueError("--kvp-size > 1 needs --tp-size 1 (a KV-parallel member holds the whole model)")
         if config.rank + kvp.size > config.world_size:

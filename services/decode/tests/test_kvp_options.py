@@ -1,4 +1,4 @@
-"""`--kvp-size` / `--kvp-tokens` of the decode instance and `spindle up --decode-kvp` (flags, ranks, refusals)."""
+"""`--kvp-size` / `--kvp-tokens` / `--kvp-scale-down-tokens` of the decode instance and `spindle up --decode-kvp` (flags, ranks, refusals)."""
 
 import pytest
 
@@ -12,12 +12,14 @@ RUNTIME = Runtime(nats_url="nats://127.0.0.1:4222", dist_init="tcp://127.0.0.1:2
 
 
 def test_kvp_members_take_consecutive_ranks_after_their_leader():
-    config = StackConfig(prefill=1, decode=2, decode_kvp=3, kvp_tokens=500, port=8000)
+    config = StackConfig(prefill=1, decode=2, decode_kvp=3, kvp_tokens=500, kvp_scale_down_tokens=64, port=8000)
     assert config.world_size == 1 + 1 + 2 * 3
     specs = {s.name: s for s in build_plan(config, RUNTIME)}
     leader = specs["decode-1"].args
     assert leader[leader.index("--rank") + 1] == "5"
     assert leader[leader.index("--kvp-size") + 1] == "3" and leader[leader.index("--kvp-tokens") + 1] == "500"
+    assert leader[leader.index("--kvp-scale-down-tokens") + 1] == "64"
+    assert build_parser().parse_args(leader).kvp_scale_down_tokens == 64
     for j, rank in ((1, "6"), (2, "7")):
         f = specs[f"decode-1-kvp{j}"]
         assert f.module == "spindle_decode.kvp_follower"
@@ -35,8 +37,15 @@ def test_bad_kvp_stacks_are_refused():
         StackConfig(kvp_tokens=100)
     with pytest.raises(ValueError, match="non-negative"):
         StackConfig(decode_kvp=2, kvp_tokens=-1)
+    with pytest.raises(ValueError, match="decode_kvp > 1"):
+        StackConfig(kvp_scale_down_tokens=16)
+    with pytest.raises(ValueError, match="non-negative"):
+        StackConfig(decode_kvp=2, kvp_scale_down_tokens=-1)
     with pytest.raises(ValueError):
         KVPOptions(0)
+    with pytest.raises(ValueError, match="scale-down"):
+        KVPOptions(2, 500, -1)
+    assert KVPOptions(2).scale_down_tokens == 0  # off unless asked for
 
 
 def test_decode_cli_refuses_kvp_with_tp_and_ranks_outside_the_world(capsys):

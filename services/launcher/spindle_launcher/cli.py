@@ -68,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
         "ceil(len / N) members, and a member running out of blocks hands the request's new tokens to another "
         "(scale-up). 0 = a request on one member when one has room (%(default)s)",
     )
+    c.add_argument(
+        "--kvp-scale-down-tokens",
+        type=int,
+        default=0,
+        help="with --decode-kvp > 1: a request's range shorter than this (not on its master) moves once into a "
+        "neighbouring member with room (scale-down), so fewer members serve it; 0 = never (%(default)s)",
+    )
     c.add_argument("--strategy", default="single", help="scheduler strategy, NAME or NAME:key=value,... (%(default)s)")
     c.add_argument("--profile", default=None, help="latency profile JSON (`spindle profile`) for fixed-sp / request-sp")
     n = up.add_argument_group("network and operations")
@@ -91,6 +98,7 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         decode_tp=args.decode_tp,
         decode_kvp=args.decode_kvp,
         kvp_tokens=args.kvp_tokens,
+        kvp_scale_down_tokens=args.kvp_scale_down_tokens,
         host=args.host,
         port=args.port,
         nats_port=args.nats_port,

@@ -41,6 +41,7 @@ class StackConfig:
     decode_tp: int = 1  # tensor-parallel ranks (processes) of each decode instance
     decode_kvp: int = 1  # KV-parallel members (processes) of each decode instance (with decode_tp 1)
     kvp_tokens: int = 0  # per-member KV token limit of a KVP decode instance's new requests; 0 = none
+    kvp_scale_down_tokens: int = 0  # KVP ranges shorter than this merge into a neighbour with room; 0 = never
     host: str = "127.0.0.1"  # gateway bind address
     port: int = 8000  # gateway port; 0 = a free port chosen at start
     nats_port: int | None = None  # None = a free port
@@ -78,6 +79,12 @@ class StackConfig:
             raise ValueError(f"kvp_tokens must be a non-negative integer, got {self.kvp_tokens!r}")
         if self.kvp_tokens and self.decode_kvp == 1:
             raise ValueError("kvp_tokens applies to KV-parallel decode instances: set decode_kvp > 1 too")
+        if not isinstance(self.kvp_scale_down_tokens, int) or self.kvp_scale_down_tokens < 0:
+            raise ValueError(
+                f"kvp_scale_down_tokens must be a non-negative integer, got {self.kvp_scale_down_tokens!r}"
+            )
+        if self.kvp_scale_down_tokens and self.decode_kvp == 1:
+            raise ValueError("kvp_scale_down_tokens applies to KV-parallel decode instances: set decode_kvp > 1 too")
         if not self.host:
             raise ValueError("host must be non-empty")
         _port(self.port, "port", allow_zero=True)
@@ -198,6 +205,7 @@ def build_plan(config: StackConfig, runtime: Runtime, python: str = sys.executab
         tp = ["--tp-size", str(config.decode_tp)] if config.decode_tp > 1 else []
         if config.decode_kvp > 1:
             tp = ["--kvp-size", str(config.decode_kvp), "--kvp-tokens", str(config.kvp_tokens)]
+            tp += ["--kvp-scale-down-tokens", str(config.kvp_scale_down_tokens)]
         add(f"decode-{i}", "decode", worker(f"decode-{i}", rank) + tp + engine(decode_tokens))
         for j in range(1, config.decode_kvp):
             flags = ["--instance-id", f"decode-{i}", "--rank", str(rank + j), "--leader-rank", str(rank)]

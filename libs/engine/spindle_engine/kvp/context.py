@@ -16,7 +16,8 @@ order), so no header travels. A peer in `lost` (its process died, wire.py) is sk
 the others do not depend on it, so their requests stay exact; the rows of requests it held or mastered get
 garbage (a missing partial state counts as zeros), and the leader drops those requests after the step.
 Tags, on the default group above the RankGroup range: `KVP_TAG` for the
-per-step control message, `KVP_TAG + 1 + 2 * layer` for queries and `KVP_TAG + 2 + 2 * layer` for results.
+per-step control message, `KVP_TAG + 1 + 2 * layer` for queries and `KVP_TAG + 2 + 2 * layer` for results,
+`KVP_TAG + 4096 + i` for the i-th scale-down KV move at the start of a step (decoder.py).
 """
 
 from __future__ import annotations
@@ -47,6 +48,14 @@ def result_tag(layer: int) -> int:
     return KVP_TAG + 2 + 2 * layer
 
 
+MAX_MOVES = 4096  # scale-down moves in one step (each has its own tag)
+
+
+def move_tag(i: int) -> int:
+    assert 0 <= i < MAX_MOVES, f"scale-down move {i} of one step has no tag"
+    return KVP_TAG + 4096 + i
+
+
 @dataclass
 class KVPStats:
     """Bytes this member sent (and host seconds), accumulated over steps; never asserted on timing."""
@@ -56,12 +65,15 @@ class KVPStats:
     result_bytes: int = 0  # (lse, out) partial states sent back to masters
     control_bytes: int = 0  # per-step sampled tokens / finished flags
     kv_move_bytes: int = 0  # what moving the remote KV to the masters would have cost instead
+    scale_down_bytes: int = 0  # KV this member sent when it left a request's holders (once per scale-down)
+    scale_down_tokens: int = 0  # the tokens of that KV
     attention_s: float = 0.0  # local partial attention (own and served queries)
     layer_s: float = 0.0  # whole per-layer exchanges, attention included
     step_s: float = 0.0  # whole steps: model, exchanges, sampling, control message
 
     @property
     def sent_bytes(self) -> int:
+        """The per-step traffic (scale-down moves, once per scale-down, are counted apart)."""
         return self.q_bytes + self.kv_bytes + self.result_bytes + self.control_bytes
 
 

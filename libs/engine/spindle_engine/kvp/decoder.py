@@ -1,10 +1,14 @@
 """One member of a KVP decode group: steps the requests it masters and serves the others' queries.
 
 All members of the group run `step()` in lockstep (the same number of times, with the same `add_request`
-/ `scale_up` calls between the same steps). A step appends one token to every active request (at its
+/ `scale_up` / `scale_down` calls between the same steps). A step appends one token to every active request (at its
 tail), runs every layer's exchange (`KVPAttentionContext`), samples the mastered requests' next tokens,
 then tells every other member which requests finished (one small int64 message per pair, tag `KVP_TAG`),
 so each holder frees its ranges of them.
+
+`scale_down(rid, member)` changes the plan at once on every member (the receiver makes room for the range, the
+leaver takes its KV out of its blocks); the KV itself moves at the start of the next step, leaver to receiver,
+one message per scale-down (tag `move_tag(i)`), before any attention, so the step sees the merged range.
 
 With `survive_loss` (a lockstep group), a peer found dead during a step joins `lost` and is skipped for the rest
 of it (wire.py); the step ends on the others, exact for the requests it had no part in. Between steps the
@@ -28,7 +32,7 @@ from ..kv_cache import BlockAllocator, KVCache, OutOfBlocksError
 from ..sampler import sample
 from ..sampling_params import SamplingParams
 from ..sequence import Sequence, stop_reason
-from .context import KVP_TAG, KVPAttentionContext, KVPStats
+from .context import KVP_TAG, MAX_MOVES, KVPAttentionContext, KVPStats, move_tag
 from .plan import KVPPlan, KVPRequest
 from .shard import KVShard
 from .wire import post, wait_peers
@@ -40,6 +44,18 @@ class KVPOutput:
     token: int
     finished: bool
     finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class _Move:
+    """A scale-down's KV, to move at the start of the next step."""
+
+    request_id: str
+    leaver: int
+    receiver: int
+    num_tokens: int
+    front: bool  # the range goes before the receiver's own (the leaver held the first range)
+    kv: Tensor | None  # on the leaver: the range's KV `[2, layers, n, Hkv, D]`
 
 
 class KVPMember:
@@ -81,6 +97,8 @@ class KVPMember:
         self.survive_loss = survive_loss  # a dead peer is skipped (lockstep.py); otherwise it raises KVPError
         self.lost: set[int] = set()  # members found dead (skipped from then on)
         self.last_tokens: list[tuple[str, int, bool]] = []  # every request's (id, token, finished) of the last step
+        self.pending: list[_Move] = []  # scale-downs whose KV moves at the start of the next step
+        self.moved: dict[str, tuple[int, int]] = {}  # the last step's scale-downs: request -> (leaver, receiver)
         self._token_bytes = KVCache.bytes_per_token(len(model.layers), cfg.num_kv_heads, cfg.head_dim, model.dtype)
 
     # ---- placement (the same calls on every member) ----
@@ -120,6 +138,32 @@ class KVPMember:
         if member == self.me:
             self.shard.add_range(request_id, req.num_tokens)
 
+    def plan_blocks(self, member: int) -> int:
+        """Blocks `member` holds by the plan (every member of a group has this member's block pool)."""
+        bs = self.shard.block_size
+        return sum(-(-r.num_tokens // bs) for q in self.plan.requests.values() for r in q.ranges if r.member == member)
+
+    def scale_down(self, request_id: str, member: int, into: int | None = None) -> int:
+        """`member` leaves `request_id`'s holders; its range merges into an adjacent holder's (plan.py), which is
+        returned. Raises ValueError (not allowed) or OutOfBlocksError (no room on the receiver) on every member
+        alike, before anything changes. The KV moves at the start of the next step."""
+        req = self.plan.get(request_id)
+        receiver = req.scale_down_target(member, into)
+        gone, kept = req.range_of(member), req.range_of(receiver)
+        assert gone is not None and kept is not None
+        bs = self.shard.block_size
+        extra = -(-(gone.num_tokens + kept.num_tokens) // bs) - -(-kept.num_tokens // bs)
+        if self.plan_blocks(receiver) + extra > self.shard.allocator.num_blocks:
+            raise OutOfBlocksError(f"member {receiver} has no room for {gone} of {request_id!r}")
+        if len(self.pending) >= MAX_MOVES:
+            raise ValueError(f"at most {MAX_MOVES} scale-downs per step")
+        if receiver == self.me:
+            self.shard.make_room(request_id, gone.num_tokens)
+        kv = self.shard.take(request_id).cpu() if member == self.me else None
+        self.plan.scale_down(request_id, member, receiver)
+        self.pending.append(_Move(request_id, member, receiver, gone.num_tokens, gone.start < kept.start, kv))
+        return receiver
+
     # ---- stepping ----
 
     def has_unfinished(self) -> bool:
@@ -129,10 +173,11 @@ class KVPMember:
     def step(self) -> list[KVPOutput]:
         """One decode step of the whole group; returns the tokens of the requests this member masters."""
         self.last_tokens = []
-        if not self.plan.requests:
-            return []
         t0 = time.perf_counter()
         before = KVPStats(**vars(self.stats))
+        self._move_kv()
+        if not self.plan.requests:
+            return []
         tails = [rid for rid, r in self.plan.requests.items() if r.tail == self.me]
         need = sum(self.shard.blocks_to_grow(rid) for rid in tails)
         if need > self.shard.allocator.num_free:  # before changing anything; scale-up should have come first
@@ -170,6 +215,34 @@ class KVPMember:
         self.step_stats.append(KVPStats(**{k: getattr(self.stats, k) - v for k, v in vars(before).items()}))
         return outputs
 
+    def _move_kv(self) -> None:
+        """The scale-downs since the last step: each leaver sends its range's KV to the receiver, which merges it.
+        A receiver whose leaver died merges nothing (the request is dropped with the leaver's `Gone`)."""
+        moves, self.pending, self.moved = self.pending, [], {}
+        works, inbox = [], []
+        layers, _, _, hkv, d = self.shard.cache.k.shape  # [L, blocks, block size, Hkv, D]
+        for i, mv in enumerate(moves):
+            self.moved[mv.request_id] = (mv.leaver, mv.receiver)
+            if not mv.num_tokens:
+                continue
+            if mv.leaver == self.me:
+                assert mv.kv is not None
+                rank, kv = self.ranks[mv.receiver], mv.kv
+                works.append(post(lambda kv=kv, rank=rank, i=i: dist.isend(kv, rank, tag=move_tag(i)), mv.receiver,
+                                  self._lost))  # fmt: skip
+                self.stats.scale_down_bytes += kv.numel() * kv.element_size()
+                self.stats.scale_down_tokens += mv.num_tokens
+            elif mv.receiver == self.me:
+                buf = torch.empty(2, layers, mv.num_tokens, hkv, d, dtype=self.shard.cache.k.dtype)
+                rank = self.ranks[mv.leaver]
+                works.append(post(lambda buf=buf, rank=rank, i=i: dist.irecv(buf, rank, tag=move_tag(i)), mv.leaver,
+                                  self._lost))  # fmt: skip
+                inbox.append((mv, buf))
+        wait_peers(works, self.timeout_s, self._lost)
+        for mv, buf in inbox:
+            if mv.leaver not in self.lost:
+                self.shard.merge(mv.request_id, buf, front=mv.front)
+
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         return stop_reason(seq, token, self.eos_token_ids, self.max_model_len)
 
@@ -201,6 +274,7 @@ class KVPMember:
         self.plan.finish(request_id)
         self.shard.free(request_id)
         self.seqs.pop(request_id, None)
+        self.pending = [mv for mv in self.pending if mv.request_id != request_id]
 
     def abort(self, request_id: str) -> bool:
         """Free `request_id`'s ranges here and forget it (every member makes the same call between steps)."""
@@ -214,8 +288,13 @@ class KVPMember:
         return self.lost if self.survive_loss else None
 
     def involves(self, request_id: str, member: int) -> bool:
+        """`member` masters or holds KV of `request_id`, or sends or receives its KV in a scale-down (pending, or
+        in the last step: a leaver that died then may not have delivered)."""
         req = self.plan.requests[request_id]
-        return req.master == member or req.range_of(member) is not None
+        moving = [(mv.leaver, mv.receiver) for mv in self.pending if mv.request_id == request_id]
+        if request_id in self.moved:
+            moving.append(self.moved[request_id])
+        return req.master == member or req.range_of(member) is not None or any(member in mv for mv in moving)
 
     def remove_member(self, member: int) -> list[str]:
         """`member` is gone: drop (and return) every request it masters or holds a range of, and skip it."""
@@ -232,6 +311,7 @@ class KVPMember:
         for rid in list(self.plan.requests):
             self._drop(rid)
         self.shard.free_all()
+        self.pending, self.moved = [], {}
 
     @property
     def blocks_used(self) -> int:

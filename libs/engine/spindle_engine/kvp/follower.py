@@ -10,7 +10,19 @@ from torch import Tensor
 from ..config import EngineConfig
 from .decoder import KVPMember
 from .lockstep import LEADER_SILENCE_S, STARTUP_TIMEOUT_S, STEP_TIMEOUT_S, load_member
-from .wire import Call, Drop, Gone, KVPError, Place, ScaleUp, checksum, lost_mask, recv_control, send_ack
+from .wire import (
+    Call,
+    Drop,
+    Gone,
+    KVPError,
+    Place,
+    ScaleDown,
+    ScaleUp,
+    checksum,
+    lost_mask,
+    recv_control,
+    send_ack,
+)
 
 log = logging.getLogger("spindle.engine.kvp")
 
@@ -62,6 +74,8 @@ class KVPFollower:
                     )  # fmt: skip
                 case ScaleUp():
                     m.scale_up(call.request_id, call.member)
+                case ScaleDown():
+                    m.scale_down(call.request_id, call.member, call.into)
                 case Drop():
                     m.abort(call.request_id)
                 case Gone():

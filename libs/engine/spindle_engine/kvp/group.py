@@ -1,4 +1,4 @@
-"""Where a KVP decode group puts each request (pure): Medha-style placement, multi-master, scale-up.
+"""Where a KVP decode group puts each request (pure): Medha-style placement, multi-master, scale-up and -down.
 
 The group's leader owns one `GroupPlanner` over the shared `KVPPlan` (the one its `KVPMember` steps with).
 Every member allocates a range `[start, end)` from its local slot 0, so the blocks each member uses follow
@@ -17,6 +17,16 @@ reported block counts against it.
 - `scale_ups()` before each step: a tail member whose requests' next tokens need more blocks than it has
   free hands the tails of some of them to the member with the most free blocks that holds no range of that
   request yet (LoongServe's scale-up: existing KV never moves). A request no member can take is `stuck`.
+- `scale_downs()` before each step, before `scale_ups()` (`scale_down_tokens` > 0 turns it on): a *fragment*,
+  a range shorter than `scale_down_tokens` held by a member that is not the request's master, merges into the
+  holder before it (or after it, when it is the first range), the one KV move of the group (plan.py), when that
+  holder has room for it and then still has room for all the growth committed to the tails it holds (this
+  request's too, when the fragment was the tail). Fragments come from scale-ups (a tail that had to move because
+  its member filled up with other requests, which later finished) and from placements cut by free space; each
+  costs its holder a query and a partial state per layer and step, and its master one more merge, for little
+  KV. The room rule means a merged tail never has to scale up again for committed growth, so ranges do not
+  ping-pong. At most one scale-down per request per step. `scale_down_fits` checks an explicit one (a scheduler
+  strategy's `KVPLeaderEngine.request_scale_down`): room for the range alone.
 - Growth is committed: each placed request's KV may still grow to `final_tokens` (its max_tokens, set by
   `commit` when it joins), and a new reservation must leave the group enough free blocks for that growth of
   every placed request, so admitting one request does not leave the ones decoding without room (there is no
@@ -42,12 +52,15 @@ class GroupConfig:
     blocks_per_member: int
     block_size: int = 16
     kvp_tokens: int = 0  # per-member KV token limit of a new request's ranges; 0 = none
+    scale_down_tokens: int = 0  # non-master ranges shorter than this merge into a neighbour with room; 0 = never
 
     def __post_init__(self) -> None:
         if self.num_members < 1 or self.blocks_per_member < 1 or self.block_size < 1:
             raise ValueError(f"a KVP group needs members, blocks and a block size >= 1, got {self}")
         if self.kvp_tokens < 0:
             raise ValueError(f"kvp_tokens must be >= 0, got {self.kvp_tokens}")
+        if self.scale_down_tokens < 0:
+            raise ValueError(f"scale_down_tokens must be >= 0, got {self.scale_down_tokens}")
 
     @property
     def num_blocks(self) -> int:
@@ -69,6 +82,7 @@ class GroupPlanner:
         self.reserved: dict[str, KVPRequest] = {}  # placed at reserve time; not in the plan until resumed
         self.final_tokens: dict[str, int] = {}  # placed request -> most KV tokens it may reach
         self.scale_up_count = 0
+        self.scale_down_count = 0
         self.dead: set[int] = set()  # members gone for good
 
     @property
@@ -232,6 +246,70 @@ class GroupPlanner:
                 free[best] -= 1
                 out.moves.append((q.request_id, best))
         return out
+
+    # ---- consolidation ----
+
+    def _left(self, q: KVPRequest) -> int:
+        """Tokens `q` may still append (its committed growth)."""
+        return max(0, self.final_tokens.get(q.request_id, q.num_tokens) - q.num_tokens)
+
+    def _merge_blocks(self, q: KVPRequest, member: int, into: int) -> int:
+        """Blocks `into` gains when `member`'s range of `q` merges into its own."""
+        gone, kept = q.range_of(member), q.range_of(into)
+        assert gone is not None and kept is not None
+        bs = self.config.block_size
+        return _blocks(kept.num_tokens + gone.num_tokens, bs) - _blocks(kept.num_tokens, bs)
+
+    def scale_down_fits(self, request_id: str, member: int, into: int | None = None) -> bool:
+        """Whether `member` may leave `request_id` now (room on the receiver for its range). ValueError when the
+        plan does not allow it (plan.py)."""
+        q = self.plan.get(request_id)
+        target = q.scale_down_target(member, into)
+        return target not in self.dead and self.free_blocks(target) >= self._merge_blocks(q, member, target)
+
+    def scale_downs(self) -> list[tuple[str, int, int]]:
+        """Fragments to merge before the next step: (request, leaving member, receiver), in plan order."""
+        limit, bs = self.config.scale_down_tokens, self.config.block_size
+        if not limit:
+            return []
+        free = {m: self.free_blocks(m) for m in self.plan.members}
+        growth = dict.fromkeys(self.plan.members, 0)  # blocks the tails on each member may still take
+        for q in self.plan.requests.values():
+            n = q.ranges[-1].num_tokens
+            growth[q.tail] += _blocks(n + self._left(q), bs) - _blocks(n, bs)
+        out = []
+        for q in self.plan.requests.values():
+            for i, r in enumerate(q.ranges):
+                if len(q.ranges) < 2 or r.member == q.master or r.num_tokens >= limit:
+                    continue
+                into = self._fragment_target(q, i, free, growth)
+                if into is not None:
+                    out.append((q.request_id, r.member, into))
+                    break
+        return out
+
+    def _fragment_target(self, q: KVPRequest, i: int, free: dict[int, int], growth: dict[int, int]) -> int | None:
+        """The neighbour (before, then after) that can take range `i` of `q` and keep room for its tails' growth;
+        updates `free` and `growth` for the move."""
+        bs, r = self.config.block_size, q.ranges[i]
+        for j in (i - 1, i + 1):
+            if not 0 <= j < len(q.ranges) or q.ranges[j].member in self.dead:
+                continue
+            into = q.ranges[j].member
+            extra = self._merge_blocks(q, r.member, into)
+            need = growth[into]
+            if r.member == q.tail:  # the receiver becomes the tail: it takes q's growth from the merged range on
+                merged = q.ranges[j].num_tokens + r.num_tokens
+                need += _blocks(merged + self._left(q), bs) - _blocks(merged, bs)
+            if free[into] - extra < need:
+                continue
+            free[into] -= extra
+            free[r.member] += _blocks(r.num_tokens, bs)
+            if r.member == q.tail:
+                growth[r.member] -= _blocks(r.num_tokens + self._left(q), bs) - _blocks(r.num_tokens, bs)
+                growth[into] = need
+            return into
+        return None
 
 
 def _cut(num_tokens: int, order: list[int], cap: dict[int, int]) -> list[tuple[int, int]] | None:

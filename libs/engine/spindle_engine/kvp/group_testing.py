@@ -2,12 +2,15 @@
 
 `group_engine_worker` runs under `spindle_model.testing.run_gloo`: rank 0 leads, the others follow. The leader
 plays a script of calls before given steps (`play`): "resume" reserves a prefilled prompt and hands its KV (from
-one full engine, as a prefill instance sends it) to the group; "abort" ends a request. The test plays the same
-prompts on one engine. Each rank returns its blocks in use at the end; the leader also its tokens.
+one full engine, as a prefill instance sends it) to the group; "abort" ends a request; "scale_down" asks the
+leader to take a member off a request's holders (`request_scale_down`). The test plays the same prompts on one
+engine. Each rank returns its blocks in use at the end and the KV it moved in scale-downs (bytes, tokens); the
+leader also its tokens and its counters.
 
 `group_kill_worker` (under `run_survivors`, which expects a rank to die) plays a script too, but one follower
-ends its process in the middle of a given step (inside its first partial attention of that step); the leader
-also returns each request's placement and which requests failed.
+ends its process in the middle of a given step (inside its first partial attention of that step, or with
+`kill_in_move` before it sends the KV of a scale-down); the leader also returns each request's placement and
+which requests failed.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ def play(
                 tokens[e["id"]] = [first]
             elif e["op"] == "abort":
                 leader.abort(e["id"])
+            elif e["op"] == "scale_down" and not leader.request_scale_down(e["id"], e["member"], e.get("into")):
+                raise RuntimeError(f"no room to take member {e['member']} off {e['id']}")
         if not leader.requests and step > last:
             return tokens
         for out in leader.step():
@@ -71,14 +76,19 @@ def play(
         step += 1
 
 
-def group_engine_worker(rank: int, world: int, config_json: str, kvp_tokens: int, script_json: str) -> dict:
+def group_engine_worker(
+    rank: int, world: int, config_json: str, kvp_tokens: int, script_json: str, scale_down_tokens: int = 0
+) -> dict:
     config = EngineConfig(**json.loads(config_json))
     ranks = {m: m for m in range(world)}
     member = load_member(config, rank, ranks, timeout_s=60.0)
     if rank > 0:
         KVPFollower(member, leader=0).serve()
-        return {"blocks_used": torch.tensor([member.blocks_used])}
-    leader = KVPLeaderEngine(config, member, kvp_tokens=kvp_tokens, keepalive_s=3600.0)
+        moved = [member.stats.scale_down_bytes, member.stats.scale_down_tokens]
+        return {"blocks_used": torch.tensor([member.blocks_used]), "moved": torch.tensor(moved)}
+    leader = KVPLeaderEngine(
+        config, member, kvp_tokens=kvp_tokens, scale_down_tokens=scale_down_tokens, keepalive_s=3600.0
+    )  # fmt: skip
     leader.connect()
     ref_config = EngineConfig(model=config.model, block_size=config.block_size, kv_cache_tokens=4096)
     tokens = play(leader, ref_config, json.loads(script_json))
@@ -87,12 +97,21 @@ def group_engine_worker(rank: int, world: int, config_json: str, kvp_tokens: int
     out["blocks_used"] = torch.tensor([member.blocks_used, leader.allocator.num_used])
     out["member_blocks_used"] = torch.tensor(list(leader.member_blocks_used.values()))
     out["scale_ups"] = torch.tensor([leader.scale_ups])
+    out["scale_downs"] = torch.tensor([leader.scale_downs])
+    out["moved"] = torch.tensor([member.stats.scale_down_bytes, member.stats.scale_down_tokens])
     leader.close()
     return out
 
 
 def group_kill_worker(
-    rank: int, world: int, config_json: str, kvp_tokens: int, script_json: str, victim: int, kill_step: int
+    rank: int,
+    world: int,
+    config_json: str,
+    kvp_tokens: int,
+    script_json: str,
+    victim: int,
+    kill_step: int,
+    kill_in_move: bool = False,
 ) -> dict:
     config = EngineConfig(**json.loads(config_json))
     member = load_member(config, rank, {m: m for m in range(world)}, timeout_s=60.0)
@@ -111,7 +130,15 @@ def group_kill_worker(
                 os._exit(9)  # mid-step: its peers wait for this layer's partial states
             return attend(*args, **kwargs)
 
+        move = member._move_kv
+
+        def dying_move() -> None:
+            if kill_in_move and steps[0] >= kill_step:
+                os._exit(9)  # its scale-down's receiver waits for the KV
+            move()
+
         member.step, member.shard.attend = counting_step, dying_attend  # type: ignore[method-assign]
+        member._move_kv = dying_move  # type: ignore[method-assign]
     if rank > 0:
         KVPFollower(member, leader=0).serve()
         return {"blocks_used": torch.tensor([member.blocks_used])}

@@ -45,6 +45,7 @@ from .wire import (
     Gone,
     KVPError,
     Place,
+    ScaleDown,
     ScaleUp,
     checksum,
     mask_members,
@@ -106,6 +107,7 @@ class KVPLeaderEngine:
         member: KVPMember,
         *,
         kvp_tokens: int = 0,
+        scale_down_tokens: int = 0,
         timeout_s: float = STEP_TIMEOUT_S,
         keepalive_s: float = KEEPALIVE_S,
     ) -> None:
@@ -117,7 +119,10 @@ class KVPLeaderEngine:
         self.max_model_len = member.max_model_len
         self.eos_token_ids = set(member.eos_token_ids)
         self.cache = member.shard.cache
-        group = GroupConfig(len(member.ranks), member.shard.allocator.num_blocks, member.shard.block_size, kvp_tokens)
+        group = GroupConfig(
+            len(member.ranks), member.shard.allocator.num_blocks, member.shard.block_size, kvp_tokens,
+            scale_down_tokens,
+        )  # fmt: skip
         self.planner = GroupPlanner(group, member.plan)
         self.allocator = _Allocator(self.planner)
         self.followers = {m: r for m, r in member.ranks.items() if m != 0}
@@ -143,6 +148,10 @@ class KVPLeaderEngine:
     @property
     def scale_ups(self) -> int:
         return self.planner.scale_up_count
+
+    @property
+    def scale_downs(self) -> int:
+        return self.planner.scale_down_count
 
     def connect(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         """The first exchange: waits for every follower to be up (the data plane must be joined)."""
@@ -219,6 +228,28 @@ class KVPLeaderEngine:
         self.member.abort(request_id)
         self._calls.append(Drop(request_id))
 
+    def request_scale_down(self, request_id: str, member: int, into: int | None = None) -> bool:
+        """A strategy asks `member` to leave `request_id`'s holders (its range merges into `into`, an adjacent
+        holder; default the one before it). Applied to the plan now, the KV moves at the next step. False when the
+        receiver has no room (nothing changes); ValueError when the plan does not allow it."""
+        if request_id not in self.requests:
+            raise ValueError(f"request {request_id!r} is not decoding in this group")
+        if not self.planner.scale_down_fits(request_id, member, into):
+            return False
+        self._scale_down(request_id, member, into)
+        return True
+
+    def _scale_down(self, request_id: str, member: int, into: int | None) -> None:
+        gone = self.member.plan.get(request_id).range_of(member)
+        receiver = self.member.scale_down(request_id, member, into)
+        self._calls.append(ScaleDown(request_id, member, receiver))
+        self.planner.scale_down_count += 1
+        req = self.member.plan.requests[request_id]
+        log.info(
+            "scale-down %d: member %d leaves %s, its %s merges into member %d (holders %s)",
+            self.planner.scale_down_count, member, request_id, gone, receiver, list(req.holders),
+        )  # fmt: skip
+
     def release(self, request_id: str) -> bool:
         return False  # nothing is ever held for a hand-off here
 
@@ -262,6 +293,8 @@ class KVPLeaderEngine:
         return self._exchange(step=bool(self.requests))
 
     def _plan_growth(self) -> None:
+        for rid, m, into in self.planner.scale_downs():
+            self._scale_down(rid, m, into)
         ups = self.planner.scale_ups()
         for rid in ups.stuck:
             msg = f"the KV-parallel group has no free block for the next token of {rid}"
@@ -321,6 +354,7 @@ class KVPLeaderEngine:
         if 0 in members:
             raise KVPError("the leader cannot lose itself")
         hit = {rid for rid, q in placement.items() if q.master in members or any(r.member in members for r in q.ranges)}
+        hit |= {rid for rid, pair in self.member.moved.items() if members & set(pair)}  # a scale-down's KV in flight
         for m in sorted(members):
             log.warning("KVP member %d (rank %d) is gone; failing its requests", m, self.member.ranks[m])
             self.gone.add(m)
@@ -359,15 +393,19 @@ class KVPLeaderEngine:
             return
         self._closed = True
         log.info(
-            "KVP group closing: %d scale-ups, %d requests dropped for want of blocks", self.scale_ups, self.dropped
-        )
+            "KVP group closing: %d scale-ups, %d scale-downs, %d requests dropped for want of blocks",
+            self.scale_ups, self.scale_downs, self.dropped,
+        )  # fmt: skip
         try:
             send_control(Control(self._seq, [], False, stop=True), {}, self.followers, 5.0)
         except KVPError as e:
             log.warning("could not stop the KVP followers: %s", e)
 
 
-def leader_engine(config: EngineConfig, kvp_size: int, first_rank: int, *, kvp_tokens: int = 0) -> KVPLeaderEngine:
+def leader_engine(
+    config: EngineConfig, kvp_size: int, first_rank: int, *, kvp_tokens: int = 0, scale_down_tokens: int = 0
+) -> KVPLeaderEngine:
     """Member 0 of a group at global ranks first_rank..first_rank+kvp_size-1 (call `connect()` once joined)."""
     ranks = {m: first_rank + m for m in range(kvp_size)}
-    return KVPLeaderEngine(config, load_member(config, 0, ranks, STEP_TIMEOUT_S), kvp_tokens=kvp_tokens)
+    member = load_member(config, 0, ranks, STEP_TIMEOUT_S)
+    return KVPLeaderEngine(config, member, kvp_tokens=kvp_tokens, scale_down_tokens=scale_down_tokens)

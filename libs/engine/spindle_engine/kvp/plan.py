@@ -6,8 +6,15 @@ boundaries. New tokens are appended to the last range (the *tail*); scale-up ope
 another member, which becomes the tail, so existing KV never moves (LoongServe §4.2, Medha §3.5). The
 request's *master* runs its linears, MLP, logits and sampling and merges the holders' partial attention.
 
-Everything here is pure and shared: every member applies the same `append` / `scale_up` / `finish` calls
-in the same step order, so all of them agree on every message size without exchanging metadata.
+Scale-down is the one operation that moves KV: a holder leaves and its range merges into an adjacent holder's
+(the one before it, or after it when it holds the first range; `into` picks either). The receiver's range grows
+at its end, or at its front (then it lays its own KV out again after the received tokens), so every member still
+stores its range from local slot 0. A tail that leaves makes the receiver the tail. The master is not a holder
+role: a master that leaves keeps mastering with no KV of its own (as a master placed without KV does). A request
+keeps at least one range.
+
+Everything here is pure and shared: every member applies the same `append` / `scale_up` / `scale_down` /
+`finish` calls in the same step order, so all of them agree on every message size without exchanging metadata.
 """
 
 from __future__ import annotations
@@ -94,6 +101,30 @@ class KVPRequest:
         n = self.num_tokens
         return replace(self, ranges=(*self.ranges, KVRange(member, n, n)))
 
+    def scale_down_target(self, member: int, into: int | None = None) -> int:
+        """The holder that takes `member`'s range: `into` (an adjacent holder), else the one before it, else the
+        one after it (when `member` holds the first range)."""
+        i = next((i for i, r in enumerate(self.ranges) if r.member == member), None)
+        if i is None:
+            raise ValueError(f"member {member} holds no range of {self.request_id!r}")
+        if len(self.ranges) == 1:
+            raise ValueError(f"member {member} is the only holder of {self.request_id!r}; a request keeps one")
+        adjacent = [self.ranges[j].member for j in (i - 1, i + 1) if 0 <= j < len(self.ranges)]
+        if into is None:
+            return adjacent[0]
+        if into not in adjacent:
+            raise ValueError(f"member {into} does not hold a range next to member {member}'s in {self.request_id!r}")
+        return into
+
+    def scale_down(self, member: int, into: int | None = None) -> KVPRequest:
+        """`member` leaves: its range merges into the adjacent holder `scale_down_target(member, into)`."""
+        target = self.scale_down_target(member, into)
+        gone, kept = self.range_of(member), self.range_of(target)
+        assert gone is not None and kept is not None
+        merged = KVRange(target, min(gone.start, kept.start), max(gone.end, kept.end))
+        ranges = tuple(merged if r.member == target else r for r in self.ranges if r.member != member)
+        return replace(self, ranges=ranges)
+
 
 class KVPPlan:
     """The placement of every active request over a lockstep group of decode members.
@@ -133,6 +164,10 @@ class KVPPlan:
         self._check(req)
         self.requests[request_id] = req
         return req
+
+    def scale_down(self, request_id: str, member: int, into: int | None = None) -> KVPRequest:
+        self.requests[request_id] = self.get(request_id).scale_down(member, into)
+        return self.requests[request_id]
 
     def finish(self, request_id: str) -> KVPRequest:
         return self.requests.pop(request_id)

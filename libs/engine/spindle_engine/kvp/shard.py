@@ -2,7 +2,10 @@
 
 A range `[start, end)` of a request lives from local slot 0 on (local slot = position - start), in blocks
 from the member's `BlockAllocator`, owned by the request id. The tail member grows its range one token per
-step; a holder computes partial attention `(out, lse)` of a batch of queries over its ranges.
+step; a holder computes partial attention `(out, lse)` of a batch of queries over its ranges. A scale-down
+(plan.py) hands a leaving member's range to an adjacent holder: the leaver `take`s its KV out (and frees its
+blocks), the receiver `make_room`s for it before anything moves, then `merge`s it in at its range's end or
+front (a front merge lays the receiver's own KV out again after the received tokens).
 """
 
 from __future__ import annotations
@@ -87,6 +90,39 @@ class KVShard:
         out, lse = paged_decode(q.contiguous(), self.cache.k[layer], self.cache.v[layer], table, lens, return_lse=True)
         assert lse is not None
         return out, lse
+
+    def _write_tokens(self, r: _Range, first: int, kv: Tensor) -> None:
+        """`kv` `[2, layers, n, Hkv, D]` into local slots `[first, first + n)` of `r` (blocks already held)."""
+        local = torch.arange(first, first + kv.shape[2], device=self.cache.k.device)
+        blocks = torch.tensor(r.table, dtype=torch.long, device=self.cache.k.device)[local // self.block_size]
+        offsets = local % self.block_size
+        self.cache.k[:, blocks, offsets] = kv[0].to(self.cache.k.device, self.cache.k.dtype)
+        self.cache.v[:, blocks, offsets] = kv[1].to(self.cache.v.device, self.cache.v.dtype)
+
+    def take(self, request_id: str) -> Tensor:
+        """Hand this member's range away: its KV `[2, layers, n, Hkv, D]`, its blocks freed."""
+        kv = self.read(request_id)
+        self.free(request_id)
+        return kv
+
+    def make_room(self, request_id: str, n: int) -> None:
+        """Blocks for `n` more tokens of `request_id` (a merge to come). Raises OutOfBlocksError, changing nothing."""
+        r = self._ranges[request_id]
+        self.allocator.allocate(request_id, r.num_tokens + n, r.table)
+
+    def merge(self, request_id: str, kv: Tensor, *, front: bool) -> None:
+        """Add a neighbouring range's KV `[2, layers, n, Hkv, D]` (room made first) after this member's range, or
+        before it when `front` (its start moves down by n and its own tokens move up by n local slots)."""
+        r = self._ranges[request_id]
+        n = kv.shape[2]
+        assert self.allocator.blocks_needed(r.num_tokens + n, r.table) == 0, "make_room before merging"
+        if front:
+            own = self.cache.gather(r.table, r.num_tokens)
+            self._write_tokens(r, 0, torch.cat([kv.to(own.device, own.dtype), own], dim=2))
+            r.start -= n
+        else:
+            self._write_tokens(r, r.num_tokens, kv)
+        r.num_tokens += n
 
     def read(self, request_id: str) -> Tensor:
         """This member's KV of `request_id` -> `[2, layers, n, Hkv, D]` (tests and hand-offs)."""

@@ -60,6 +60,15 @@ class ScaleUp(msgspec.Struct, frozen=True, tag="scale_up"):
     member: int
 
 
+class ScaleDown(msgspec.Struct, frozen=True, tag="scale_down"):
+    """`member` leaves the holders of `request_id`; its range merges into `into`'s. The KV moves member to member
+    at the start of the next step (decoder.py), not over this channel."""
+
+    request_id: str
+    member: int
+    into: int
+
+
 class Drop(msgspec.Struct, frozen=True, tag="drop"):
     """Aborted, or failed: every member frees its ranges of it."""
 
@@ -72,7 +81,7 @@ class Gone(msgspec.Struct, frozen=True, tag="gone"):
     member: int
 
 
-Call = Place | ScaleUp | Drop | Gone
+Call = Place | ScaleUp | ScaleDown | Drop | Gone
 
 
 class Control(msgspec.Struct, frozen=True):

@@ -5,7 +5,7 @@ hands the KV to decode (or retains it in place), decodes greedily, then computes
 single-instance engine here and compares the last prompt token's logits, the greedy tokens and, with
 `--dump-kv`, the whole prompt KV. Prints the differences and MATCH or MISMATCH; exits 1 on a mismatch.
 With `--kvp K` the decode side is a KV-parallel group of K members instead (`verify_kvp`), optionally
-with `--scale-up-at N`; then the master's logits at every decode step are compared too.
+with `--scale-up-at N` and/or `--scale-down-at N`; then the master's logits at every decode step are compared too.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ..kvp import parse_bounds
 from ..sampling_params import SamplingParams
 from .kv_parts import decode_heads
 from .plan import SP_LAYOUTS
-from .verify_kvp import kvp_bounds
+from .verify_kvp import check_scale_down, kvp_bounds, scale_down_member
 from .verify_worker import BLOCK_SIZE, VerifySpec
 
 FAILURE_GRACE_S = 15.0  # after one rank fails, how long the others get to fail on their own before being killed
@@ -78,6 +78,11 @@ class VerifyResult:
                     f"{r['result_bytes'] / steps:.0f}); moving the remote KV instead "
                     f"{r['kv_move_bytes'] / steps:.0f} B"
                 )
+                if r.get("scale_down_tokens"):
+                    lines.append(
+                        f"KVP member {r['member']} left: moved {r['scale_down_bytes']} B of KV "
+                        f"({r['scale_down_tokens']} tokens) once"
+                    )
         lines.append("MATCH" if self.match else "MISMATCH")
         return "\n".join(lines)
 
@@ -246,6 +251,7 @@ def check_kvp(spec: VerifySpec) -> None:
     """ValueError for KVP options that cannot run."""
     if spec.kvp < 0:
         raise ValueError(f"--kvp must be >= 1, got {spec.kvp}")
+    check_scale_down(spec)
     if not spec.kvp:
         if spec.kvp_split is not None or spec.scale_up_at is not None:
             raise ValueError("--kvp-split and --scale-up-at need --kvp")
@@ -297,6 +303,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --kvp: an extra idle member becomes the tail after N generated tokens (existing KV stays put)",
     )
     ap.add_argument(
+        "--scale-down-at",
+        type=int,
+        default=None,
+        help="with --kvp: a member leaves the KV holders after N generated tokens; its range's KV moves once to the "
+        "adjacent holder",
+    )
+    ap.add_argument(
+        "--scale-down-member",
+        type=int,
+        default=None,
+        help="the member that leaves with --scale-down-at (default K-1, the last prompt holder; 0 merges into the "
+        "front of member 1's range)",
+    )
+    ap.add_argument(
         "--retain",
         default=None,
         help="members that keep the KV after the last chunk (LoongServe scale-down), e.g. '0' to decode in place",
@@ -323,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         split = parse_bounds(args.kvp_split, len(ids))[:-1] if args.kvp_split else None
         spec = VerifySpec(
             args.model, args.dtype, args.plan, args.layout, ids, args.decode_tp, retain, args.max_new_tokens,
-            args.dump_kv, args.threads, args.kvp, split, args.scale_up_at,
+            args.dump_kv, args.threads, args.kvp, split, args.scale_up_at, args.scale_down_at, args.scale_down_member,
         )  # fmt: skip
         check_kvp(spec)
         plan = spec.parsed_plan()
@@ -335,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     decode = f"decode KVP {spec.kvp}" if spec.kvp else f"decode TP {spec.decode_tp}"
     if spec.scale_up_at is not None:
         decode += f" + scale-up after {spec.scale_up_at} tokens"
+    if spec.scale_down_at is not None:
+        decode += f" + member {scale_down_member(spec)} leaves after {spec.scale_down_at} tokens"
     print(f"plan {plan.format()} ({len(ids)} tokens), {decode}, {spec.world_size()} processes")
     result = verify(spec, timeout_s=args.timeout)
     print(result.summary())

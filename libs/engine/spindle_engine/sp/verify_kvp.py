@@ -1,11 +1,14 @@
-"""`spindle verify --kvp K [--scale-up-at N]`: the decode side as a KVP group of K members (TP 1 each).
+"""`spindle verify --kvp K [--scale-up-at N] [--scale-down-at N]`: the decode side as a KVP group of K members.
 
 The prompt KV is split by token ranges over the K members (proportional to 1..K unless `kvp_split` gives
 the range starts; either way not block-aligned in general). Each prefill holder sends decode member j the
 entries of its KV whose positions fall in j's range; sizes follow from the plan's placement, so no header
 travels. Member 0 masters the request (so the new k/v travel to a remote tail), member K-1 is the tail;
 with `scale_up_at`, an extra member K starts idle and becomes the tail before the step that computes the
-KV of the N-th generated token. The master returns the tokens and every step's logits.
+KV of the N-th generated token. With `scale_down_at`, member `scale_down_member` (default K-1, the last prompt
+holder) leaves the holders before that step: its range's KV moves once to the adjacent holder (plan.py), which
+appends it to its own range, or puts it in front when the leaver held the first range. The master returns the
+tokens and every step's logits; each member reports the KV it moved.
 """
 
 from __future__ import annotations
@@ -40,6 +43,31 @@ def kvp_bounds(num_tokens: int, kvp: int, split: list[int] | None) -> list[int]:
 
 def kvp_members(kvp: int, scale_up_at: int | None) -> int:
     return kvp + (1 if scale_up_at is not None else 0)
+
+
+def scale_down_member(spec) -> int:
+    return spec.kvp - 1 if spec.scale_down_member is None else spec.scale_down_member
+
+
+def check_scale_down(spec) -> None:
+    """ValueError for `--scale-down-at` / `--scale-down-member` values that cannot run (spec: a VerifySpec)."""
+    if spec.scale_down_at is None:
+        if spec.scale_down_member is not None:
+            raise ValueError("--scale-down-member needs --scale-down-at")
+        return
+    if not spec.kvp:
+        raise ValueError("--scale-down-at needs --kvp")
+    if not 1 <= spec.scale_down_at < spec.max_new_tokens:
+        limit = spec.max_new_tokens
+        raise ValueError(f"--scale-down-at must be in [1, {limit}) (--max-new-tokens), got {spec.scale_down_at}")
+    member = scale_down_member(spec)
+    size = kvp_members(spec.kvp, spec.scale_up_at)
+    if not 0 <= member < size:
+        raise ValueError(f"--scale-down-member must be a KVP member in [0, {size}), got {member}")
+    if size == 1:
+        raise ValueError("--scale-down-at needs two KV holders (--kvp 2 or more, or a scale-up first)")
+    if member == spec.kvp and (spec.scale_up_at is None or spec.scale_up_at >= spec.scale_down_at):
+        raise ValueError(f"member {member} holds KV only after --scale-up-at; it cannot leave before")
 
 
 def send_kvp_parts(kv: Tensor, positions: Tensor, bounds: list[int], first_rank: int) -> list:
@@ -112,6 +140,8 @@ def run_kvp_decode(
                 os._exit(137)
             if spec.scale_up_at is not None and step == spec.scale_up_at - 1:
                 dec.scale_up("verify", spec.kvp)
+            if spec.scale_down_at is not None and step == spec.scale_down_at - 1:
+                dec.scale_down("verify", scale_down_member(spec))
             tokens += [o.token for o in dec.step()]
             step += 1
     except RuntimeError as e:  # gloo reports a dead member as a closed connection at the next exchange with it
@@ -139,6 +169,8 @@ def run_kvp_decode(
         "result_bytes": s.result_bytes,
         "control_bytes": s.control_bytes,
         "kv_move_bytes": s.kv_move_bytes,
+        "scale_down_bytes": s.scale_down_bytes,
+        "scale_down_tokens": s.scale_down_tokens,
         "step_s": s.step_s,
         "blocks_leaked": dec.blocks_used + len(held),
     }

@@ -52,6 +52,8 @@ class VerifySpec:
     kvp: int = 0  # > 0: decode on a KVP group of this many members (TP 1 each) instead of one instance
     kvp_split: list[int] | None = None  # the members' range starts (from 0); default proportional to 1..kvp
     scale_up_at: int | None = None  # an extra idle member becomes the tail after this many generated tokens
+    scale_down_at: int | None = None  # a member leaves the holders after this many generated tokens (its KV moves)
+    scale_down_member: int | None = None  # which one; default the last prompt holder (kvp - 1)
 
     def parsed_plan(self) -> SPPlan:
         return SPPlan.parse(self.plan, len(self.token_ids), self.layout)
