@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, as run on a lent H100/H200 (see bench/README.md). Usage, from the repo root:
-#   bash bench/gpu_run.sh STAGE...     STAGE: env | tests | attention | sweep | sp | kvp | engine
+#   bash bench/gpu_run.sh STAGE...     STAGE: env | tests | attention | sweep | sp | kvp | engine | engine1b
 # Results go to $OUT when set (the device tool's folder), else bench/results/. Each stage has its own time limit.
 set -u
 export PYTHONPATH=libs/attention:libs/model:libs/engine${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
@@ -18,7 +18,8 @@ for stage in "$@"; do
              --contexts 32768 131072 --batches 1 32 --out "$out/attention_gpu_sweep.json" ;;
     sp) timeout 300 python3 bench/bench_sp_attention_gpu.py --out "$out/sp_attention_gpu.json" ;;
     kvp) timeout 300 python3 bench/bench_kvp_attention_gpu.py --out "$out/kvp_attention_gpu.json" ;;
-    engine) timeout 400 python3 bench/bench_engine_gpu.py --out "$out/engine_gpu.json" ;;
+    engine) timeout 300 python3 bench/bench_engine_gpu.py --out "$out/engine_gpu.json" ;;
+    engine1b) timeout 300 python3 bench/bench_engine_gpu.py --shape llama-1b --out "$out/engine_gpu_llama1b.json" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

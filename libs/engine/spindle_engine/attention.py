@@ -1,9 +1,15 @@
-"""The engine's attention context: writes each layer's new K/V into the paged cache, then attends.
+"""The engine's attention contexts: each writes a layer's new K/V into the paged cache, then attends.
 
-A step's flat token batch is laid out decode tokens first (one per decoding sequence), then prefill
-chunks. Decodes run as one batched `paged_decode` (on CPU, the native kernel's batch is prepared once per
-step and run for every layer); a chunk with no history attends to itself (one
-`scaled_dot_product_attention`), a chunk with history attends over the paged cache (`paged_prefill`).
+A step's flat token batch is laid out decode tokens first (one per decoding sequence), then prefill chunks
+with no history, then prefill chunks that continue a cached history. Everything a context needs on the
+device is built once per step (in its constructor), so the layer loop never syncs with the host.
+
+- `PagedAttentionContext` (backend "torch"): decodes run as one batched `paged_decode` (on CPU, the native
+  kernel's batch is prepared once per step and run for every layer); a chunk with no history attends to
+  itself, a chunk with history attends over the paged cache (`paged_prefill`).
+- `TritonPagedAttentionContext` (backend "triton", CUDA or TRITON_INTERPRET=1): one `paged_decode` launch for
+  the decodes, one varlen `attention_fwd` launch for all chunks with no history (contiguous K/V of this
+  step) and one paged launch (the `paged_prefill` kernel) for all chunks with history.
 """
 
 from __future__ import annotations
@@ -19,15 +25,34 @@ from spindle_attention import attention_fwd, cpu, paged_decode, paged_prefill
 from .kv_cache import KVCache
 
 
+def host_to_device(values: list[int] | list[list[int]], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A small index tensor built on the host and copied without blocking (through pinned memory on CUDA)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 @dataclass
 class PrefillChunk:
     start: int  # offset of the chunk in the flat batch
     length: int
     history: int  # tokens of this sequence already cached before the chunk
-    block_table: Tensor  # [1, blocks] int32
+    block_table: list[int]  # the sequence's blocks
+
+
+def write_kv(cache: KVCache, layer: int, slot_mapping: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Store this step's K/V of one layer at their slots; returns that layer's pools."""
+    k_cache, v_cache = cache.k[layer], cache.v[layer]  # [blocks, block_size, Hkv, D]
+    hkv, d = k.shape[1], k.shape[2]
+    k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v)
+    return k_cache, v_cache
 
 
 class PagedAttentionContext:
+    """Backend "torch": the reference kernels of `spindle_attention` (and its native CPU decode kernel)."""
+
     def __init__(
         self,
         cache: KVCache,
@@ -45,32 +70,165 @@ class PagedAttentionContext:
         self.decode_block_table = decode_block_table  # [num_decodes, max_blocks] int32
         self.decode_seq_lens = decode_seq_lens  # [num_decodes], including the new token
         self.prefills = prefills
+        device = cache.k.device
+        # per chunk with history: (block table on the cache's device, total tokens, cu_seqlens) built once
+        self._paged = {
+            i: (
+                torch.tensor([c.block_table], dtype=torch.int32).to(device),
+                torch.tensor([c.history + c.length]),
+                torch.tensor([0, c.length]),
+            )
+            for i, c in enumerate(prefills)
+            if c.history
+        }
         self._native: cpu.DecodeBatch | None = None
-        if num_decodes and cpu.available() and cache.k[0].device.type == "cpu":
+        if num_decodes and device.type == "cpu" and cpu.available():  # never builds the CPU kernels elsewhere
             self._native = cpu.DecodeBatch(decode_block_table, decode_seq_lens, cache.k[0].shape[2])
 
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        k_cache = self.cache.k[layer - self.first_layer]  # [blocks, block_size, Hkv, D]
-        v_cache = self.cache.v[layer - self.first_layer]
-        hkv, d = k.shape[1], k.shape[2]
-        k_cache.view(-1, hkv, d).index_copy_(0, self.slot_mapping, k)
-        v_cache.view(-1, hkv, d).index_copy_(0, self.slot_mapping, v)
+        k_cache, v_cache = write_kv(self.cache, layer - self.first_layer, self.slot_mapping, k, v)
         if self.num_decodes == q.shape[0]:
             return self._decode(q, k_cache, v_cache)
         out = torch.empty_like(q)
         if self.num_decodes:
             out[: self.num_decodes] = self._decode(q[: self.num_decodes], k_cache, v_cache)
-        for c in self.prefills:
+        for i, c in enumerate(self.prefills):
             s, e = c.start, c.start + c.length
             if c.history == 0:
                 out[s:e] = attention_fwd(q[s:e], k[s:e], v[s:e], return_lse=False)[0]
             else:
-                total = torch.tensor([c.history + c.length])
-                cu = torch.tensor([0, c.length])
-                out[s:e] = paged_prefill(q[s:e], k_cache, v_cache, c.block_table, total, cu)[0]
+                table, total, cu = self._paged[i]
+                out[s:e] = paged_prefill(q[s:e], k_cache, v_cache, table, total, cu)[0]
         return out
 
     def _decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         if self._native is not None and cpu.decode.supported(q, k_cache, v_cache):
             return self._native.run(q, k_cache, v_cache, 1.0 / math.sqrt(q.shape[-1]))[0].to(q.dtype)
         return paged_decode(q, k_cache, v_cache, self.decode_block_table, self.decode_seq_lens, return_lse=False)[0]
+
+
+@dataclass
+class _Group:
+    """Chunks launched together: their span in the flat batch and the kernel's per-chunk metadata."""
+
+    start: int
+    end: int
+    max_len: int  # longest chunk (queries)
+    cu: Tensor  # [B+1] int32: chunk offsets relative to `start`
+    k_lens: Tensor  # cu for contiguous K/V; [B] cached tokens incl. the chunk for paged K/V
+    q_offsets: Tensor  # [B] int32: position of each chunk's first query
+    k_offsets: Tensor  # [B] int32 zeros
+    block_table: Tensor | None  # [B, max_blocks] int32 for paged K/V
+
+
+def _group(chunks: list[PrefillChunk], paged: bool, device: torch.device) -> _Group | None:
+    if not chunks:
+        return None
+    start = chunks[0].start
+    cu = [0]
+    for c in chunks:
+        assert c.start == start + cu[-1], "a backend group's chunks must be adjacent in the flat batch"
+        cu.append(cu[-1] + c.length)
+    table = None
+    if paged:
+        width = max(len(c.block_table) for c in chunks)
+        rows = [c.block_table + [0] * (width - len(c.block_table)) for c in chunks]
+        table = host_to_device(rows, torch.int32, device)
+        k_lens = host_to_device([c.history + c.length for c in chunks], torch.int32, device)
+    cu_t = host_to_device(cu, torch.int32, device)
+    return _Group(
+        start=start,
+        end=start + cu[-1],
+        max_len=max(c.length for c in chunks),
+        cu=cu_t,
+        k_lens=k_lens if paged else cu_t,
+        q_offsets=host_to_device([c.history for c in chunks], torch.int32, device),
+        k_offsets=torch.zeros(len(chunks), dtype=torch.int32, device=device),
+        block_table=table,
+    )
+
+
+class TritonPagedAttentionContext:
+    """Backend "triton": `spindle_attention.triton` kernels, three launches per layer at most."""
+
+    def __init__(
+        self,
+        cache: KVCache,
+        first_layer: int,
+        slot_mapping: Tensor,
+        num_decodes: int,
+        decode_block_table: Tensor,
+        decode_seq_lens: Tensor,
+        prefills: list[PrefillChunk],
+        *,
+        decode_max_len: int,
+        num_splits: int | None = None,
+    ) -> None:
+        from spindle_attention.triton._jit import check_device
+
+        check_device(cache.k)  # a clear error when the kernels cannot run here (no triton, CPU without interpreter)
+        device = cache.k.device
+        self.cache = cache
+        self.first_layer = first_layer
+        self.slot_mapping = slot_mapping
+        self.num_decodes = num_decodes
+        self.decode_block_table = decode_block_table  # [num_decodes, max_blocks] int32, on the device
+        self.decode_seq_lens = decode_seq_lens  # [num_decodes] int32, on the device
+        self.decode_max_len = decode_max_len  # host-side bound of decode_seq_lens: no read-back
+        self.num_splits = num_splits  # None: the kernel picks by batch and length
+        self.fresh = _group([c for c in prefills if c.history == 0], False, device)
+        self.continued = _group([c for c in prefills if c.history > 0], True, device)
+
+    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        from spindle_attention.triton.attention_fwd import launch_fwd
+
+        k_cache, v_cache = write_kv(self.cache, layer - self.first_layer, self.slot_mapping, k, v)
+        nd = self.num_decodes
+        if nd == q.shape[0]:
+            return self._decode(q, k_cache, v_cache)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        for g, keys, values in ((self.fresh, k, v), (self.continued, k_cache, v_cache)):
+            if g is None:
+                continue
+            s, e = g.start, g.end
+            lse = torch.empty(q.shape[1], e - s, dtype=torch.float32, device=q.device)  # [Hq, tokens], unused
+            if g.block_table is None:
+                keys, values = keys[s:e], values[s:e]
+            launch_fwd(
+                q[s:e],
+                keys,
+                values,
+                out[s:e],
+                lse,
+                g.cu,
+                g.k_lens,
+                g.q_offsets,
+                g.k_offsets,
+                g.max_len,
+                causal=True,
+                q_stride=1,
+                k_stride=1,
+                scale=scale,
+                block_table=g.block_table,
+                block_m=None,
+                block_n=None,
+                num_warps=None,
+                num_stages=None,
+            )
+        return out
+
+    def _decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        from spindle_attention.triton import paged_decode as triton_paged_decode
+
+        return triton_paged_decode(
+            q,
+            k_cache,
+            v_cache,
+            self.decode_block_table,
+            self.decode_seq_lens,
+            num_splits=self.num_splits,
+            max_seq_len=self.decode_max_len,
+        )[0]

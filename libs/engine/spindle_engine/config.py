@@ -2,17 +2,49 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
 
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def check_device(device: str) -> torch.device:
+    """Parse "cpu" / "cuda" / "cuda:N"; ValueError when it is malformed or CUDA is asked for but missing."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from e
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type != "cuda":
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available (torch {torch.__version__})")
+    count = torch.cuda.device_count()
+    index = 0 if dev.index is None else dev.index
+    if not 0 <= index < count:
+        raise ValueError(f"device {device!r} asked for, but there are {count} CUDA devices")
+    return torch.device("cuda", index)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2"  # a known name, an HF Llama directory, or a .gguf file
     dtype: str = "float32"
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N": weights, KV cache and step inputs live there
+    attention_backend: str = "auto"  # "auto" (triton on CUDA when importable, else torch), "torch", "triton"
     block_size: int = 16
     kv_cache_tokens: int | None = None  # KV capacity in tokens; default from kv_cache_memory_gb
     kv_cache_memory_gb: float = 2.0
@@ -25,6 +57,19 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.device, str):
+            raise ValueError(f"device must be a string such as 'cpu' or 'cuda:0', got {self.device!r}")
+        dev = check_device(self.device)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.attention_backend == "triton":
+            if not _triton_importable():
+                raise ValueError("attention_backend='triton' needs the triton package, which is not installed")
+            if dev.type == "cpu" and not _triton_interpreting():
+                raise ValueError(
+                    "attention_backend='triton' on CPU runs only under the triton interpreter: set TRITON_INTERPRET=1 "
+                    "before starting Python (or use device='cuda')"
+                )
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
@@ -37,6 +82,17 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        return check_device(self.device)
+
+    @property
+    def resolved_attention_backend(self) -> str:
+        """The backend in force ("torch" or "triton"): `auto` is triton on CUDA when importable, else torch."""
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "triton" if self.torch_device.type == "cuda" and _triton_importable() else "torch"
 
     def kv_tokens(self, bytes_per_token: int) -> int:
         """KV capacity in tokens: `kv_cache_tokens`, or what fits into `kv_cache_memory_gb`."""

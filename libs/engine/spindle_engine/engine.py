@@ -53,16 +53,20 @@ class Engine:
     def __init__(self, config: EngineConfig, *, model: LlamaModel | None = None) -> None:
         self.config = config
         t0 = time.perf_counter()
+        device = config.torch_device
+        self.device = device
         if model is None:
             self.source = resolve_model(config.model)
             model_config = self.source.config
-            model = LlamaModel(model_config, dtype=config.torch_dtype)
+            model = LlamaModel(model_config, dtype=config.torch_dtype, device=device)
             model.load_weights(load_state_dict(self.source.path, dtype=config.torch_dtype))
         else:
             self.source = None
             model_config = model.config
             if model.dtype != config.torch_dtype:
                 raise ValueError(f"the model is {model.dtype} but the engine is configured for {config.dtype}")
+            if model.device != device:
+                raise ValueError(f"the model is on {model.device} but the engine is configured for {device}")
         if config.max_model_len is not None and config.max_model_len > model_config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len {config.max_model_len} exceeds the model's context of "
@@ -88,20 +92,24 @@ class Engine:
             model.num_local_kv_heads,
             model_config.head_dim,
             config.torch_dtype,
+            device,
         )
         self.allocator = BlockAllocator(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, config.long_prefill_token_threshold),
             self.allocator,
         )
-        self.runner = ModelRunner(self.model, self.cache)
+        self.attention_backend = config.resolved_attention_backend
+        self.runner = ModelRunner(self.model, self.cache, attention_backend=self.attention_backend)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # prefilled, KV kept for a hand-off
         self.reserved: dict[str, list[int]] = {}  # block tables reserved for incoming KV
         log.info(
-            "engine ready in %.2fs: %d KV blocks x %d tokens (%.2f GiB)",
+            "engine ready in %.2fs on %s (%s attention): %d KV blocks x %d tokens (%.2f GiB)",
             time.perf_counter() - t0,
+            device,
+            self.attention_backend,
             num_blocks,
             config.block_size,
             num_blocks * config.block_size * per_token / 2**30,

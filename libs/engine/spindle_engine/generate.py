@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 
-from .config import DTYPES
+from .config import ATTENTION_BACKENDS, DTYPES
 from .llm import LLM
 from .sampling_params import SamplingParams
 
@@ -27,6 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    ap.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    ap.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=ATTENTION_BACKENDS,
+        help="auto (default): triton on CUDA when installed, torch otherwise",
+    )
     ap.add_argument("-v", "--verbose", action="store_true", help="log engine progress to stderr")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
@@ -39,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             ignore_eos=args.ignore_eos,
         )
-        llm = LLM(model=args.model, dtype=args.dtype)
+        llm = LLM(model=args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend)
         prompt = llm.chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
         t0 = time.perf_counter()
         out = llm.generate([prompt], params)[0]

@@ -103,8 +103,8 @@ class KVCache:
         slots = torch.arange(num_tokens, device=self.k.device)
         blocks = torch.tensor(table, dtype=torch.long, device=self.k.device)[slots // self.block_size]
         offsets = slots % self.block_size
-        self.k[:, blocks, offsets] = kv[0].to(self.k.dtype)
-        self.v[:, blocks, offsets] = kv[1].to(self.v.dtype)
+        self.k[:, blocks, offsets] = kv[0].to(self.k.device, self.k.dtype)
+        self.v[:, blocks, offsets] = kv[1].to(self.v.device, self.v.dtype)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -22,10 +22,10 @@ class RequestOutput:
 
 
 class LLM:
-    """`LLM(model="smollm2", dtype="float32", **engine_options)`; see `EngineConfig` for the options."""
+    """`LLM(model="smollm2", dtype="float32", device="cpu", **engine_options)`; see `EngineConfig` for the options."""
 
-    def __init__(self, model: str = "smollm2", dtype: str = "float32", **options: object) -> None:
-        self.engine = Engine(EngineConfig(model=model, dtype=dtype, **options))  # type: ignore[arg-type]
+    def __init__(self, model: str = "smollm2", dtype: str = "float32", device: str = "cpu", **options: object) -> None:
+        self.engine = Engine(EngineConfig(model=model, dtype=dtype, device=device, **options))  # type: ignore[arg-type]
         assert self.engine.source is not None
         self.tokenizer = Tokenizer(self.engine.source.path)
         self.engine.eos_token_ids |= set(self.tokenizer.eos_token_ids)

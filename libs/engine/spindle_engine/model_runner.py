@@ -1,4 +1,8 @@
-"""Turns one scheduled step into model inputs, runs the forward pass and returns the logits to sample."""
+"""Turns one scheduled step into model inputs, runs the forward pass and returns the logits to sample.
+
+Step inputs (ids, positions, slot mapping, block tables, sequence lengths) are built on the host once per
+step and copied to the model's device without blocking; nothing inside the layer loop reads back to the host.
+"""
 
 from __future__ import annotations
 
@@ -7,75 +11,81 @@ from torch import Tensor
 
 from spindle_model import LlamaModel
 
-from .attention import PagedAttentionContext, PrefillChunk
+from .attention import PagedAttentionContext, PrefillChunk, TritonPagedAttentionContext, host_to_device
 from .kv_cache import KVCache
 from .scheduler import ScheduledChunk
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cache: KVCache) -> None:
+    def __init__(self, model: LlamaModel, cache: KVCache, *, attention_backend: str = "torch") -> None:
+        if attention_backend not in ("torch", "triton"):
+            raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}")
         self.model = model
         self.cache = cache
         self.block_size = cache.block_size
-
-    def _slots(self, table: Tensor, start: int, end: int) -> Tensor:
-        pos = torch.arange(start, end)
-        return table[pos // self.block_size].long() * self.block_size + pos % self.block_size
+        self.device = cache.k.device
+        self.attention_backend = attention_backend
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> tuple[Tensor, list[int]]:
-        """Run one step. Returns fp32 logits `[N, vocab]` and the indices into `chunks` they belong to:
-        one row for every chunk that completes its sequence's known tokens (so a token is sampled)."""
-        # decode tokens first, then prefill chunks; keep each chunk's index for the caller
+        """Run one step. Returns fp32 logits `[N, vocab]` (on the model's device) and the indices into `chunks`
+        they belong to: one row for every chunk that completes its sequence's known tokens (a token is sampled)."""
+        # decode tokens first, then prefill chunks without history, then chunks continuing a cached history
         decodes = [(i, c) for i, c in enumerate(chunks) if c.num_tokens == 1]
-        prefills = [(i, c) for i, c in enumerate(chunks) if c.num_tokens > 1]
+        prefills = [(i, c) for i, c in enumerate(chunks) if c.num_tokens > 1 and c.seq.num_computed_tokens == 0]
+        prefills += [(i, c) for i, c in enumerate(chunks) if c.num_tokens > 1 and c.seq.num_computed_tokens > 0]
         bs = self.block_size
-        # decode tokens: positions and cache slots in plain Python (one tensor each, not a few per sequence)
         ids: list[int] = []
-        dec_pos: list[int] = []
-        dec_slots: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
         sample_rows: list[int] = []
         sample_chunks: list[int] = []
-        for index, c in decodes:
-            seq, start = c.seq, c.seq.num_computed_tokens
-            ids.append(seq.token_ids[start])
-            dec_pos.append(start)
-            dec_slots.append(seq.block_table[start // bs] * bs + start % bs)
-            if start + 1 == seq.num_tokens:
-                sample_rows.append(len(ids) - 1)
-                sample_chunks.append(index)
-        pos: list[Tensor] = [torch.tensor(dec_pos, dtype=torch.long)]
-        slots: list[Tensor] = [torch.tensor(dec_slots, dtype=torch.long)]
         prefill_meta: list[PrefillChunk] = []
-        for index, c in prefills:
+        for index, c in decodes + prefills:
             seq, start, n = c.seq, c.seq.num_computed_tokens, c.num_tokens
             offset = len(ids)
+            table = seq.block_table
             ids.extend(seq.token_ids[start : start + n])
-            table = torch.tensor(seq.block_table, dtype=torch.int32)
-            pos.append(torch.arange(start, start + n))
-            slots.append(self._slots(table, start, start + n))
-            prefill_meta.append(PrefillChunk(offset, n, start, table.unsqueeze(0)))
+            pos.extend(range(start, start + n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n > 1:
+                prefill_meta.append(PrefillChunk(offset, n, start, table))
             if start + n == seq.num_tokens:
                 sample_rows.append(offset + n - 1)
                 sample_chunks.append(index)
+        ctx = self._context(decodes, prefill_meta, slots)
+        hidden = self.model(
+            host_to_device(pos, torch.long, self.device),
+            ctx,
+            input_ids=host_to_device(ids, torch.long, self.device),
+        )  # [T, H]
+        rows = host_to_device(sample_rows, torch.long, self.device)
+        return self.model.compute_logits(hidden[rows]), sample_chunks
+
+    def _context(
+        self, decodes: list[tuple[int, ScheduledChunk]], prefills: list[PrefillChunk], slots: list[int]
+    ) -> PagedAttentionContext | TritonPagedAttentionContext:
+        triton = self.attention_backend == "triton"
+        index_dtype = torch.int32 if triton else torch.long
+        lens = [c.seq.num_computed_tokens + 1 for _, c in decodes]
         if decodes:
             tables = [c.seq.block_table for _, c in decodes]
             width = max(len(t) for t in tables)
-            decode_table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-            decode_lens = torch.tensor([c.seq.num_computed_tokens + 1 for _, c in decodes])
+            decode_table = host_to_device([t + [0] * (width - len(t)) for t in tables], index_dtype, self.device)
         else:
-            decode_table = torch.zeros(0, 1, dtype=torch.int32)
-            decode_lens = torch.zeros(0, dtype=torch.int64)
-        positions = torch.cat(pos)
-        ctx = PagedAttentionContext(
-            self.cache,
-            self.model.layer_range[0],
-            torch.cat(slots),
-            len(decodes),
-            decode_table,
-            decode_lens,
-            prefill_meta,
-        )
-        hidden = self.model(positions, ctx, input_ids=torch.tensor(ids))  # [T, H]
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.long)])
-        return logits, sample_chunks
+            decode_table = torch.zeros(0, 1, dtype=index_dtype, device=self.device)
+        decode_lens = host_to_device(lens, index_dtype, self.device)
+        slot_mapping = host_to_device(slots, torch.long, self.device)
+        first = self.model.layer_range[0]
+        if triton:
+            return TritonPagedAttentionContext(
+                self.cache,
+                first,
+                slot_mapping,
+                len(decodes),
+                decode_table,
+                decode_lens,
+                prefills,
+                decode_max_len=max(lens, default=0),
+            )
+        return PagedAttentionContext(self.cache, first, slot_mapping, len(decodes), decode_table, decode_lens, prefills)

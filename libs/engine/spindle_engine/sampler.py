@@ -1,4 +1,7 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with per-request seeded generators."""
+"""Token sampling: greedy, temperature, top-k, top-p, with per-request seeded generators.
+
+Greedy picks run on the logits' device; temperature sampling runs on the CPU (see `sample`).
+"""
 
 from __future__ import annotations
 
@@ -29,8 +32,16 @@ def sample(
     generators: list[torch.Generator | None],
     default_generator: torch.Generator,
 ) -> list[int]:
-    """logits `[N, vocab]` fp32 -> one token id per row."""
+    """logits `[N, vocab]` fp32 (any device) -> one token id per row.
+
+    Greedy rows are decided where the logits are (one small read-back). Rows that sample copy the logits to
+    the CPU first: the per-request generators are CPU generators, so a seeded request draws the same tokens
+    whichever device computed its logits.
+    """
     tokens = torch.argmax(logits, dim=-1).tolist()
+    if all(p.greedy for p in params):
+        return tokens
+    logits = logits.cpu()
     for i, p in enumerate(params):
         if p.greedy:
             continue

@@ -14,13 +14,14 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
-from gguf.quants import dequantize
 from safetensors.numpy import save_file
 from tqdm.auto import tqdm
+
+if TYPE_CHECKING:  # gguf is imported where a conversion runs: loading HF directories never needs it
+    from gguf import GGUFReader
 
 logger = logging.getLogger("spindle.model")
 
@@ -93,6 +94,8 @@ class _Metadata:
         if len(field.types) != 1:
             raise ValueError(f"GGUF metadata {key} is an array; expected a single value")
         value = field.parts[field.data[0]]
+        from gguf import GGUFValueType
+
         if field.types[0] == GGUFValueType.STRING:
             return bytes(value).decode("utf-8")
         return value[0].item()
@@ -202,6 +205,8 @@ def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 
 def _convert_tensors(reader: GGUFReader, config: dict[str, Any], progress: bool) -> dict[str, np.ndarray]:
+    from gguf.quants import dequantize
+
     tensors: dict[str, np.ndarray] = {}
     for t in tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", disable=not progress):
         name = hf_tensor_name(t.name)
@@ -260,6 +265,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Pa
         raise ValueError(f"GGUF file not found: {gguf_path}")
     if out_dir.exists():
         raise ValueError(f"output directory already exists: {out_dir}")
+    from gguf import GGUFReader
+
     start = time.perf_counter()
     try:
         reader = GGUFReader(gguf_path)

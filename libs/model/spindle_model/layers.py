@@ -12,10 +12,12 @@ from .config import ModelConfig, RopeScaling
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(
+        self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device | str | None = None
+    ) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype == torch.float32:
@@ -50,15 +52,19 @@ class RotaryEmbedding(nn.Module):
 
     Hugging Face checkpoints rotate half-split pairs (i, i + D/2); `interleave_rows` reorders the q/k
     projection rows at load time so the two agree (attention scores are unchanged by a permutation applied
-    to both q and k). The factors are tabulated up to the model's context and computed beyond it.
+    to both q and k). On CPU the factors are tabulated up to the model's context and computed beyond it; on
+    other devices they are always computed, so a step never reads the largest position back to the host (no
+    sync, and the computation can be captured in a CUDA graph).
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.head_dim = config.head_dim
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.register_buffer("table", self._factors(torch.arange(config.max_position_embeddings)), persistent=False)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        on_cpu = torch.device(device or "cpu").type == "cpu"
+        table = self._factors(torch.arange(config.max_position_embeddings, device=device)) if on_cpu else None
+        self.register_buffer("table", table, persistent=False)
 
     def _factors(self, positions: Tensor) -> Tensor:
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [T, D/2]
@@ -66,6 +72,8 @@ class RotaryEmbedding(nn.Module):
 
     def factors(self, positions: Tensor) -> Tensor:
         """Rotation factors for `positions` `[T]`: `[T, 1, D/2]` complex64."""
+        if self.table is None or positions.device.type != "cpu":
+            return self._factors(positions).unsqueeze(1)
         if positions.numel() and int(positions.max()) >= self.table.shape[0]:
             return self._factors(positions).unsqueeze(1)
         return self.table[positions].unsqueeze(1)

@@ -5,7 +5,8 @@
   call, so instances that only prefill never hold the copy.
 - Many rows in bfloat16: oneDNN's prepacked GEMM (the kernel torch's inductor uses for frozen weights), which
   uses the CPU's bf16 dot-product instructions. For float32, `F.linear` (MKL) was faster end to end.
-The plain weight is kept for loading, sharding and the large-batch path.
+The plain weight is kept for loading, sharding and the large-batch path; on CUDA it is the only path
+(`pack()` and the small-batch kernels turn themselves off for non-CPU weights).
 """
 
 from __future__ import annotations
@@ -49,9 +50,13 @@ class SmallBatchWeight:
 class Linear(nn.Module):
     """`y = x @ weight.T` with weight `[out_features, in_features]`; call `pack()` after loading weights."""
 
-    def __init__(self, out_features: int, in_features: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, out_features: int, in_features: int, dtype: torch.dtype, device: torch.device | str | None = None
+    ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
+        )
         self._packed: Tensor | None = None
         self.small = SmallBatchWeight()
 
@@ -65,6 +70,6 @@ class Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if (y := self.small.linear(x, self.weight)) is not None:
             return y
-        if self._packed is not None and x.dim() == 2:
+        if self._packed is not None and x.dim() == 2 and x.device.type == "cpu":
             return _mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
         return F.linear(x, self.weight)

@@ -57,8 +57,8 @@ class CausalAttention:
         return out.transpose(0, 1)
 
 
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+def _param(*shape: int, dtype: torch.dtype, device: torch.device | None = None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
 class DecoderLayer(nn.Module):
@@ -75,7 +75,13 @@ class DecoderLayer(nn.Module):
     )
 
     def __init__(
-        self, config: ModelConfig, layer_id: int, shard: TPShard, dtype: torch.dtype, tp_group: TPGroup
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        shard: TPShard,
+        dtype: torch.dtype,
+        tp_group: TPGroup,
+        device: torch.device | None = None,
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -83,13 +89,13 @@ class DecoderLayer(nn.Module):
         self.tp_group = tp_group
         d, h = config.head_dim, config.hidden_size
         self.num_q, self.num_kv, self.head_dim = shard.num_q_heads, shard.num_kv_heads, d
-        self.input_layernorm = RMSNorm(h, config.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, dtype)
-        self.qkv_proj = Linear((self.num_q + 2 * self.num_kv) * d, h, dtype)
-        self.o_proj = Linear(h, self.num_q * d, dtype)
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
+        self.qkv_proj = Linear((self.num_q + 2 * self.num_kv) * d, h, dtype, device)
+        self.o_proj = Linear(h, self.num_q * d, dtype, device)
         ffn = shard.ffn[1] - shard.ffn[0]
-        self.gate_up_proj = Linear(2 * ffn, h, dtype)
-        self.down_proj = Linear(h, ffn, dtype)
+        self.gate_up_proj = Linear(2 * ffn, h, dtype, device)
+        self.down_proj = Linear(h, ffn, dtype, device)
 
     def forward(self, x: Tensor, rope: Tensor, ctx: AttentionContext) -> Tensor:
         t, d, nq, nkv = x.shape[0], self.head_dim, self.num_q, self.num_kv
@@ -130,8 +136,11 @@ class LlamaModel(nn.Module):
         dtype: torch.dtype = torch.float32,
         layer_range: tuple[int, int] | None = None,
         tp_group: TPGroup = None,
+        device: torch.device | str | None = None,
     ) -> None:
+        """`device`: where the parameters are created (default CPU); `load_weights` copies CPU tensors there."""
         super().__init__()
+        device = torch.device(device) if device is not None else torch.device("cpu")
         start, end = layer_range if layer_range is not None else (0, config.num_layers)
         if not 0 <= start < end <= config.num_layers:
             raise ValueError(f"layer_range {layer_range} is not a non-empty range within [0, {config.num_layers}]")
@@ -142,16 +151,24 @@ class LlamaModel(nn.Module):
         self.is_last = end == config.num_layers
         tp_rank, tp_world = tp_rank_world(tp_group)
         self.shard = TPShard.create(config, tp_rank, tp_world)
-        self.rotary = RotaryEmbedding(config)
-        self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype) if self.is_first else None
-        self.layers = nn.ModuleList(DecoderLayer(config, i, self.shard, dtype, tp_group) for i in range(start, end))
+        self.rotary = RotaryEmbedding(config, device)
+        embed = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device) if self.is_first else None
+        self.embed_tokens = embed
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.shard, dtype, tp_group, device) for i in range(start, end)
+        )
         self.norm: RMSNorm | None = None
         self.lm_head: nn.Parameter | None = None
         if self.is_last:
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
             tied = config.tie_word_embeddings and self.embed_tokens is not None
-            self.lm_head = self.embed_tokens if tied else _param(config.vocab_size, config.hidden_size, dtype=dtype)
+            head = None if tied else _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+            self.lm_head = self.embed_tokens if tied else head
         self._lm_head_small = SmallBatchWeight()
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].input_layernorm.weight.device
 
     @property
     def num_local_q_heads(self) -> int:

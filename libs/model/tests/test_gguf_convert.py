@@ -6,13 +6,14 @@ import functools
 import json
 from pathlib import Path
 
+import gguf
+import gguf.quants
 import numpy as np
 import pytest
 import torch
 from gguf import GGUFReader
 from safetensors import safe_open
 
-from spindle_model import gguf_convert
 from spindle_model.gguf_convert import convert_gguf, hf_tensor_name, unpermute_qk_rows
 from spindle_model.sources import ModelSource
 from spindle_model.weights import load_state_dict
@@ -187,7 +188,7 @@ def test_failed_conversion_leaves_nothing(
     tmp_path: Path, smollm2_gguf: Path, gguf_reader: GGUFReader, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls = 0
-    real_dequantize = gguf_convert.dequantize
+    real_dequantize = gguf.quants.dequantize
 
     def failing_dequantize(data: np.ndarray, qtype: object) -> np.ndarray:
         nonlocal calls
@@ -197,8 +198,8 @@ def test_failed_conversion_leaves_nothing(
         return real_dequantize(data, qtype)
 
     # Reuse the session's parsed reader: parsing the metadata again costs seconds.
-    monkeypatch.setattr(gguf_convert, "GGUFReader", lambda path: gguf_reader)
-    monkeypatch.setattr(gguf_convert, "dequantize", failing_dequantize)
+    monkeypatch.setattr(gguf, "GGUFReader", lambda path: gguf_reader)  # the converter imports gguf on use
+    monkeypatch.setattr(gguf.quants, "dequantize", failing_dequantize)
     out = tmp_path / "out" / "model"
     with pytest.raises(RuntimeError, match="simulated crash"):
         convert_gguf(smollm2_gguf, out, progress=False)
