@@ -1,4 +1,5 @@
-"""`--kvp-size` / `--kvp-tokens` / `--kvp-scale-down-tokens` of the decode instance and `spindle up --decode-kvp` (flags, ranks, refusals)."""
+"""`--kvp-size` / `--kvp-tokens` / `--kvp-scale-down-tokens` of the decode instance and `spindle up --decode-kvp`
+(flags, ranks, refusals)."""
 
 import pytest
 
