@@ -6,10 +6,13 @@
 A random-weight Llama of the chosen shape (default SmolLM2-135M's) is saved with transformers'
 `save_pretrained` (safetensors, bf16 values) into a temp dir; Spindle's `Engine` and `LlamaForCausalLM` load that
 same directory. Prompts are token ids. Measured:
-- exactness (fp32): last-token logits of a ~300-token prompt (max abs diff) and 16 greedy tokens (identical?);
+- exactness (fp32): last-token logits of a ~300-token prompt (max abs diff), 16 greedy tokens (identical?) and
+  the logits of every decode step (max abs diff vs transformers' generate logits), decode steps replaying
+  CUDA graphs unless --no-cuda-graphs;
 - prefill tok/s (bf16): one engine step over the whole prompt vs one transformers forward (logits_to_keep=1);
 - decode tok/s (bf16): B requests, ~512-token prompts, fixed output length (ignore_eos), the decode steps after
-  every first token vs transformers `generate` (dynamic cache, greedy): t(generate N) - t(generate 1).
+  every first token vs transformers `generate` (dynamic cache, greedy): t(generate N) - t(generate 1); with
+  CUDA graphs on, Spindle's eager decode (graphs off) too, unless --no-eager-decode, and the capture times.
 Writes bench/results/engine_gpu.json (rows shaped like engine.json's, ratio = spindle / transformers).
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -30,6 +34,7 @@ from typing import Any
 import torch
 
 from spindle_engine import Engine, EngineConfig, SamplingParams
+from spindle_engine.cuda_graphs import EMULATE_ENV
 
 RESULTS = Path(__file__).resolve().parent / "results" / "engine_gpu.json"
 
@@ -86,6 +91,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, torch backend, small sizes")
     ap.add_argument("--device", default=None, help="default cuda (cpu with --smoke)")
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    ap.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="decode steps replay CUDA graphs (triton backend; with --smoke: the static-buffer path, emulated)",
+    )
+    ap.add_argument(
+        "--eager-decode",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with CUDA graphs on, also time Spindle's decode with them off",
+    )
     ap.add_argument("--prefill-tokens", default="2048,8192")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--context", type=int, default=512, help="decode prompt length")
@@ -150,7 +167,15 @@ def prompts(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
 class Spindle:
     """An engine plus the step loops the benchmark times."""
 
-    def __init__(self, args: argparse.Namespace, path: Path, dtype: str, kv_tokens: int, budget: int) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        path: Path,
+        dtype: str,
+        kv_tokens: int,
+        budget: int,
+        cuda_graphs: bool | None = None,
+    ) -> None:
         self.device = args.device
         kv_tokens = -(-kv_tokens // 16) * 16  # whole blocks, so max_model_len below fits the cache
         self.engine = Engine(
@@ -163,6 +188,7 @@ class Spindle:
                 max_model_len=min(kv_tokens, SHAPES[args.shape]["max_position_embeddings"]),
                 max_num_batched_tokens=budget,
                 max_num_seqs=max(256, max(args.batches)),
+                cuda_graphs=args.cuda_graphs if cuda_graphs is None else cuda_graphs,
             )
         )
         self._ids = 0
@@ -183,22 +209,32 @@ class Spindle:
                 out[o.request_id] += o.new_token_ids
         return out
 
-    def last_logits(self, ids: list[int]) -> torch.Tensor:
-        """fp32 logits of the prompt's last position (one prefill step)."""
+    def recorded_generate(self, ids: list[int], max_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+        """Greedy tokens of one request and the fp32 logits `[vocab]` each of its steps sampled from."""
         captured: list[torch.Tensor] = []
         run = self.engine.runner.run
 
         def recording(chunks: Any) -> Any:
             logits, rows = run(chunks)
-            captured.append(logits.float().cpu())
+            captured.append(logits.to("cpu", torch.float32, copy=True))  # graph steps return a static buffer
             return logits, rows
 
         self.engine.runner.run = recording
         try:
-            self.generate([ids], 1)
+            tokens = next(iter(self.generate([ids], max_tokens).values()))
         finally:
             self.engine.runner.run = run
-        return captured[0][0]
+        return tokens, [c[0] for c in captured if c.shape[0]]
+
+    def graph_stats(self) -> dict[str, Any]:
+        graphs = self.engine.runner.decode_graphs
+        if graphs is None:
+            return {"cuda_graphs": None}
+        return {
+            "cuda_graphs": graphs.mode,
+            "graph_steps_per_bucket": dict(sorted(graphs.bucket_steps.items())),
+            "graph_capture_s": dict(sorted(graphs.capture_s.items())),
+        }
 
     def prefill_s(self, ids: list[int]) -> float:
         self.add([ids], 1)
@@ -237,7 +273,8 @@ def hf_prefill_s(hf: Any, ids: torch.Tensor, device: str) -> float:
         return time.perf_counter() - t0
 
 
-def hf_generate(hf: Any, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+def hf_generate(hf: Any, ids: torch.Tensor, new_tokens: int, *, logits: bool = False) -> Any:
+    """New tokens `[B, new_tokens]`; with `logits`, also each step's raw logits `[B, vocab]`."""
     with torch.inference_mode():
         out = hf.generate(
             input_ids=ids,
@@ -246,10 +283,15 @@ def hf_generate(hf: Any, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
             min_new_tokens=new_tokens,
             do_sample=False,
             pad_token_id=0,
+            output_logits=logits,
+            return_dict_in_generate=logits,
         )
-    if out.shape[1] != ids.shape[1] + new_tokens:
-        raise RuntimeError(f"generate made {out.shape[1] - ids.shape[1]} tokens, expected {new_tokens}")
-    return out[:, ids.shape[1] :]
+    seqs = out.sequences if logits else out
+    if seqs.shape[1] != ids.shape[1] + new_tokens:
+        raise RuntimeError(f"generate made {seqs.shape[1] - ids.shape[1]} tokens, expected {new_tokens}")
+    if logits:
+        return seqs[:, ids.shape[1] :], [x.float().cpu() for x in out.logits]
+    return seqs[:, ids.shape[1] :]
 
 
 def hf_generate_s(hf: Any, ids: torch.Tensor, new_tokens: int, device: str) -> float:
@@ -265,25 +307,29 @@ def bench_exactness(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     ids = prompts(vocab, 1, args.exact_prompt, seed=1)[0]
     kv = args.exact_prompt + args.exact_tokens + 64
     spindle = Spindle(args, path, "float32", kv, budget=kv)
-    ours = spindle.last_logits(ids)
-    our_tokens = spindle.generate([ids], args.exact_tokens)
-    our_tokens = next(iter(our_tokens.values()))
-    spindle.close()
+    our_tokens, our_logits = spindle.recorded_generate(ids, args.exact_tokens)  # step 0 prefills, then decodes
     row: dict[str, Any] = {"prompt_tokens": len(ids), "greedy_tokens": args.exact_tokens, "dtype": "float32"}
-    row["spindle_greedy"] = our_tokens
+    row.update(spindle_greedy=our_tokens, **spindle.graph_stats())
+    spindle.close()
     if args.no_transformers:
         return row
     hf = load_hf(path, torch.float32, args.device)
     x = torch.tensor([ids], device=args.device)
-    with torch.inference_mode():
-        ref = hf(input_ids=x).logits[0, -1].float().cpu()
-    ref_tokens = hf_generate(hf, x, args.exact_tokens)[0].tolist()
+    ref_tokens, ref_logits = hf_generate(hf, x, args.exact_tokens, logits=True)
+    ref_tokens = ref_tokens[0].tolist()
     del hf
+    ours, ref = our_logits[0], ref_logits[0][0]
     diff = float((ours - ref).abs().max())
+    # decode steps up to the first differing token (after it, the two continue different texts)
+    same = next((i for i, (a, b) in enumerate(zip(our_tokens, ref_tokens, strict=True)) if a != b), len(ref_tokens))
+    steps = range(1, min(same + 1, len(our_logits), len(ref_logits)))
+    decode_diff = max((float((our_logits[i] - ref_logits[i][0]).abs().max()) for i in steps), default=None)
     row.update(
         max_abs_logit_diff=diff,
         max_abs_logit=float(ref.abs().max()),
         relative_to_logit_scale=diff / max(float(ref.abs().max()), 1e-12),
+        decode_steps_compared=len(steps),
+        max_abs_decode_logit_diff=decode_diff,
         transformers_greedy=ref_tokens,
         greedy_identical=our_tokens == ref_tokens,
     )
@@ -327,8 +373,15 @@ def bench_decode(args: argparse.Namespace, path: Path, dtype: str, hf: Any) -> l
         kv = b * (args.context + n + 16) + 64
         spindle = Spindle(args, path, dtype, kv, budget=max(2048, args.context))
         med, runs = median_time(lambda s=spindle, p=batch: s.decode_s(p, n), args.repeats)
-        spindle.close()
         details: dict[str, Any] = {"dtype": dtype, "spindle_median_s": med, "spindle_runs_s": runs}
+        details.update(spindle.graph_stats())
+        spindle.close()
+        if details["cuda_graphs"] and args.eager_decode:
+            eager = Spindle(args, path, dtype, kv, budget=max(2048, args.context), cuda_graphs=False)
+            emed, eruns = median_time(lambda s=eager, p=batch: s.decode_s(p, n), args.repeats)
+            eager.close()
+            details.update(spindle_eager_median_s=emed, spindle_eager_runs_s=eruns)
+            details["spindle_eager_tok_s"] = b * (n - 1) / emed
         theirs = None
         if hf is not None:
             x = torch.tensor(batch, device=args.device)
@@ -350,9 +403,11 @@ def log_row(kind: str, row: dict[str, Any]) -> None:
     key = "tokens" if "tokens" in row else "batch"
     theirs = row["transformers_tok_s"]
     ratio = f"{row['ratio']:.2f}x" if row["ratio"] else "-"
+    eager = row["details"].get("spindle_eager_tok_s")
     print(
         f"{kind:8s} {key}={row[key]:<6d} spindle {row['spindle_tok_s']:>11.1f} tok/s   "
-        f"transformers {theirs if theirs is None else f'{theirs:>11.1f}'} tok/s   ratio {ratio}",
+        f"transformers {theirs if theirs is None else f'{theirs:>11.1f}'} tok/s   ratio {ratio}"
+        + (f"   (spindle without graphs {eager:.1f} tok/s)" if eager else ""),
         flush=True,
     )
 
@@ -383,6 +438,8 @@ def machine(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
+    if args.smoke and args.cuda_graphs and not args.device.startswith("cuda"):
+        os.environ[EMULATE_ENV] = "1"  # no graphs on CPU: the static-buffer path with the forward run eagerly
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 exactness on both sides
     torch.backends.cudnn.allow_tf32 = False
     with tempfile.TemporaryDirectory(prefix="spindle-bench-gpu-") as tmp:
@@ -391,10 +448,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"random {args.shape} saved in {time.perf_counter() - t_start:.1f}s; device {args.device}", flush=True)
         exact = bench_exactness(args, path)
         if "max_abs_logit_diff" in exact:
+            decode_diff = exact["max_abs_decode_logit_diff"]
             print(
                 f"exactness fp32: max |logit diff| {exact['max_abs_logit_diff']:.3g} "
-                f"(max |logit| {exact['max_abs_logit']:.3g}); greedy {args.exact_tokens} tokens identical: "
-                f"{'yes' if exact['greedy_identical'] else 'no'}",
+                f"(max |logit| {exact['max_abs_logit']:.3g}); decode steps {exact['decode_steps_compared']} "
+                f"max |logit diff| {'-' if decode_diff is None else f'{decode_diff:.3g}'} (graphs: "
+                f"{exact['cuda_graphs'] or 'off'}, steps per bucket {exact.get('graph_steps_per_bucket', {})}); "
+                f"greedy {args.exact_tokens} tokens identical: {'yes' if exact['greedy_identical'] else 'no'}",
                 flush=True,
             )
         dtype = "float32" if args.smoke else "bfloat16"
@@ -409,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {
             "dtype": dtype,
             "attention_backend": engine_backend.resolved_attention_backend,
+            "cuda_graphs": args.cuda_graphs,
             "prefill_tokens": args.prefill_tokens,
             "decode_batches": args.batches,
             "decode_context": args.context,

@@ -53,6 +53,9 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0
     max_model_len: int | None = None  # default: the model's context length
     seed: int = 0  # for requests that carry no seed of their own
+    # decode-only steps replay a CUDA graph per batch bucket (CUDA with the triton backend only; see cuda_graphs.py)
+    cuda_graphs: bool = True
+    cuda_graph_max_batch: int = 256  # largest bucket: min(max_num_seqs, this); larger decode steps run eagerly
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -76,6 +79,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_tokens must be >= 1, got {self.kv_cache_tokens}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.cuda_graph_max_batch < 1:
+            raise ValueError(f"cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

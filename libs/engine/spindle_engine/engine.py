@@ -15,6 +15,7 @@ import torch
 from spindle_model import LlamaModel, ModelConfig, load_state_dict, resolve_model
 
 from .config import EngineConfig
+from .cuda_graphs import DecodeGraphRunner, graph_mode
 from .kv_cache import BlockAllocator, KVCache
 from .model_runner import ModelRunner
 from .sampler import sample
@@ -85,9 +86,11 @@ class Engine:
                 f"KV cache of {num_blocks * config.block_size} tokens cannot hold one {self.max_model_len}-token "
                 "sequence; raise kv_cache_tokens / kv_cache_memory_gb or lower max_model_len"
             )
+        self.attention_backend = config.resolved_attention_backend
+        graphs = graph_mode(config.cuda_graphs, device, self.attention_backend, model)
         self.cache = KVCache(
             len(model.layers),
-            num_blocks,
+            num_blocks + (graphs is not None),  # the last block is the graphs' scratch, never allocated
             config.block_size,
             model.num_local_kv_heads,
             model_config.head_dim,
@@ -99,17 +102,30 @@ class Engine:
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, config.long_prefill_token_threshold),
             self.allocator,
         )
-        self.attention_backend = config.resolved_attention_backend
-        self.runner = ModelRunner(self.model, self.cache, attention_backend=self.attention_backend)
+        decode_graphs = None
+        if graphs is not None:
+            decode_graphs = DecodeGraphRunner(
+                self.model,
+                self.cache,
+                max_batch=min(config.max_num_seqs, config.cuda_graph_max_batch),
+                max_model_len=self.max_model_len,
+                scratch_block=num_blocks,
+                attention_backend=self.attention_backend,
+                mode=graphs,
+            )
+        self.runner = ModelRunner(
+            self.model, self.cache, attention_backend=self.attention_backend, decode_graphs=decode_graphs
+        )
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # prefilled, KV kept for a hand-off
         self.reserved: dict[str, list[int]] = {}  # block tables reserved for incoming KV
         log.info(
-            "engine ready in %.2fs on %s (%s attention): %d KV blocks x %d tokens (%.2f GiB)",
+            "engine ready in %.2fs on %s (%s attention, decode graphs: %s): %d KV blocks x %d tokens (%.2f GiB)",
             time.perf_counter() - t0,
             device,
             self.attention_backend,
+            graphs or "off",
             num_blocks,
             config.block_size,
             num_blocks * config.block_size * per_token / 2**30,

@@ -2,6 +2,8 @@
 
 Step inputs (ids, positions, slot mapping, block tables, sequence lengths) are built on the host once per
 step and copied to the model's device without blocking; nothing inside the layer loop reads back to the host.
+Decode-only steps go through `DecodeGraphRunner` (static buffers, a CUDA graph per batch bucket) when one is
+given and the batch fits its largest bucket; mixed and larger steps run eagerly.
 """
 
 from __future__ import annotations
@@ -12,12 +14,20 @@ from torch import Tensor
 from spindle_model import LlamaModel
 
 from .attention import PagedAttentionContext, PrefillChunk, TritonPagedAttentionContext, host_to_device
+from .cuda_graphs import DecodeGraphRunner
 from .kv_cache import KVCache
 from .scheduler import ScheduledChunk
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cache: KVCache, *, attention_backend: str = "torch") -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        cache: KVCache,
+        *,
+        attention_backend: str = "torch",
+        decode_graphs: DecodeGraphRunner | None = None,
+    ) -> None:
         if attention_backend not in ("torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}")
         self.model = model
@@ -25,11 +35,16 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.device = cache.k.device
         self.attention_backend = attention_backend
+        self.decode_graphs = decode_graphs
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> tuple[Tensor, list[int]]:
         """Run one step. Returns fp32 logits `[N, vocab]` (on the model's device) and the indices into `chunks`
-        they belong to: one row for every chunk that completes its sequence's known tokens (a token is sampled)."""
+        they belong to: one row for every chunk that completes its sequence's known tokens (a token is sampled).
+        After a decode-only step through the graph runner the logits are a view of its static buffer, valid until
+        the next step."""
+        if self.decode_graphs is not None and (out := self._run_decode_graph(chunks)) is not None:
+            return out
         # decode tokens first, then prefill chunks without history, then chunks continuing a cached history
         decodes = [(i, c) for i, c in enumerate(chunks) if c.num_tokens == 1]
         prefills = [(i, c) for i, c in enumerate(chunks) if c.num_tokens > 1 and c.seq.num_computed_tokens == 0]
@@ -61,6 +76,30 @@ class ModelRunner:
         )  # [T, H]
         rows = host_to_device(sample_rows, torch.long, self.device)
         return self.model.compute_logits(hidden[rows]), sample_chunks
+
+    def _run_decode_graph(self, chunks: list[ScheduledChunk]) -> tuple[Tensor, list[int]] | None:
+        """A decode-only step through the static buffers; None when the step does not qualify."""
+        graphs = self.decode_graphs
+        assert graphs is not None
+        if any(c.num_tokens != 1 for c in chunks):
+            return None
+        if not graphs.fits(len(chunks), max(len(c.seq.block_table) for c in chunks)):
+            return None
+        bs = self.block_size
+        ids, pos, slots, lens, tables, sample_rows = [], [], [], [], [], []
+        for i, c in enumerate(chunks):
+            seq, p = c.seq, c.seq.num_computed_tokens
+            ids.append(seq.token_ids[p])
+            pos.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            lens.append(p + 1)
+            tables.append(seq.block_table)
+            if p + 1 == seq.num_tokens:
+                sample_rows.append(i)
+        logits = graphs.run(ids, pos, slots, lens, tables)
+        if len(sample_rows) < len(chunks):
+            logits = logits[host_to_device(sample_rows, torch.long, self.device)]
+        return logits, sample_rows
 
     def _context(
         self, decodes: list[tuple[int, ScheduledChunk]], prefills: list[PrefillChunk], slots: list[int]
