@@ -47,7 +47,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from spindle_engine import Engine, EngineConfig, SamplingParams
-from spindle_model import LlamaModel, ModelConfig, load_state_dict, resolve_model
+from spindle_model import LlamaModel, ModelConfig, attach_gguf_blocks, load_state_dict, resolve_model
 
 log = logging.getLogger("bench.engine")
 
@@ -144,6 +144,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch.set_num_threads (default: all usable cores, here %(default)s)",
     )
     p.add_argument("--skip-transformers", action="store_true", help="only run Spindle (no ratios)")
+    p.add_argument(
+        "--no-fused-decode",
+        action="store_true",
+        help="run Spindle's decode steps through the torch layer loop instead of the one-call CPU kernel (A/B)",
+    )
+    p.add_argument(
+        "--no-gguf-blocks",
+        action="store_true",
+        help="float32 decode matmuls read the dequantized float32 weights instead of the GGUF file's blocks (A/B)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and weights (default: 0)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default: {DEFAULT_OUT})")
     p.add_argument(
@@ -181,12 +191,24 @@ class Models:
     spindle: dict[str, LlamaModel]  # by dtype name
     hf: LlamaForCausalLM | None
     pad_token_id: int
+    fused_cpu_decode: bool = True
+    gguf_blocks: int = 0  # float32 weights served from the GGUF file's quantized blocks
 
 
 def _spindle_model(config: ModelConfig, state: dict[str, torch.Tensor], dtype: str) -> LlamaModel:
     model = LlamaModel(config, dtype=getattr(torch, dtype))
     model.load_weights(state)
     return model.eval()
+
+
+def gguf_decode_bytes(models: Models) -> int | None:
+    """Weight bytes one float32 decode step reads when its matmuls take GGUF blocks (None if they do not)."""
+    model = models.spindle.get("float32")
+    if model is None or not models.gguf_blocks:
+        return None
+    smalls = [getattr(layer, n).small for layer in model.layers for n in ("qkv_proj", "o_proj", "gate_up_proj")]
+    smalls += [layer.down_proj.small for layer in model.layers] + [model._lm_head_small]
+    return sum(s._packed.data.numel() * s._packed.data.element_size() for s in smalls if s._packed is not None)
 
 
 def _load_hf(path: str) -> LlamaForCausalLM:
@@ -199,9 +221,12 @@ def load_real_models(args: argparse.Namespace) -> Models:
     spindle = {
         d: _spindle_model(src.config, load_state_dict(src.path, dtype=getattr(torch, d)), d) for d in args.dtypes
     }
+    blocks = 0
+    if src.gguf is not None and "float32" in spindle and not args.no_gguf_blocks:
+        blocks = attach_gguf_blocks(spindle["float32"], src.gguf)
     hf = None if args.skip_transformers else _load_hf(str(src.path))
     pad = src.config.eos_token_ids[0] if src.config.eos_token_ids else 0
-    return Models(src.name, str(src.path), src.config, spindle, hf, pad)
+    return Models(src.name, str(src.path), src.config, spindle, hf, pad, not args.no_fused_decode, blocks)
 
 
 def build_random_models(args: argparse.Namespace) -> Models:
@@ -211,7 +236,8 @@ def build_random_models(args: argparse.Namespace) -> Models:
     config = ModelConfig.from_hf(hf_config.to_dict())
     state = hf.state_dict()
     spindle = {d: _spindle_model(config, state, d) for d in args.dtypes}
-    return Models("random-llama-135m", None, config, spindle, None if args.skip_transformers else hf, 0)
+    hf = None if args.skip_transformers else hf
+    return Models("random-llama-135m", None, config, spindle, hf, 0, not args.no_fused_decode)
 
 
 def load_models(args: argparse.Namespace) -> Models:
@@ -272,6 +298,7 @@ def spindle_engine(models: Models, dtype: str, *, batch: int, seq_len: int, budg
         max_num_seqs=max(batch, 1),
         kv_cache_tokens=batch * _round_up(seq_len, block) + block,
         max_model_len=seq_len,  # the model's context can exceed the KV cache we allocate
+        fused_cpu_decode=models.fused_cpu_decode,
     )
     return Engine(config, model=models.spindle[dtype])
 
@@ -514,12 +541,14 @@ def _has_ancestor(event: Any, names: frozenset[str]) -> bool:
     return False
 
 
-def time_breakdown(events: list[Any], wall_us: float) -> dict[str, float]:
-    """Fractions of the step's wall time in GEMMs (outside attention), in attention, and elsewhere."""
-    attention = sum(e.cpu_time_total for e in events if e.name == ATTENTION_LABEL)
+def time_breakdown(events: list[Any], wall_us: float, native: dict[str, float] | None = None) -> dict[str, float]:
+    """Fractions of the step's wall time in GEMMs (outside attention), in attention, and elsewhere. `native`:
+    seconds by phase inside the fused CPU decode call, which the profiler sees as one opaque op."""
+    native = native or {}
+    attention = sum(e.cpu_time_total for e in events if e.name == ATTENTION_LABEL) + 1e6 * native.get("attention", 0)
     gemm = sum(
         e.cpu_time_total for e in events if e.name in GEMM_OPS and not _has_ancestor(e, GEMM_OPS | {ATTENTION_LABEL})
-    )
+    ) + 1e6 * native.get("gemm", 0)
     other = max(wall_us - attention - gemm, 0.0)
     return {
         "gemm": gemm / wall_us,
@@ -530,12 +559,18 @@ def time_breakdown(events: list[Any], wall_us: float) -> dict[str, float]:
 
 
 def profile_one_step(runs: SpindleRuns) -> tuple[str, dict[str, float]]:
+    fused = runs.eng.runner.cpu_decode
+    before = fused.phases() if fused is not None else {}
     with labelled_attention(), profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         runs.eng.step()
         wall_us = (time.perf_counter() - t0) * 1e6
+    native = {k: v - before[k] for k, v in fused.phases().items()} if fused is not None else {}
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
-    return table, time_breakdown(list(prof.events()), wall_us)
+    if any(native.values()):
+        inside = ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in native.items())
+        table = f"inside the fused CPU decode call: {inside}\n{table}"
+    return table, time_breakdown(list(prof.events()), wall_us, native)
 
 
 def profile_decode(models: Models, dtype: str, batch: int, args: argparse.Namespace) -> tuple[str, dict[str, float]]:
@@ -692,6 +727,8 @@ def main(argv: list[str] | None = None) -> int:
             "new_tokens": args.new_tokens,
             "repeats": args.repeats,
             "spindle_dtypes": args.dtypes,
+            "spindle_fused_cpu_decode": models.fused_cpu_decode,
+            "spindle_float32_gguf_blocks": models.gguf_blocks,
             "transformers_dtype": None if models.hf is None else "float32",
             "transformers_prefill_logits": hf_logits,
             "transformers_attn_implementation": getattr(models.hf.config, "_attn_implementation", None)
@@ -702,7 +739,7 @@ def main(argv: list[str] | None = None) -> int:
         **measured,
         "targets": TARGETS,
         "reference_transformers_fp32": REFERENCE_TRANSFORMERS,
-        "roofline": roofline(models.config, args.dtypes, measured),
+        "roofline": roofline(models.config, args.dtypes, measured, gguf_decode_bytes(models)),
     }
     if args.profile:
         text, summary = run_profiles(models, args)

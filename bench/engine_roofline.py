@@ -55,7 +55,10 @@ def prefill_flops_per_token(cfg: ModelConfig, tokens: int) -> float:
     return gemm + attention
 
 
-def roofline(cfg: ModelConfig, dtypes: list[str], measured: dict[str, Any]) -> dict[str, Any]:
+def roofline(
+    cfg: ModelConfig, dtypes: list[str], measured: dict[str, Any], gguf_bytes: int | None = None
+) -> dict[str, Any]:
+    """`gguf_bytes`: bytes a decode step reads when float32 matmuls take the GGUF file's blocks (None: not used)."""
     bandwidth = read_bandwidth_gb_s()
     params = weight_params_per_token(cfg)
     out: dict[str, Any] = {
@@ -76,6 +79,9 @@ def roofline(cfg: ModelConfig, dtypes: list[str], measured: dict[str, Any]) -> d
         out["prefill_ceiling_tok_s"][name] = {
             str(r["tokens"]): gflops * 1e9 / prefill_flops_per_token(cfg, r["tokens"]) for r in measured["prefill"]
         }
+    if gguf_bytes:
+        out["gguf_weight_bytes"] = gguf_bytes
+        out["decode_b1_ceiling_tok_s"]["float32+gguf"] = bandwidth * 1e9 / gguf_bytes
     if hf_b1:
         best = max(out["decode_b1_ceiling_tok_s"].values())
         out["decode_b1_ceiling_ratio"] = best / hf_b1
@@ -92,6 +98,9 @@ def format_roofline(r: dict[str, Any]) -> str:
         f"{r['read_bandwidth_gb_s']:.1f} GB/s, {r['weight_params'] / 1e6:.1f} M weights read per decode step",
     ]
     for name, tok_s in r["decode_b1_ceiling_tok_s"].items():
+        if name not in r["gemm_gflop_s"]:  # float32 computing from GGUF blocks: only the bytes read change
+            lines.append(f"  {name}: decode batch 1 <= {tok_s:.1f} tok/s ({r['gguf_weight_bytes'] / 1e6:.0f} MB read)")
+            continue
         prefill = ", ".join(f"{t}: {v:.0f}" for t, v in r["prefill_ceiling_tok_s"][name].items())
         lines.append(
             f"  {name}: decode batch 1 <= {tok_s:.1f} tok/s (weights / bandwidth); GEMM {r['gemm_gflop_s'][name]:.0f} "

@@ -45,6 +45,13 @@ def _passkey_prompt(tokenizer) -> list[int]:
     return tokenizer.encode(text)
 
 
+@pytest.fixture(scope="module")
+def passkey(tokenizer, reference_engine) -> tuple[list[int], list[int]]:
+    """The passkey prompt and the single engine's 8 greedy tokens for it (both tests serve it)."""
+    ids = _passkey_prompt(tokenizer)
+    return ids, engine_greedy(reference_engine, [ids], 8)[0]
+
+
 async def _run_plan(stack, ids: list[int], plan: list, max_tokens: int) -> tuple[list[int], str | None]:
     """Run `ids` under `plan` [(start, end, members)] on the prefill services, bypassing the scheduler."""
     from spindle_protocol import subjects
@@ -102,15 +109,14 @@ async def _run_plan(stack, ids: list[int], plan: list, max_tokens: int) -> tuple
 
 
 def test_fixed_sp_serves_a_passkey_prompt_like_single_and_survives_a_dead_member(
-    tmp_path_factory, tmp_path, reference_engine, tokenizer
+    tmp_path_factory, tmp_path, passkey, tokenizer
 ):
+    ids, expected = passkey
     stack = start_stack(
         tmp_path_factory, "sp", prefill=4, decode=1, strategy="fixed-sp:sp=2", profile=_profile(tmp_path)
     )
     try:
-        ids = _passkey_prompt(tokenizer)
         assert 2500 < len(ids) < 4000, len(ids)
-        expected = engine_greedy(reference_engine, [ids], 8)[0]
         r = httpx.post(
             stack.base_url + "/completions",
             timeout=300,
@@ -164,8 +170,9 @@ def test_fixed_sp_serves_a_passkey_prompt_like_single_and_survives_a_dead_member
 
 
 def test_request_sp_picks_an_sp_group_and_traces_every_member_chunk(
-    tmp_path_factory, tmp_path, otlp, reference_engine, tokenizer
+    tmp_path_factory, tmp_path, otlp, passkey, tokenizer
 ):
+    ids, expected = passkey
     # with SP 2 predicted twice as fast and both instances idle, request-sp runs the prompt on both
     stack = start_stack(
         tmp_path_factory,
@@ -177,8 +184,6 @@ def test_request_sp_picks_an_sp_group_and_traces_every_member_chunk(
         otlp_endpoint=otlp.endpoint,
     )
     try:
-        ids = _passkey_prompt(tokenizer)
-        expected = engine_greedy(reference_engine, [ids], 8)[0]
         before = set(otlp.traces())  # the receiver is shared: other tests' SP chunks are in it too
         r = httpx.post(
             stack.base_url + "/completions",

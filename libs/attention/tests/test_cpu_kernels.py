@@ -1,6 +1,7 @@
 """Spindle's native CPU kernels (spindle_attention.cpu) against torch: paged decode and the packed small-batch
 GEMM, in float32 and bfloat16, with shapes that do not divide the kernels' tiles."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -78,9 +79,56 @@ def test_packed_gemm_rejects_bad_shapes():
         cpu.PackedWeight(torch.randn(8, 16, dtype=torch.float64))
 
 
+def _gguf_blocks(kind: str, n: int, k: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
+    """Random GGUF rows of `kind` (raw uint8 [n, k/32 * block bytes]) and their float32 dequantization, computed
+    as GGUF's reference does: d * q + m (Q4_1; low nibbles are weights 0-15, high ones 16-31) or d * q (Q8_0)."""
+    rng = np.random.default_rng(seed)
+    nb = k // 32
+    d = (rng.standard_normal((n, nb, 1)) * 0.02).astype(np.float16)
+    if kind == "Q4_1":
+        m = (rng.standard_normal((n, nb, 1)) * 0.05).astype(np.float16)
+        q = rng.integers(0, 16, (n, nb, 32), dtype=np.uint8)
+        packed = (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8)
+        raw = np.concatenate([d.view(np.uint8), m.view(np.uint8), packed], axis=-1)
+        w = d.astype(np.float32) * q.astype(np.float32) + m.astype(np.float32)
+    else:
+        q = rng.integers(-128, 128, (n, nb, 32), dtype=np.int8)
+        raw = np.concatenate([d.view(np.uint8), q.view(np.uint8)], axis=-1)
+        w = d.astype(np.float32) * q.astype(np.float32)
+    return raw.reshape(n, -1), torch.from_numpy(w.reshape(n, k))
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("n,k", [(100, 64), (64, 96), (200, 576)])
+def test_gguf_packed_gemm_equals_the_float32_kernel_bit_for_bit(kind, n, k):
+    raw, w = _gguf_blocks(kind, n, k, seed=n + k)
+    quantized, dense = cpu.GGUFPackedWeight(raw, kind, k), cpu.PackedWeight(w)
+    assert quantized.data.numel() < dense.data.numel() * dense.data.element_size() / 3
+    g = torch.Generator().manual_seed(0)
+    for m in (1, 3, 4, 5, 13, cpu.MAX_ROWS):
+        x = torch.randn(m, k, generator=g)
+        y = quantized.linear(x)
+        assert torch.equal(y, dense.linear(x))  # same weights, same order of accumulation
+        torch.testing.assert_close(y.double(), x.double() @ w.double().T, atol=1e-4, rtol=1e-4)
+    x = torch.randn(9, k, generator=g)
+    assert torch.equal(quantized.linear(x)[4:5], quantized.linear(x[4:5]))  # rows do not depend on the batch
+
+
+def test_gguf_packed_weight_rejects_what_it_cannot_take():
+    raw, _ = _gguf_blocks("Q4_1", 8, 64, seed=0)
+    with pytest.raises(ValueError, match="no CPU kernel"):
+        cpu.GGUFPackedWeight(raw, "Q6_K", 64)
+    with pytest.raises(ValueError, match="multiple"):
+        cpu.GGUFPackedWeight(raw, "Q4_1", 40)
+    with pytest.raises(ValueError, match="expected uint8"):
+        cpu.GGUFPackedWeight(raw[:, :-1], "Q4_1", 64)
+    with pytest.raises(ValueError, match="features"):
+        cpu.GGUFPackedWeight(raw, "Q4_1", 64).linear(torch.randn(2, 32))
+
+
 @pytest.mark.parametrize(
     "env,why",
-    [({"SPINDLE_CPU_KERNELS": "0"}, ""), ({"CC": "false"}, "building kernels.c failed")],
+    [({"SPINDLE_CPU_KERNELS": "0"}, ""), ({"CC": "false"}, "building them failed")],
 )
 def test_without_the_kernels_everything_falls_back_to_torch(tmp_path, env, why):
     import os

@@ -56,6 +56,12 @@ class EngineConfig:
     # decode-only steps replay a CUDA graph per batch bucket (CUDA with the triton backend only; see cuda_graphs.py)
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 256  # largest bucket: min(max_num_seqs, this); larger decode steps run eagerly
+    # CPU, float32, torch attention backend: decode-only steps of up to 32 sequences run the layer stack in one
+    # native call (cpu_decode.py)
+    fused_cpu_decode: bool = True
+    # CPU, float32, model from a GGUF file: small-batch matmuls read the file's Q4_1/Q8_0 blocks, which give the
+    # same float32 weights bit for bit (gguf_blocks.py); prefill keeps the float32 weights
+    gguf_blocks: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

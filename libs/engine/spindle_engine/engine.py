@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from spindle_model import LlamaModel, ModelConfig, load_state_dict, resolve_model
+from spindle_model import LlamaModel, ModelConfig, attach_gguf_blocks, load_state_dict, resolve_model
 
 from .config import EngineConfig
+from .cpu_decode import CPUDecodeRunner, unsupported_reason
 from .cuda_graphs import DecodeGraphRunner, graph_mode
 from .kv_cache import BlockAllocator, KVCache
 from .model_runner import ModelRunner
@@ -61,6 +62,8 @@ class Engine:
             model_config = self.source.config
             model = LlamaModel(model_config, dtype=config.torch_dtype, device=device)
             model.load_weights(load_state_dict(self.source.path, dtype=config.torch_dtype))
+            if config.gguf_blocks and self.source.gguf is not None:
+                attach_gguf_blocks(model, self.source.gguf)
         else:
             self.source = None
             model_config = model.config
@@ -113,8 +116,16 @@ class Engine:
                 attention_backend=self.attention_backend,
                 mode=graphs,
             )
+        cpu_decode = None
+        fused = config.fused_cpu_decode and self.attention_backend == "torch"
+        if fused and unsupported_reason(model, self.cache) is None:
+            cpu_decode = CPUDecodeRunner(self.model, self.cache)
         self.runner = ModelRunner(
-            self.model, self.cache, attention_backend=self.attention_backend, decode_graphs=decode_graphs
+            self.model,
+            self.cache,
+            attention_backend=self.attention_backend,
+            decode_graphs=decode_graphs,
+            cpu_decode=cpu_decode,
         )
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, Sequence] = {}

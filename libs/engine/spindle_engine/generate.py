@@ -34,6 +34,16 @@ def main(argv: list[str] | None = None) -> int:
         choices=ATTENTION_BACKENDS,
         help="auto (default): triton on CUDA when installed, torch otherwise",
     )
+    ap.add_argument(
+        "--no-fused-cpu-decode",
+        action="store_true",
+        help="CPU float32: run decode steps through the torch layer loop instead of one native call per step",
+    )
+    ap.add_argument(
+        "--no-gguf-blocks",
+        action="store_true",
+        help="GGUF models in float32: decode matmuls read the dequantized float32 weights, not the file's blocks",
+    )
     ap.add_argument("-v", "--verbose", action="store_true", help="log engine progress to stderr")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
@@ -46,7 +56,14 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             ignore_eos=args.ignore_eos,
         )
-        llm = LLM(model=args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend)
+        llm = LLM(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            attention_backend=args.attention_backend,
+            fused_cpu_decode=not args.no_fused_cpu_decode,
+            gguf_blocks=not args.no_gguf_blocks,
+        )
         prompt = llm.chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
         t0 = time.perf_counter()
         out = llm.generate([prompt], params)[0]

@@ -3,7 +3,8 @@
 Step inputs (ids, positions, slot mapping, block tables, sequence lengths) are built on the host once per
 step and copied to the model's device without blocking; nothing inside the layer loop reads back to the host.
 Decode-only steps go through `DecodeGraphRunner` (static buffers, a CUDA graph per batch bucket) when one is
-given and the batch fits its largest bucket; mixed and larger steps run eagerly.
+given and the batch fits its largest bucket, or on CPU through `CPUDecodeRunner` (the whole layer stack in one
+native call); mixed and larger steps run eagerly.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import Tensor
 from spindle_model import LlamaModel
 
 from .attention import PagedAttentionContext, PrefillChunk, TritonPagedAttentionContext, host_to_device
+from .cpu_decode import CPUDecodeRunner
 from .cuda_graphs import DecodeGraphRunner
 from .kv_cache import KVCache
 from .scheduler import ScheduledChunk
@@ -27,6 +29,7 @@ class ModelRunner:
         *,
         attention_backend: str = "torch",
         decode_graphs: DecodeGraphRunner | None = None,
+        cpu_decode: CPUDecodeRunner | None = None,
     ) -> None:
         if attention_backend not in ("torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}")
@@ -36,6 +39,7 @@ class ModelRunner:
         self.device = cache.k.device
         self.attention_backend = attention_backend
         self.decode_graphs = decode_graphs
+        self.cpu_decode = cpu_decode
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> tuple[Tensor, list[int]]:
@@ -44,6 +48,8 @@ class ModelRunner:
         After a decode-only step through the graph runner the logits are a view of its static buffer, valid until
         the next step."""
         if self.decode_graphs is not None and (out := self._run_decode_graph(chunks)) is not None:
+            return out
+        if self.cpu_decode is not None and (out := self._run_cpu_decode(chunks)) is not None:
             return out
         # decode tokens first, then prefill chunks without history, then chunks continuing a cached history
         decodes = [(i, c) for i, c in enumerate(chunks) if c.num_tokens == 1]
@@ -77,14 +83,8 @@ class ModelRunner:
         rows = host_to_device(sample_rows, torch.long, self.device)
         return self.model.compute_logits(hidden[rows]), sample_chunks
 
-    def _run_decode_graph(self, chunks: list[ScheduledChunk]) -> tuple[Tensor, list[int]] | None:
-        """A decode-only step through the static buffers; None when the step does not qualify."""
-        graphs = self.decode_graphs
-        assert graphs is not None
-        if any(c.num_tokens != 1 for c in chunks):
-            return None
-        if not graphs.fits(len(chunks), max(len(c.seq.block_table) for c in chunks)):
-            return None
+    def _decode_inputs(self, chunks: list[ScheduledChunk]) -> tuple[list[int], ...]:
+        """ids, positions, slots, sequence lengths, block tables and sampled rows of a decode-only step."""
         bs = self.block_size
         ids, pos, slots, lens, tables, sample_rows = [], [], [], [], [], []
         for i, c in enumerate(chunks):
@@ -96,9 +96,31 @@ class ModelRunner:
             tables.append(seq.block_table)
             if p + 1 == seq.num_tokens:
                 sample_rows.append(i)
+        return ids, pos, slots, lens, tables, sample_rows
+
+    def _run_decode_graph(self, chunks: list[ScheduledChunk]) -> tuple[Tensor, list[int]] | None:
+        """A decode-only step through the static buffers; None when the step does not qualify."""
+        graphs = self.decode_graphs
+        assert graphs is not None
+        if any(c.num_tokens != 1 for c in chunks):
+            return None
+        if not graphs.fits(len(chunks), max(len(c.seq.block_table) for c in chunks)):
+            return None
+        ids, pos, slots, lens, tables, sample_rows = self._decode_inputs(chunks)
         logits = graphs.run(ids, pos, slots, lens, tables)
         if len(sample_rows) < len(chunks):
             logits = logits[host_to_device(sample_rows, torch.long, self.device)]
+        return logits, sample_rows
+
+    def _run_cpu_decode(self, chunks: list[ScheduledChunk]) -> tuple[Tensor, list[int]] | None:
+        """A decode-only step in one native call; None when the step does not qualify."""
+        assert self.cpu_decode is not None
+        if any(c.num_tokens != 1 for c in chunks) or not self.cpu_decode.fits(len(chunks)):
+            return None
+        ids, pos, slots, lens, tables, sample_rows = self._decode_inputs(chunks)
+        logits = self.cpu_decode.run(ids, pos, slots, lens, tables)
+        if len(sample_rows) < len(chunks):
+            logits = logits[torch.tensor(sample_rows)]
         return logits, sample_rows
 
     def _context(

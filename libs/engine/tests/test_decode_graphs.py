@@ -75,7 +75,9 @@ def _scenario(engine: Engine, waves: list[list[tuple[list[int], int]]], join_eve
 
 
 def _compare(llama, monkeypatch, waves, join_every: int, **config) -> Engine:
-    opts = {"model": "tiny", "block_size": 4, "kv_cache_tokens": 1024, "max_num_seqs": 16, **config}
+    # both engines run the torch layer loop (the fused CPU decode is compared with it in test_cpu_decode.py)
+    opts = {"model": "tiny", "block_size": 4, "kv_cache_tokens": 1024, "max_num_seqs": 16, "fused_cpu_decode": False}
+    opts |= config
     monkeypatch.delenv(EMULATE_ENV, raising=False)
     eager = Engine(EngineConfig(**opts), model=llama)
     assert eager.runner.decode_graphs is None

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from spindle_attention import cpu
 from spindle_engine import Engine, EngineConfig, SamplingParams
 from spindle_model import CausalAttention
 
@@ -48,28 +49,44 @@ def _generate(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     return out
 
 
+def _logit_prompts(prompts: list[list[int]]) -> list[int]:
+    """Indices of the prompts whose last positions' logits are compared with transformers: shortest and longest."""
+    return [0, max(range(len(prompts)), key=lambda i: len(prompts[i]))]
+
+
 @pytest.fixture(scope="module")
-def hf_greedy(smollm2_hf, prompts) -> list[list[int]]:
-    """Plain greedy decoding with transformers' own KV cache (generate() would suppress EOS under min_new_tokens)."""
-    outs = []
+def hf_runs(smollm2_hf, prompts) -> tuple[list[list[int]], dict[int, torch.Tensor]]:
+    """Plain greedy decoding with transformers' own KV cache (generate() would suppress EOS under min_new_tokens),
+    and, from the same prompt passes, the last min(64, n) positions' logits of the `_logit_prompts` (full-vocab
+    logits of every position would be 600 MB at 3k tokens)."""
+    outs, logits = [], {}
     with torch.inference_mode():
-        for p in prompts:
-            out = smollm2_hf(torch.tensor([p]), use_cache=True, logits_to_keep=1)
+        for i, p in enumerate(prompts):
+            keep = min(64, len(p)) if i in _logit_prompts(prompts) else 1
+            out = smollm2_hf(torch.tensor([p]), use_cache=True, logits_to_keep=keep)
+            if keep > 1:
+                logits[i] = out.logits[0].clone()
             tokens = [int(out.logits[0, -1].argmax())]
             while len(tokens) < NEW_TOKENS:
                 out = smollm2_hf(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
                 tokens.append(int(out.logits[0, -1].argmax()))
             outs.append(tokens)
-    return outs
+    return outs, logits
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf_runs) -> list[list[int]]:
+    return hf_runs[0]
 
 
 @pytest.mark.slow
-def test_prompt_logits_match_transformers(smollm2_model, smollm2_hf, prompts):
-    for p in (prompts[0], max(prompts, key=len)):
+def test_prompt_logits_match_transformers(smollm2_model, hf_runs, prompts):
+    for i in _logit_prompts(prompts):
+        p = prompts[i]
         ids = torch.tensor(p)
-        keep = min(64, len(p))  # full-vocab logits of every position would be 600 MB at 3k tokens
+        ref = hf_runs[1][i]
+        keep = len(ref)
         with torch.inference_mode():
-            ref = smollm2_hf(ids[None], logits_to_keep=keep).logits[0]
             hidden = smollm2_model(torch.arange(len(p)), CausalAttention(), input_ids=ids)
             ours = smollm2_model.compute_logits(hidden[-keep:])
         err = (ours - ref).abs().max().item()
@@ -81,6 +98,7 @@ def test_prompt_logits_match_transformers(smollm2_model, smollm2_hf, prompts):
 @pytest.mark.slow
 def test_greedy_continuations_match_transformers(smollm2_model, prompts, hf_greedy):
     engine = Engine(EngineConfig(kv_cache_tokens=32768), model=smollm2_model)
+    assert engine.runner.cpu_decode is not None or not cpu.available()  # decode steps: the fused CPU kernel
     assert _generate(engine, prompts) == hf_greedy
 
 

@@ -3,7 +3,8 @@
 Fast cases run a tiny random-weight Llama (GQA 9:3, weights scaled so greedy continuations vary); the slow
 cases run SmolLM2 in fp32. `spindle verify --kvp` cases check the prompt logits, the greedy continuation,
 the master's logits at every decode step, the KV each member received and that no member leaked a block;
-the group case runs several requests with different masters (and a scale-up) over three members.
+the group case runs several requests with different masters (and a scale-up) over three members. The cases
+of one model run on one launch (`verify_many`); each test case still checks its own result.
 """
 
 import json
@@ -15,7 +16,7 @@ import torch
 
 from spindle_engine import Engine, EngineConfig, SamplingParams
 from spindle_engine.kvp.testing import GroupRequest, encode_requests, group_worker
-from spindle_engine.sp.verify import main, verify
+from spindle_engine.sp.verify import main, verify_many
 from spindle_engine.sp.verify_worker import VerifySpec
 
 
@@ -45,19 +46,38 @@ def _check(result) -> None:
     assert all(r.get("blocks_leaked", 0) == 0 for r in result.ranks)
 
 
-@pytest.mark.parametrize(
-    ("plan", "kvp", "split", "scale_up_at"),
-    [
-        ("0:90@0;90:@0,1", 2, [0, 77], None),  # two prefill holders, KV split at 77 (not block-aligned)
-        ("0:@0", 3, None, 3),  # proportional 1:2:3 split, then a fourth member becomes the tail
-    ],
-)
-def test_tiny_model_kvp_matches_single_instance(tiny_dir, plan, kvp, split, scale_up_at):
-    spec = VerifySpec(
-        tiny_dir, "float32", plan, "zigzag", _ids(201, 301), 1, None, 7, dump_kv=True, kvp=kvp, kvp_split=split,
-        scale_up_at=scale_up_at,
-    )  # fmt: skip
-    result = verify(spec, timeout_s=120)
+TINY_KVP = [
+    ("0:90@0;90:@0,1", 2, [0, 77], None),  # two prefill holders, KV split at 77 (not block-aligned)
+    ("0:@0", 3, None, 3),  # proportional 1:2:3 split, then a fourth member becomes the tail
+]
+TINY_SCALE_DOWN = [
+    (2, [0, 77], 3, None),  # the tail (member 1) leaves: member 0, the master, appends [77, 204) to its [0, 77)
+    (3, None, 2, 0),  # the first range's holder and master leaves: member 1 takes [0, 33) in front of its own
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_results(tiny_dir):
+    """Every tiny-model `spindle verify --kvp` case of this module, on one launch."""
+    specs = [
+        VerifySpec(
+            tiny_dir, "float32", plan, "zigzag", _ids(201, 301), 1, None, 7, dump_kv=True, kvp=kvp, kvp_split=split,
+            scale_up_at=scale_up_at,
+        )
+        for plan, kvp, split, scale_up_at in TINY_KVP
+    ] + [
+        VerifySpec(
+            tiny_dir, "float32", "0:@0", "zigzag", _ids(201, 301), 1, None, 7, kvp=kvp, kvp_split=split,
+            scale_down_at=scale_down_at, scale_down_member=member,
+        )
+        for kvp, split, scale_down_at, member in TINY_SCALE_DOWN
+    ]  # fmt: skip
+    return dict(zip(map(str, TINY_KVP + TINY_SCALE_DOWN), verify_many(specs, timeout_s=240), strict=True))
+
+
+@pytest.mark.parametrize(("plan", "kvp", "split", "scale_up_at"), TINY_KVP)
+def test_tiny_model_kvp_matches_single_instance(tiny_results, plan, kvp, split, scale_up_at):
+    result = tiny_results[str((plan, kvp, split, scale_up_at))]
     _check(result)
     assert len(set(result.tokens)) > 1, "a constant continuation proves little"
     kvp_ranks = [r for r in result.ranks if r["role"] == "kvp"]
@@ -67,19 +87,9 @@ def test_tiny_model_kvp_matches_single_instance(tiny_dir, plan, kvp, split, scal
     assert 0 < master["q_bytes"] + master["kv_bytes"] < master["kv_move_bytes"]
 
 
-@pytest.mark.parametrize(
-    ("kvp", "split", "scale_down_at", "member"),
-    [
-        (2, [0, 77], 3, None),  # the tail (member 1) leaves: member 0, the master, appends [77, 204) to its [0, 77)
-        (3, None, 2, 0),  # the first range's holder and master leaves: member 1 takes [0, 33) in front of its own
-    ],
-)
-def test_tiny_model_kvp_scale_down_matches_single_instance(tiny_dir, kvp, split, scale_down_at, member):
-    spec = VerifySpec(
-        tiny_dir, "float32", "0:@0", "zigzag", _ids(201, 301), 1, None, 7, kvp=kvp, kvp_split=split,
-        scale_down_at=scale_down_at, scale_down_member=member,
-    )  # fmt: skip
-    result = verify(spec, timeout_s=120)
+@pytest.mark.parametrize(("kvp", "split", "scale_down_at", "member"), TINY_SCALE_DOWN)
+def test_tiny_model_kvp_scale_down_matches_single_instance(tiny_results, kvp, split, scale_down_at, member):
+    result = tiny_results[str((kvp, split, scale_down_at, member))]
     _check(result)
     kvp_ranks = {r["member"]: r for r in result.ranks if r["role"] == "kvp"}
     leaver = kvp_ranks[kvp - 1 if member is None else member]
@@ -161,32 +171,48 @@ def test_multi_master_group_matches_single_engine(tiny_dir, tmp_path):
 # ---- SmolLM2, fp32 ----
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("plan", "kvp", "split", "scale_up_at"),
-    [
-        ("0:500@0;500:@0,1", 2, [0, 413], None),  # a growing SP plan into KVP 2
-        ("0:@0,1", 3, None, 3),  # KVP 3 with a scale-up to a fourth member
-    ],
-)
-def test_smollm2_kvp_matches_single_instance(plan, kvp, split, scale_up_at):
-    spec = VerifySpec(
-        "smollm2", "float32", plan, "zigzag", _ids(1001, 49152, 7), 1, None, 6, dump_kv=True, kvp=kvp,
-        kvp_split=split, scale_up_at=scale_up_at,
-    )  # fmt: skip
-    _check(verify(spec, timeout_s=600))
+SMOL_KVP = [
+    ("0:500@0;500:@0,1", 2, [0, 413], None),  # a growing SP plan into KVP 2
+    ("0:@0,1", 3, None, 3),  # KVP 3 with a scale-up to a fourth member
+]
+SMOL_SCALE_DOWN = [(1, 2)]  # the tail leaving: the tiny-model cases
+
+
+@pytest.fixture(scope="module")
+def smol_results(smollm2_verify_ref):
+    """Every SmolLM2 case of this module on one launch, against the shared single-instance reference."""
+    base, ref = smollm2_verify_ref
+    ids = _ids(1001, 49152, 7)
+    assert base.token_ids == ids and base.max_new_tokens == 6
+    specs = [
+        VerifySpec(
+            "smollm2", "float32", plan, "zigzag", ids, 1, None, 6, dump_kv=True, kvp=kvp, kvp_split=split,
+            scale_up_at=scale_up_at,
+        )
+        for plan, kvp, split, scale_up_at in SMOL_KVP
+    ] + [
+        VerifySpec(
+            "smollm2", "float32", "0:@0", "zigzag", ids, 1, None, 6, kvp=3, scale_down_at=scale_down_at,
+            scale_down_member=member,
+        )
+        for member, scale_down_at in SMOL_SCALE_DOWN
+    ]  # fmt: skip
+    results = verify_many(specs, timeout_s=900, refs=[ref] * len(specs))
+    return dict(zip(map(str, SMOL_KVP + SMOL_SCALE_DOWN), results, strict=True))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("member", "scale_down_at"), [(1, 2)])  # the tail leaving: the tiny-model cases
-def test_smollm2_kvp_scale_down_matches_single_instance(member, scale_down_at):
+@pytest.mark.parametrize(("plan", "kvp", "split", "scale_up_at"), SMOL_KVP)
+def test_smollm2_kvp_matches_single_instance(smol_results, plan, kvp, split, scale_up_at):
+    _check(smol_results[str((plan, kvp, split, scale_up_at))])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("member", "scale_down_at"), SMOL_SCALE_DOWN)
+def test_smollm2_kvp_scale_down_matches_single_instance(smol_results, member, scale_down_at):
     """KVP 3 over [0, 167), [167, 500), [500, 1001): member 1's range moves to the end of member 0's (the
     master's) after 2 tokens."""
-    spec = VerifySpec(
-        "smollm2", "float32", "0:@0", "zigzag", _ids(1001, 49152, 7), 1, None, 6, kvp=3,
-        scale_down_at=scale_down_at, scale_down_member=member,
-    )  # fmt: skip
-    result = verify(spec, timeout_s=600)
+    result = smol_results[str((member, scale_down_at))]
     _check(result)
     leaver = next(r for r in result.ranks if r.get("role") == "kvp" and r["scale_down_tokens"])
     per_token = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M: layers x (K, V) x KV heads x head dim x fp32

@@ -3,7 +3,8 @@
 Fast cases run a tiny random-weight Llama (GQA 9:3); the slow matrix runs SmolLM2 in fp32 with prompt
 lengths not divisible by 2 * SP. Each case checks the last prompt token's logits, the greedy continuation
 on the decode side (single or TP=2), the whole prompt KV the decode side assembled, and that no member
-leaked a KV block.
+leaked a KV block. The cases of one parametrized test run on one launch (`verify_many`: the processes start
+and load the model once, then run every case in turn); each test case still checks its own result.
 """
 
 import json
@@ -12,7 +13,7 @@ import time
 
 import pytest
 
-from spindle_engine.sp.verify import main, reference, verify
+from spindle_engine.sp.verify import compare, launch, main, reference, verify_many
 from spindle_engine.sp.verify_worker import VerifySpec
 
 
@@ -37,25 +38,36 @@ def _check(result) -> None:
     assert result.kv_max_abs_diff is None or result.kv_max_abs_diff <= 1e-4 * max(result.logit_scale, 1.0)
 
 
-@pytest.mark.parametrize(
-    ("plan", "layout", "decode_tp", "retain"),
-    [
-        ("0:60@0;60:150@0,1;150:@0,1,2,3", "zigzag", 2, None),  # grows 1 -> 2 -> 4, TP=2 decode
-        ("0:100@0,1/stripe;100:@0,1,2/all-to-all", "zigzag", 1, None),  # 2 -> 3, layouts mixed
-        ("0:90@1;90:@1,0,2", "contiguous", 1, [0]),  # retention on one member, which decodes in place
-        ("0:90@0,1;90:@0,1,2", "stripe", 2, [2, 0]),  # retention on two members, sent on to TP=2 decode
-    ],
-)
-def test_tiny_model_plans_match_single_instance(tiny_dir, plan, layout, decode_tp, retain):
-    spec = VerifySpec(tiny_dir, "float32", plan, layout, _ids(201, 301), decode_tp, retain, 6, dump_kv=True)
-    _check(verify(spec, timeout_s=120))
+TINY_PLANS = [
+    ("0:60@0;60:150@0,1;150:@0,1,2,3", "zigzag", 2, None),  # grows 1 -> 2 -> 4, TP=2 decode
+    ("0:100@0,1/stripe;100:@0,1,2/all-to-all", "zigzag", 1, None),  # 2 -> 3, layouts mixed
+    ("0:90@1;90:@1,0,2", "contiguous", 1, [0]),  # retention on one member, which decodes in place
+    ("0:90@0,1;90:@0,1,2", "stripe", 2, [2, 0]),  # retention on two members, sent on to TP=2 decode
+]
 
 
-def test_a_wrong_result_is_reported_as_mismatch(tiny_dir):
+@pytest.fixture(scope="module")
+def tiny_results(tiny_dir):
+    specs = [
+        VerifySpec(tiny_dir, "float32", plan, layout, _ids(201, 301), tp, retain, 6, dump_kv=True)
+        for plan, layout, tp, retain in TINY_PLANS
+    ]
+    return dict(zip(map(str, TINY_PLANS), verify_many(specs, timeout_s=240), strict=True))
+
+
+@pytest.mark.parametrize(("plan", "layout", "decode_tp", "retain"), TINY_PLANS)
+def test_tiny_model_plans_match_single_instance(tiny_results, plan, layout, decode_tp, retain):
+    _check(tiny_results[str((plan, layout, decode_tp, retain))])
+
+
+def test_a_wrong_result_is_reported_as_mismatch(tiny_dir, tmp_path):
     spec = VerifySpec(tiny_dir, "float32", "0:50@0;50:@0,1", "zigzag", _ids(101, 301, 1), 1, None, 4, dump_kv=True)
     logits, tokens, kv = reference(spec)
-    assert verify(spec, timeout_s=120, ref=(logits, tokens, kv)).match
-    assert not verify(spec, timeout_s=120, ref=(logits + 1e-2, tokens, kv)).match
+    results = launch(spec, tmp_path, timeout_s=120)
+    assert compare(spec, results, (logits, tokens, kv)).match
+    assert not compare(spec, results, (logits + 1e-2, tokens, kv)).match
+    assert not compare(spec, results, (logits, [*tokens[:-1], tokens[-1] + 1], kv)).match
+    assert not compare(spec, results, (logits, tokens, kv + 1e-2)).match
 
 
 def test_cli_rejects_bad_input_before_starting_processes(tmp_path, capsys):
@@ -65,6 +77,8 @@ def test_cli_rejects_bad_input_before_starting_processes(tmp_path, capsys):
     assert "contain the previous" in capsys.readouterr().err
     assert main(["--prompt-file", str(prompt), "--plan", "0:@0,1", "--retain", "5"]) == 2
     assert main(["--prompt-file", str(prompt), "--plan", "0:@0,1", "--decode-tp", "0"]) == 2
+    assert main(["--prompt-file", str(prompt), "--plan", "0:@0,1", "--layouts", "zigzag,diagonal"]) == 2
+    assert "--layouts must name layouts" in capsys.readouterr().err
     prompt.write_text('["a"]')
     assert main(["--prompt-file", str(prompt), "--plan", "0:@0"]) == 2
 
@@ -79,47 +93,73 @@ def test_cli_runs_a_plan_and_prints_match(tiny_dir, tmp_path, capsys):
     assert json.loads(out.read_text())["match"] is True
 
 
+def test_cli_runs_a_plan_per_layout_on_one_launch(tiny_dir, tmp_path, capsys):
+    prompt = tmp_path / "p.json"
+    prompt.write_text(json.dumps(_ids(77, 301, 2)))
+    out = tmp_path / "r.json"
+    argv = ["--prompt-file", str(prompt), "--plan", "0:30@0;30:@0,1", "--model", tiny_dir, "--json", str(out)]
+    assert main([*argv, "--layouts", "contiguous,all-to-all"]) == 0
+    printed = capsys.readouterr().out
+    assert "--- layout contiguous" in printed and "--- layout all-to-all" in printed
+    assert printed.count("MATCH") == 2
+    docs = json.loads(out.read_text())
+    assert [d["layout"] for d in docs] == ["contiguous", "all-to-all"] and all(d["match"] for d in docs)
+    chunk_layouts = [c["layout"] for d in docs for r in d["ranks"] if r.get("role") == "prefill" for c in r["chunks"]]
+    assert set(chunk_layouts) == {"contiguous", "all-to-all"}
+
+
 # ---- SmolLM2, fp32 ----
 
-SMOL_N = 1001
+SMOL_SINGLE_CHUNK = [(1, "zigzag")] + [
+    (sp, lay) for sp in (2, 3, 4) for lay in ("contiguous", "stripe", "zigzag", "all-to-all")
+]
 
 
 @pytest.fixture(scope="module")
-def smol_ref():
-    spec = VerifySpec("smollm2", "float32", "0:@0", "zigzag", _ids(SMOL_N, 49152, 7), max_new_tokens=6, dump_kv=True)
-    return spec, reference(spec)
+def smol_single_chunk_results(smollm2_verify_ref):
+    base, ref = smollm2_verify_ref
+    specs = [
+        VerifySpec("smollm2", "float32", f"0:@{','.join(map(str, range(sp)))}", layout, base.token_ids, 1, None, 6,
+                   dump_kv=True)
+        for sp, layout in SMOL_SINGLE_CHUNK
+    ]  # fmt: skip
+    return dict(zip(SMOL_SINGLE_CHUNK, verify_many(specs, timeout_s=600, refs=[ref] * len(specs)), strict=True))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("sp", "layout"),
-    [(1, "zigzag")] + [(sp, lay) for sp in (2, 3, 4) for lay in ("contiguous", "stripe", "zigzag", "all-to-all")],
-)
-def test_smollm2_single_chunk_sp_matches(smol_ref, sp, layout):
-    base, ref = smol_ref
-    members = ",".join(map(str, range(sp)))
-    spec = VerifySpec("smollm2", "float32", f"0:@{members}", layout, base.token_ids, 1, None, 6, dump_kv=True)
-    _check(verify(spec, timeout_s=300, ref=ref))
+@pytest.mark.parametrize(("sp", "layout"), SMOL_SINGLE_CHUNK)
+def test_smollm2_single_chunk_sp_matches(smol_single_chunk_results, sp, layout):
+    result = smol_single_chunk_results[sp, layout]
+    _check(result)
+    chunks = [c for r in result.ranks if r.get("role") == "prefill" for c in r["chunks"]]
+    assert {(c["sp"], c["layout"]) for c in chunks} == {(sp, layout)}
+
+
+SMOL_LONG_PLANS = [
+    ("0:700@0;700:1900@0,1;1900:@0,1,2,3", "stripe", 2, None),  # 1 -> 2 -> 4, TP=2 decode
+    ("0:1500@0,1;1500:@0,1,2", "zigzag", 1, [0]),  # 2 -> 3, retained on member 0, decoded in place
+    ("0:1200@0,1;1200:@0,1,2", "all-to-all", 2, None),
+]
+
+
+@pytest.fixture(scope="module")
+def smol_long_results():
+    ids = _ids(2777, 49152, 8)
+    specs = [
+        VerifySpec("smollm2", "float32", plan, layout, ids, tp, retain, 6, dump_kv=True)
+        for plan, layout, tp, retain in SMOL_LONG_PLANS
+    ]
+    return dict(zip(map(str, SMOL_LONG_PLANS), verify_many(specs, timeout_s=900), strict=True))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("plan", "layout", "decode_tp", "retain"),
-    [
-        ("0:700@0;700:1900@0,1;1900:@0,1,2,3", "stripe", 2, None),  # 1 -> 2 -> 4, TP=2 decode
-        ("0:1500@0,1;1500:@0,1,2", "zigzag", 1, [0]),  # 2 -> 3, retained on member 0, decoded in place
-        ("0:1200@0,1;1200:@0,1,2", "all-to-all", 2, None),
-    ],
-)
-def test_smollm2_long_prompt_growing_groups_match(plan, layout, decode_tp, retain):
-    spec = VerifySpec("smollm2", "float32", plan, layout, _ids(2777, 49152, 8), decode_tp, retain, 6, dump_kv=True)
-    _check(verify(spec, timeout_s=600))
+@pytest.mark.parametrize(("plan", "layout", "decode_tp", "retain"), SMOL_LONG_PLANS)
+def test_smollm2_long_prompt_growing_groups_match(smol_long_results, plan, layout, decode_tp, retain):
+    _check(smol_long_results[str((plan, layout, decode_tp, retain))])
 
 
 def test_member_killed_mid_chunk_fails_the_others_cleanly(tiny_dir, tmp_path, monkeypatch):
     """A member dies inside a chunk: its peers' ring waits end with an error (no hang) and free their blocks."""
-    from spindle_engine.sp.verify import launch
-
     monkeypatch.setenv("SPINDLE_VERIFY_KILL", "2:1")  # member 2, layer 1 of its first (= second) chunk
     spec = VerifySpec(tiny_dir, "float32", "0:80@0,1;80:@0,1,2", "zigzag", _ids(201, 301, 4), 1, None, 4)
     t0 = time.monotonic()

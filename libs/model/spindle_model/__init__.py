@@ -1,6 +1,7 @@
 """Llama-family model for Spindle: config, layers, tensor/pipeline-parallel shards, loaders, tokenizer."""
 
 from .config import ModelConfig, RopeScaling
+from .gguf_blocks import attach_gguf_blocks
 from .gguf_convert import convert_gguf
 from .llama import AttentionContext, CausalAttention, LlamaModel
 from .parallel import TPShard, shard_range
@@ -18,6 +19,7 @@ __all__ = [
     "RopeScaling",
     "TPShard",
     "Tokenizer",
+    "attach_gguf_blocks",
     "convert_gguf",
     "load_state_dict",
     "resolve_model",

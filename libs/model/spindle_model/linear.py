@@ -2,7 +2,8 @@
 
 - Few rows (decode batches, up to `cpu.MAX_ROWS`): Spindle's packed small-batch GEMM
   (`spindle_attention.cpu.PackedWeight`), bound by reading the weight once; packed lazily on the first such
-  call, so instances that only prefill never hold the copy.
+  call, so instances that only prefill never hold the copy. A model loaded from GGUF may instead hand it the
+  file's quantized blocks (`use()`, see `gguf_blocks.py`): the same products from a sixth of the bytes.
 - Many rows in bfloat16: oneDNN's prepacked GEMM (the kernel torch's inductor uses for frozen weights), which
   uses the CPU's bf16 dot-product instructions. For float32, `F.linear` (MKL) was faster end to end.
 The plain weight is kept for loading, sharding and the large-batch path; on CUDA it is the only path
@@ -29,22 +30,31 @@ class SmallBatchWeight:
     """A weight's packed copy for few-row products, made on first use (None where the kernels are off)."""
 
     def __init__(self) -> None:
-        self._packed: cpu.PackedWeight | None = None
+        self._packed: cpu.PackedWeight | cpu.GGUFPackedWeight | None = None
         self._off = False
 
     def reset(self) -> None:
         self._packed, self._off = None, False
 
+    def use(self, packed: cpu.GGUFPackedWeight) -> None:
+        """Serve small batches from `packed` (the same weight in another storage format)."""
+        self._packed, self._off = packed, False
+
+    def packed(self, weight: Tensor) -> cpu.PackedWeight | cpu.GGUFPackedWeight | None:
+        """The packed copy (made now if needed), or None where the kernels cannot take this weight."""
+        if self._packed is None and not self._off:
+            if not cpu.available() or weight.device.type != "cpu" or weight.dtype not in cpu.gemm.DTYPES:
+                self._off = True
+            else:
+                self._packed = cpu.PackedWeight(weight)
+        return self._packed
+
     def linear(self, x: Tensor, weight: Tensor, out_dtype: torch.dtype | None = None) -> Tensor | None:
         """`x @ weight.T` by the packed kernel, or None when it does not apply (caller uses torch)."""
         if self._off or x.dim() != 2 or x.shape[0] > cpu.MAX_ROWS or x.device.type != "cpu":
             return None
-        if self._packed is None:
-            if not cpu.available() or weight.device.type != "cpu" or weight.dtype not in cpu.gemm.DTYPES:
-                self._off = True
-                return None
-            self._packed = cpu.PackedWeight(weight)
-        return self._packed.linear(x, out_dtype)
+        packed = self.packed(weight)
+        return None if packed is None else packed.linear(x, out_dtype)
 
 
 class Linear(nn.Module):

@@ -32,11 +32,13 @@ _MIB = 1 << 20
 
 @dataclass(frozen=True)
 class ModelSource:
-    """A resolved model: a display name, its Hugging Face style directory, and its config."""
+    """A resolved model: a display name, its Hugging Face style directory, its config, and the GGUF file it was
+    converted from (None for a Hugging Face directory)."""
 
     name: str
     path: Path
     config: ModelConfig
+    gguf: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -147,7 +149,7 @@ def _from_gguf(name: str, gguf_path: Path, cache_dir: Path | None, progress: boo
             if not _is_converted(dest):  # otherwise a concurrent resolve converted it first
                 raise
         logger.info("model %s ready in %.1f s", name, time.perf_counter() - start)
-    return ModelSource(name=name, path=dest, config=ModelConfig.from_dir(dest))
+    return ModelSource(name=name, path=dest, config=ModelConfig.from_dir(dest), gguf=gguf_path)
 
 
 def _from_dir(path: Path) -> ModelSource:

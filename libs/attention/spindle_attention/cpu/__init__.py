@@ -1,11 +1,12 @@
-"""CPU kernels (AVX-512, built on first use): small-batch GEMM over packed weights and paged decode.
+"""CPU kernels (AVX-512, built on first use): small-batch GEMM over packed (also GGUF-quantized) weights, paged
+decode attention, and a whole Llama decode step in one call (`llama_decode`).
 
 `available()` says whether they loaded; every caller keeps its torch path for when they did not.
 """
 
 from . import decode, gemm
 from .decode import DecodeBatch
-from .gemm import MAX_ROWS, PackedWeight
+from .gemm import MAX_ROWS, GGUFPackedWeight, PackedWeight
 from .native import kernels
 
 
@@ -13,4 +14,4 @@ def available() -> bool:
     return kernels() is not None
 
 
-__all__ = ["MAX_ROWS", "DecodeBatch", "PackedWeight", "available", "decode", "gemm", "kernels"]
+__all__ = ["MAX_ROWS", "DecodeBatch", "GGUFPackedWeight", "PackedWeight", "available", "decode", "gemm", "kernels"]

@@ -1,6 +1,6 @@
-"""Builds and loads Spindle's CPU kernels (kernels.c) on first use.
+"""Builds and loads Spindle's CPU kernels (the `*.c` files beside this one) on first use.
 
-The C file is compiled with the system C compiler (`cc -O3 -march=native -fopenmp`) into
+The C files are compiled into one library with the system C compiler (`cc -O3 -march=native -fopenmp`) into
 `$SPINDLE_CACHE_DIR/cpu_kernels/` (default `~/.cache/spindle`), keyed by a hash of the source, the flags and
 this CPU's feature flags, so a machine only builds once and a changed source rebuilds. The OpenMP runtime
 is the one torch already loaded (same soname), so the kernels share torch's thread count.
@@ -23,16 +23,46 @@ from pathlib import Path
 
 log = logging.getLogger("spindle.cpu_kernels")
 
-SOURCE = Path(__file__).with_name("kernels.c")
+HERE = Path(__file__).parent
+SOURCES = sorted(HERE.glob("*.c"))
+HEADERS = sorted(HERE.glob("*.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 REQUIRED_CPU_FLAGS = ("avx512f",)
 
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
     "spindle_pack_weight": ([_P, _P, _I64, _I64, _INT], None),
+    "spindle_pack_gguf": ([_P, _P, _I64, _I64, _INT], None),
     "spindle_gemm_packed": ([_P, _P, _P, _I64, _I64, _I64, _INT, _INT, _INT], None),
     "spindle_paged_decode": (
         [_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _INT, _I64, _INT],
+        ctypes.c_int,
+    ),
+    "spindle_llama_decode": (
+        [
+            _P,
+            _I64,
+            _I64,
+            _P,
+            _P,
+            _P,
+            _P,
+            _I64,
+            _P,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            _INT,
+            _F32,
+            _F32,
+            _I64,
+            _INT,
+            _P,
+        ],
         ctypes.c_int,
     ),
 }
@@ -53,14 +83,17 @@ def cache_dir() -> Path:
 
 
 def _build(compiler: str, flags: set[str]) -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS + sorted(flags)).encode()).hexdigest()[:16]
+    text = b"".join(f.name.encode() + f.read_bytes() for f in SOURCES + HEADERS)
+    digest = hashlib.sha256(text + " ".join(FLAGS + sorted(flags)).encode()).hexdigest()[:16]
     target = cache_dir() / f"spindle_cpu_{digest}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True, text=True)
+        subprocess.run(
+            [compiler, *FLAGS, *map(str, SOURCES), "-o", str(built)], check=True, capture_output=True, text=True
+        )
         os.replace(built, target)  # atomic: concurrent builders leave one complete file
     log.info("built CPU kernels into %s", target)
     return target
@@ -83,7 +116,7 @@ def kernels() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(_build(compiler, flags)))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
-        log.warning("CPU kernels off: building %s failed: %s", SOURCE.name, detail.strip()[:500])
+        log.warning("CPU kernels off: building them failed: %s", detail.strip()[:500])
         return None
     for name, (args, res) in SIGNATURES.items():
         fn = getattr(lib, name)

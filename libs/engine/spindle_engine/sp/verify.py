@@ -6,6 +6,7 @@ single-instance engine here and compares the last prompt token's logits, the gre
 `--dump-kv`, the whole prompt KV. Prints the differences and MATCH or MISMATCH; exits 1 on a mismatch.
 With `--kvp K` the decode side is a KV-parallel group of K members instead (`verify_kvp`), optionally
 with `--scale-up-at N` and/or `--scale-down-at N`; then the master's logits at every decode step are compared too.
+`--layouts a,b` runs the plan once per layout on one set of processes (`verify_many`, `launch_many`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -143,11 +144,37 @@ def reference_decode_logits(spec: VerifySpec, tokens: list[int]) -> Tensor:
 
 def launch(spec: VerifySpec, out_dir: Path, timeout_s: float = 600.0) -> list[tuple[dict[str, Tensor], dict]]:
     """Run every rank of `spec` as a subprocess; returns each rank's (tensors, report)."""
+    _run_ranks(asdict(spec), spec.world_size(), out_dir, timeout_s)
+    return _read_results(out_dir, spec.world_size())
+
+
+def launch_many(
+    specs: list[VerifySpec], out_dir: Path, timeout_s: float = 600.0
+) -> list[list[tuple[dict[str, Tensor], dict]]]:
+    """Run `specs` one after the other on one set of processes (started, and the model loaded, once).
+
+    The world is the largest spec's; returns, per spec, each of its ranks' (tensors, report).
+    """
+    check_shared(specs)
+    world = max(s.world_size() for s in specs)
+    _run_ranks([asdict(s) for s in specs], world, out_dir, timeout_s)
+    return [_read_results(out_dir / str(i), s.world_size()) for i, s in enumerate(specs)]
+
+
+def check_shared(specs: list[VerifySpec]) -> None:
+    """ValueError unless `specs` can share one launch: the same model, dtype and threads."""
+    if not specs:
+        raise ValueError("no specs to run")
+    kinds = {(s.model, s.dtype, s.threads) for s in specs}
+    if len(kinds) > 1:
+        raise ValueError(f"specs of one launch need the same model, dtype and threads, got {sorted(kinds)}")
+
+
+def _run_ranks(spec_doc: dict | list, world: int, out_dir: Path, timeout_s: float) -> None:
     from spindle_model.testing import free_port
 
-    world = spec.world_size()
     spec_path = out_dir / "spec.json"
-    spec_path.write_text(json.dumps(asdict(spec)))
+    spec_path.write_text(json.dumps(spec_doc))
     port = free_port()
     procs = []
     for r in range(world):
@@ -179,6 +206,9 @@ def launch(spec: VerifySpec, out_dir: Path, timeout_s: float = 600.0) -> list[tu
     if failed:
         tail = (out_dir / f"rank{bad}.log").read_text()[-3000:]
         raise RuntimeError(f"verify ranks failed ({failed}); rank {bad} log:\n{tail}")
+
+
+def _read_results(out_dir: Path, world: int) -> list[tuple[dict[str, Tensor], dict]]:
     results = []
     for r in range(world):
         st = out_dir / f"rank{r}.safetensors"
@@ -197,7 +227,50 @@ def verify(spec: VerifySpec, *, timeout_s: float = 600.0, ref: Reference | None 
     with tempfile.TemporaryDirectory(prefix="spindle-verify-") as tmp:
         results = launch(spec, Path(tmp), timeout_s)
     seconds = time.perf_counter() - t0
-    ref_logits, ref_tokens, ref_kv = ref if ref is not None else reference(spec)
+    return compare(spec, results, ref if ref is not None else reference(spec), seconds)
+
+
+def verify_many(
+    specs: list[VerifySpec], *, timeout_s: float = 600.0, refs: list[Reference | None] | None = None
+) -> list[VerifyResult]:
+    """`verify` for several specs on one launch (`launch_many`); a result per spec, each with the launch's seconds.
+
+    `refs[i]` may give spec i's reference; the others are computed, once per distinct prompt.
+    """
+    check_shared(specs)
+    for spec in specs:
+        spec.parsed_plan()
+        check_kvp(spec)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="spindle-verify-") as tmp:
+        runs = launch_many(specs, Path(tmp), timeout_s)
+    seconds = time.perf_counter() - t0
+    computed: dict[tuple, Reference] = {}
+    decode_refs: dict[tuple, Tensor] = {}
+    out = []
+    for i, (spec, results) in enumerate(zip(specs, runs, strict=True)):
+        ref = refs[i] if refs is not None else None
+        if ref is None:
+            key = (tuple(spec.token_ids), spec.max_new_tokens)
+            if key not in computed:
+                computed[key] = reference(spec)
+            ref = computed[key]
+        out.append(compare(spec, results, ref, seconds, decode_refs))
+    return out
+
+
+def compare(
+    spec: VerifySpec,
+    results: list[tuple[dict[str, Tensor], dict]],
+    ref: Reference,
+    seconds: float = 0.0,
+    decode_refs: dict[tuple, Tensor] | None = None,
+) -> VerifyResult:
+    """Compare one launch's rank results (`launch`) with the single-instance reference (`reference(spec)`).
+
+    `decode_refs` caches the KVP decode-step references across calls (keyed by prompt and tokens).
+    """
+    ref_logits, ref_tokens, ref_kv = ref
     logits = next(t["logits"] for t, _ in results if "logits" in t)
     tokens = next(t["tokens"] for t, _ in results if "tokens" in t).tolist()
     diff = (logits - ref_logits).abs().max().item()
@@ -207,7 +280,11 @@ def verify(spec: VerifySpec, *, timeout_s: float = 600.0, ref: Reference | None 
     decode_diff = None
     if spec.kvp:
         decode_logits = next(t["decode_logits"] for t, _ in results if "decode_logits" in t)
-        ref_decode = reference_decode_logits(spec, tokens)
+        key = (tuple(spec.token_ids), tuple(tokens))
+        cache = decode_refs if decode_refs is not None else {}
+        if key not in cache:
+            cache[key] = reference_decode_logits(spec, tokens)
+        ref_decode = cache[key]
         if decode_logits.shape == ref_decode.shape:
             decode_diff = (decode_logits - ref_decode).abs().max().item()
         else:
@@ -284,6 +361,12 @@ def build_parser() -> argparse.ArgumentParser:
         "the previous one's, e.g. '0:300@0;300:900@0,1;900:@0,1,2,3'",
     )
     ap.add_argument("--layout", default="zigzag", choices=SP_LAYOUTS, help="layout of chunks that name none")
+    ap.add_argument(
+        "--layouts",
+        default=None,
+        help="instead of --layout: several, comma-separated (e.g. 'zigzag,stripe'); the plan runs once per layout "
+        "on the same processes (started and the model loaded once) and each run is compared",
+    )
     ap.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel size of the decode instance")
     ap.add_argument(
         "--kvp",
@@ -349,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
         plan = spec.parsed_plan()
         if retain is not None and not set(retain) <= set(plan.members):
             raise ValueError(f"--retain members {retain} are not all in the plan {plan.members}")
+        layouts = args.layouts.split(",") if args.layouts is not None else None
+        if layouts is not None and not (layouts and set(layouts) <= set(SP_LAYOUTS)):
+            raise ValueError(f"--layouts must name layouts among {', '.join(SP_LAYOUTS)}, got {args.layouts!r}")
     except (ValueError, OSError) as e:
         print(f"spindle verify: error: {e}", file=sys.stderr)
         return 2
@@ -358,11 +444,19 @@ def main(argv: list[str] | None = None) -> int:
     if spec.scale_down_at is not None:
         decode += f" + member {scale_down_member(spec)} leaves after {spec.scale_down_at} tokens"
     print(f"plan {plan.format()} ({len(ids)} tokens), {decode}, {spec.world_size()} processes")
-    result = verify(spec, timeout_s=args.timeout)
-    print(result.summary())
+    if layouts is None:
+        result = verify(spec, timeout_s=args.timeout)
+        print(result.summary())
+        if args.json:
+            args.json.write_text(json.dumps(asdict(result), indent=1))
+        return 0 if result.match else 1
+    results = verify_many([replace(spec, layout=lay) for lay in layouts], timeout_s=args.timeout)
+    for lay, result in zip(layouts, results, strict=True):
+        print(f"--- layout {lay}\n{result.summary()}")
     if args.json:
-        args.json.write_text(json.dumps(asdict(result), indent=1))
-    return 0 if result.match else 1
+        docs = [asdict(r) | {"layout": lay} for lay, r in zip(layouts, results, strict=True)]
+        args.json.write_text(json.dumps(docs, indent=1))
+    return 0 if all(r.match for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import os
 from itertools import pairwise
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from spindle_model import LlamaModel, ModelConfig, load_state_dict
+from spindle_model import LlamaModel, ModelConfig
 
 from ..config import DTYPES
 from ..kvp import KVPMember, KVPRequest, parse_bounds, proportional_bounds
@@ -107,12 +106,10 @@ def _kill_step(member: int) -> int | None:
 
 
 def run_kvp_decode(
-    spec, j: int, ranks: dict[int, int], config: ModelConfig, path: Path, first_rank: int, tag_first: int
+    spec, j: int, ranks: dict[int, int], config: ModelConfig, model: LlamaModel, first_rank: int, tag_first: int
 ) -> tuple:
     """Decode member `j` of `spec` (a VerifySpec with `kvp`) at rank `first_rank + j`; (tensors, report)."""
     dtype = DTYPES[spec.dtype]
-    model = LlamaModel(config, dtype=dtype)
-    model.load_weights(load_state_dict(path, dtype=dtype))
     n = len(spec.token_ids)
     bounds = kvp_bounds(n, spec.kvp, spec.kvp_split)
     size = kvp_members(spec.kvp, spec.scale_up_at)

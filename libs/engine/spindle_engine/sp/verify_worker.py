@@ -5,6 +5,10 @@ the KV is retained on one member, which then decodes in place). Every holder sen
 heads of the KV it holds (no header exchange: both sides derive every size from the plan). With `kvp`,
 ranks `P..` are the KVP members instead and each gets its token range (`verify_kvp`). Results go to
 `<out>/rank<r>.safetensors` and `<out>/rank<r>.json`; nothing is pickled.
+
+A spec file holding a JSON list runs every spec in turn on the same processes (one start and one model load
+per process for all of them; results under `<out>/<i>/`). The world is the largest spec's; ranks past a
+spec's own world sit that spec out. Every rank still walks every spec, as `new_group` is collective.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -78,11 +83,6 @@ class VerifySpec:
         return plan.final_placement()
 
 
-def _tp_group(first: int, size: int) -> dist.ProcessGroup | None:
-    """The decode instance's TP group. `new_group` is collective over the world, so every rank calls this."""
-    return dist.new_group(list(range(first, first + size))) if size > 1 else None
-
-
 def _inject_fault(model: LlamaModel, member: int) -> None:
     """Test hook: `SPINDLE_VERIFY_KILL=MEMBER:LAYER` kills that member the first time it reaches LAYER (mid-chunk)."""
     where = os.environ.get("SPINDLE_VERIFY_KILL")
@@ -92,6 +92,9 @@ def _inject_fault(model: LlamaModel, member: int) -> None:
     if victim != member:
         return
     target = model.layers[layer]
+    if getattr(target, "_spindle_dying", False):  # a model shared by several specs is wrapped once
+        return
+    target._spindle_dying = True
     forward = target.forward
     calls = {"n": 0}
 
@@ -105,11 +108,33 @@ def _inject_fault(model: LlamaModel, member: int) -> None:
     target.forward = dying_forward
 
 
-def _load_model(spec: VerifySpec, config: ModelConfig, path: Path, tp_group: dist.ProcessGroup | None) -> LlamaModel:
-    dtype = DTYPES[spec.dtype]
-    model = LlamaModel(config, dtype=dtype, tp_group=tp_group)
-    model.load_weights(load_state_dict(path, dtype=dtype))
-    return model.eval()
+ModelLoader = Callable[[dist.ProcessGroup | None], LlamaModel]
+
+
+class _Shared:
+    """What the specs of one launch share in a process: decode TP groups and loaded models, keyed by TP group.
+
+    Every spec of a launch has the same model and dtype (checked by `verify_many`), and no run changes a model.
+    """
+
+    def __init__(self, spec: VerifySpec, config: ModelConfig, path: Path) -> None:
+        self.dtype, self.config, self.path = DTYPES[spec.dtype], config, path
+        self.groups: dict[tuple[int, int], dist.ProcessGroup | None] = {}
+        self.models: dict[int, LlamaModel] = {}
+
+    def tp_group(self, first: int, size: int) -> dist.ProcessGroup | None:
+        """The decode instance's TP group. `new_group` is collective over the world, so every rank calls this."""
+        if (first, size) not in self.groups:
+            self.groups[first, size] = dist.new_group(list(range(first, first + size))) if size > 1 else None
+        return self.groups[first, size]
+
+    def model(self, tp_group: dist.ProcessGroup | None) -> LlamaModel:
+        key = id(tp_group)
+        if key not in self.models:
+            model = LlamaModel(self.config, dtype=self.dtype, tp_group=tp_group)
+            model.load_weights(load_state_dict(self.path, dtype=self.dtype))
+            self.models[key] = model.eval()
+        return self.models[key]
 
 
 def _decode(spec: VerifySpec, model: LlamaModel, kv: Tensor, first: int) -> list[int]:
@@ -129,9 +154,9 @@ def _decode(spec: VerifySpec, model: LlamaModel, kv: Tensor, first: int) -> list
     return tokens
 
 
-def run_prefill(spec: VerifySpec, member: int, ranks: dict[int, int], config: ModelConfig, path: Path) -> tuple:
+def run_prefill(spec: VerifySpec, member: int, ranks: dict[int, int], config: ModelConfig, load: ModelLoader) -> tuple:
     plan = spec.parsed_plan()
-    model = _load_model(spec, config, path, None)
+    model = load(None)
     n = plan.num_tokens
     num_blocks = 2 * (-(-n // BLOCK_SIZE)) + 2  # history + chunk + retention copies never exceed 2x the prompt
     cache = KVCache(len(model.layers), num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim, DTYPES[spec.dtype])
@@ -191,11 +216,16 @@ def run_prefill(spec: VerifySpec, member: int, ranks: dict[int, int], config: Mo
 
 
 def run_decode(
-    spec: VerifySpec, t: int, ranks: dict[int, int], config: ModelConfig, path: Path, tp_group: dist.ProcessGroup | None
+    spec: VerifySpec,
+    t: int,
+    ranks: dict[int, int],
+    config: ModelConfig,
+    load: ModelLoader,
+    tp_group: dist.ProcessGroup | None,
 ) -> tuple:
     plan = spec.parsed_plan()
     T = spec.decode_tp
-    model = _load_model(spec, config, path, tp_group)
+    model = load(tp_group)
     lo, hi = decode_heads(config, T)[t]
     dtype = DTYPES[spec.dtype]
     n = plan.num_tokens
@@ -218,36 +248,48 @@ def run_decode(
     return tensors, {"role": "decode", "tp_rank": t, "received_bytes": received}
 
 
+def run_spec(spec: VerifySpec, rank: int, shared: _Shared, out: Path) -> None:
+    """This rank's part of `spec` (none when `rank` is past the spec's world), written under `out`."""
+    members = sorted(spec.parsed_plan().members)
+    ranks = {m: i for i, m in enumerate(members)}
+    tp_group = None if spec.decode_in_place or spec.kvp else shared.tp_group(len(members), spec.decode_tp)
+    config = shared.config
+    if rank >= spec.world_size():
+        return
+    if rank < len(members):
+        tensors, report = run_prefill(spec, members[rank], ranks, config, shared.model)
+    elif spec.kvp:
+        j, first = rank - len(members), len(members)
+        tensors, report = run_kvp_decode(spec, j, ranks, config, shared.model(None), first, TAG_FIRST)
+    else:
+        tensors, report = run_decode(spec, rank - len(members), ranks, config, shared.model, tp_group)
+    out.mkdir(parents=True, exist_ok=True)
+    if tensors:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / f"rank{rank}.safetensors"))
+    (out / f"rank{rank}.json").write_text(json.dumps(report))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="one process of `spindle verify` (started by it, not by hand)")
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world-size", type=int, required=True)
     ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--spec", type=Path, required=True)
+    ap.add_argument("--spec", type=Path, required=True, help="a VerifySpec as JSON, or a JSON list of them")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
-    spec = VerifySpec(**json.loads(args.spec.read_text()))
-    torch.set_num_threads(spec.threads)
+    raw = json.loads(args.spec.read_text())
+    specs = [VerifySpec(**d) for d in raw] if isinstance(raw, list) else [VerifySpec(**raw)]
+    torch.set_num_threads(specs[0].threads)
     if sys.platform == "linux":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     store = dist.TCPStore("127.0.0.1", args.port, args.world_size, args.rank == 0, timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world_size)
     try:
-        source = resolve_model(spec.model)
-        members = sorted(spec.parsed_plan().members)
-        ranks = {m: i for i, m in enumerate(members)}
-        tp_group = None if spec.decode_in_place or spec.kvp else _tp_group(len(members), spec.decode_tp)
-        if args.rank < len(members):
-            tensors, report = run_prefill(spec, members[args.rank], ranks, source.config, source.path)
-        elif spec.kvp:
-            j, first = args.rank - len(members), len(members)
-            tensors, report = run_kvp_decode(spec, j, ranks, source.config, source.path, first, TAG_FIRST)
-        else:
-            tensors, report = run_decode(spec, args.rank - len(members), ranks, source.config, source.path, tp_group)
-        if tensors:
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(args.out / f"rank{args.rank}.safetensors"))
-        (args.out / f"rank{args.rank}.json").write_text(json.dumps(report))
-        dist.barrier()
+        source = resolve_model(specs[0].model)
+        shared = _Shared(specs[0], source.config, source.path)
+        for i, spec in enumerate(specs):
+            run_spec(spec, args.rank, shared, args.out / str(i) if isinstance(raw, list) else args.out)
+            dist.barrier()  # the next spec's traffic starts only after every rank is done with this one
     finally:
         dist.destroy_process_group()
     return 0

@@ -1,114 +1,10 @@
-/* Spindle's CPU kernels (AVX-512): small-batch GEMM over packed weights and paged decode attention.
+/* Paged decode attention over a block-paged K/V cache (flash-decoding split over the context).
  *
- * Built at first use by native.py (cc -O3 -march=native -fopenmp) and called through ctypes. Every
- * buffer is contiguous; the Python side checks shapes, dtypes and strides before calling.
- * Element size `es` is 4 (float32) or 2 (bfloat16, widened to float32 on load); all arithmetic is fp32.
- */
-#include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-#define NT 64 /* GEMM output columns per tile: four 16-lane fp32 accumulators */
-#define MB 6  /* GEMM rows of x per pass over a tile */
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN kept */
-    union { float f; uint32_t u; } v = {f};
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
-
-static inline float bf16_to_f32(uint16_t b) {
-    union { uint32_t u; float f; } v = {(uint32_t)b << 16};
-    return v.f;
-}
-
-static inline __m512 load16_f32(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16_bf16(const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
-/* ---- GEMM: y[M,N] = x[M,K] @ w[N,K]^T ---- */
-
-/* w [N,K] -> p [ceil(N/64)][K][64]: each tile's K rows of 64 columns are one sequential stream. */
-void spindle_pack_weight(const void* w, void* p, int64_t N, int64_t K, int es) {
-    const int64_t tiles = (N + NT - 1) / NT;
-    memset(p, 0, (size_t)(tiles * K * NT * es));
-    for (int64_t n = 0; n < N; n++) {
-        const int64_t t = n / NT, c = n % NT;
-        for (int64_t k = 0; k < K; k++)
-            memcpy((char*)p + ((t * K + k) * NT + c) * es, (const char*)w + (n * K + k) * es, (size_t)es);
-    }
-}
-
-#define GEMM_TILE(R, WT, LOAD)                                                                         \
-    static void tile_##WT##_##R(const float* x, int64_t K, const WT* pt, __m512* out) {                \
-        __m512 a[R][4];                                                                                \
-        for (int i = 0; i < R; i++)                                                                    \
-            for (int j = 0; j < 4; j++) a[i][j] = _mm512_setzero_ps();                                 \
-        for (int64_t k = 0; k < K; k++) {                                                              \
-            const WT* wk = pt + k * NT;                                                                \
-            __m512 w0 = LOAD(wk), w1 = LOAD(wk + 16), w2 = LOAD(wk + 32), w3 = LOAD(wk + 48);          \
-            for (int i = 0; i < R; i++) {                                                              \
-                __m512 xb = _mm512_set1_ps(x[i * K + k]);                                              \
-                a[i][0] = _mm512_fmadd_ps(xb, w0, a[i][0]);                                            \
-                a[i][1] = _mm512_fmadd_ps(xb, w1, a[i][1]);                                            \
-                a[i][2] = _mm512_fmadd_ps(xb, w2, a[i][2]);                                            \
-                a[i][3] = _mm512_fmadd_ps(xb, w3, a[i][3]);                                            \
-            }                                                                                          \
-        }                                                                                              \
-        for (int i = 0; i < R; i++)                                                                    \
-            for (int j = 0; j < 4; j++) out[i * 4 + j] = a[i][j];                                      \
-    }
-
-typedef uint16_t bf16_t;
-GEMM_TILE(1, float, load16_f32) GEMM_TILE(2, float, load16_f32) GEMM_TILE(3, float, load16_f32)
-GEMM_TILE(4, float, load16_f32) GEMM_TILE(5, float, load16_f32) GEMM_TILE(6, float, load16_f32)
-GEMM_TILE(1, bf16_t, load16_bf16) GEMM_TILE(2, bf16_t, load16_bf16) GEMM_TILE(3, bf16_t, load16_bf16)
-GEMM_TILE(4, bf16_t, load16_bf16) GEMM_TILE(5, bf16_t, load16_bf16) GEMM_TILE(6, bf16_t, load16_bf16)
-
-typedef void (*tile_f32_fn)(const float*, int64_t, const float*, __m512*);
-typedef void (*tile_bf16_fn)(const float*, int64_t, const bf16_t*, __m512*);
-static const tile_f32_fn TILE_F32[MB + 1] = {0, tile_float_1, tile_float_2, tile_float_3,
-                                             tile_float_4, tile_float_5, tile_float_6};
-static const tile_bf16_fn TILE_BF16[MB + 1] = {0, tile_bf16_t_1, tile_bf16_t_2, tile_bf16_t_3,
-                                               tile_bf16_t_4, tile_bf16_t_5, tile_bf16_t_6};
-
-/* x fp32 [M,K]; p packed weight (es bytes per element); y [M,N] fp32 or bf16 (y_bf16). */
-void spindle_gemm_packed(const float* x, const void* p, void* y, int64_t M, int64_t N, int64_t K, int es,
-                         int y_bf16, int nthreads) {
-    const int64_t tiles = (N + NT - 1) / NT;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t n0 = t * NT;
-        const int nn = (N - n0) < NT ? (int)(N - n0) : NT;
-        for (int64_t m0 = 0; m0 < M; m0 += MB) {
-            const int mm = (M - m0) < MB ? (int)(M - m0) : MB;
-            __m512 acc[MB * 4];
-            if (es == 2)
-                TILE_BF16[mm](x + m0 * K, K, (const bf16_t*)p + t * K * NT, acc);
-            else
-                TILE_F32[mm](x + m0 * K, K, (const float*)p + t * K * NT, acc);
-            for (int i = 0; i < mm; i++) {
-                float row[NT];
-                for (int j = 0; j < 4; j++) _mm512_storeu_ps(row + 16 * j, acc[i * 4 + j]);
-                if (y_bf16) {
-                    uint16_t* yr = (uint16_t*)y + (m0 + i) * N + n0;
-                    for (int c = 0; c < nn; c++) yr[c] = f32_to_bf16(row[c]);
-                } else {
-                    memcpy((float*)y + (m0 + i) * N + n0, row, (size_t)nn * sizeof(float));
-                }
-            }
-        }
-    }
-}
-
-/* ---- paged decode attention ----
- * q [B,Hq,D] fp32; caches [blocks, bs, Hkv, D]; block_table [B,W] int64; seq_lens [B] int64.
- * out [B,Hq,D] fp32, lse [Hq,B] fp32 (natural log; an empty sequence gives out 0, lse -inf).
+ * q [B,Hq,D] fp32; caches [blocks, bs, Hkv, D] (es = 4 fp32 or 2 bf16); block_table [B,W] int64; seq_lens [B]
+ * int64. out [B,Hq,D] fp32, lse [Hq,B] fp32 (natural log; an empty sequence gives out 0, lse -inf).
  * Work items are (sequence, KV head, split of the context); each keeps an online-softmax state for the
  * G = Hq/Hkv query heads sharing that KV head, so every K/V row is read once per item. */
+#include "kernels.h"
 
 #define CHUNK 32 /* tokens whose scores are computed before one softmax update */
 #define MAXG 16
@@ -144,24 +40,6 @@ static inline void axpy_row(float* acc, float a, const void* v, int64_t D, int e
     for (; d + 16 <= D; d += 16)
         _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(av, _mm512_loadu_ps(vf + d), _mm512_loadu_ps(acc + d)));
     for (; d < D; d++) acc[d] += a * vf[d];
-}
-
-/* e^x for x <= 0 (scores minus their running max): 2^n * e^(f ln 2), |f| <= 1/2, degree-7 Taylor polynomial
- * (relative error < 1e-7); below -100 the result flushes to 0 as expf's would underflow. */
-static inline __m512 exp512_nonpos(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-100.0f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 y = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 720.0f));
-    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* state per (item, g): [m, l, acc[D]] */
@@ -286,10 +164,10 @@ static int decode_any(const float* q, const char* kc, const char* vc, const int6
     return decode_item(q, kc, vc, table, nblocks, t0, t1, h, G, Hkv, D, bs, es, scale, state);
 }
 
-int spindle_paged_decode(const float* q, const void* k_cache, const void* v_cache, const int64_t* block_table,
-                         const int64_t* seq_lens, float* out, float* lse, int64_t B, int64_t Hq, int64_t Hkv,
-                         int64_t D, int64_t bs, int64_t W, int64_t nblocks, float scale, int es, int64_t splits,
-                         int nthreads) {
+int spindle_paged_decode_strided(const float* q, int64_t q_stride, const void* k_cache, const void* v_cache,
+                                 const int64_t* block_table, const int64_t* seq_lens, float* out, float* lse,
+                                 int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, int64_t W, int64_t nblocks,
+                                 float scale, int es, int64_t splits, int nthreads) {
     const int64_t G = Hq / Hkv;
     if (G > MAXG || splits < 1) return -1;
     const int64_t width = D + 2, items = B * Hkv * splits;
@@ -301,7 +179,7 @@ int spindle_paged_decode(const float* q, const void* k_cache, const void* v_cach
         const int64_t b = it / (Hkv * splits), h = (it / splits) % Hkv, sp = it % splits;
         const int64_t len = seq_lens[b], per = (len + splits - 1) / splits;
         const int64_t t0 = sp * per < len ? sp * per : len, t1 = (sp + 1) * per < len ? (sp + 1) * per : len;
-        if (decode_any(q + (b * Hq + h * G) * D, (const char*)k_cache, (const char*)v_cache, block_table + b * W,
+        if (decode_any(q + b * q_stride + h * G * D, (const char*)k_cache, (const char*)v_cache, block_table + b * W,
                        nblocks, t0, t1, h, G, Hkv, D, bs, es, scale, states + it * G * width))
             bad = 1;
     }
@@ -337,4 +215,12 @@ int spindle_paged_decode(const float* q, const void* k_cache, const void* v_cach
             }
     free(states);
     return 0;
+}
+
+int spindle_paged_decode(const float* q, const void* k_cache, const void* v_cache, const int64_t* block_table,
+                         const int64_t* seq_lens, float* out, float* lse, int64_t B, int64_t Hq, int64_t Hkv,
+                         int64_t D, int64_t bs, int64_t W, int64_t nblocks, float scale, int es, int64_t splits,
+                         int nthreads) {
+    return spindle_paged_decode_strided(q, Hq * D, k_cache, v_cache, block_table, seq_lens, out, lse, B, Hq, Hkv, D,
+                                        bs, W, nblocks, scale, es, splits, nthreads);
 }
