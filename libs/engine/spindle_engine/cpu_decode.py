@@ -7,7 +7,8 @@ SiLU in fp32 (within rounding of torch's). Embedding, final norm and LM head sta
 
 It serves whole float32 models on CPU without tensor parallelism, up to `cpu.MAX_ROWS` sequences per step;
 anything else (mixed prefill/decode steps, larger batches) runs the eager path. The CPU analogue of
-`cuda_graphs.py`.
+`cuda_graphs.py`, and like it bound to the weights and cache it was built over (reloading weights afterwards
+needs a new runner).
 """
 
 from __future__ import annotations

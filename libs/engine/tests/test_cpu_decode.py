@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from spindle_attention import cpu
-from spindle_engine import Engine, EngineConfig, SamplingParams
+from spindle_engine import Engine, EngineConfig
 from spindle_engine.cpu_decode import CPUDecodeRunner, unsupported_reason
+from spindle_engine.testing import Wave, random_prompts, record_logits, run_waves
 from spindle_model import LlamaModel
 from spindle_model.testing import tiny_llama
 
@@ -30,17 +31,10 @@ def tiny():
     return model
 
 
-def _prompts(lens: list[int], seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 301, (n,), generator=g).tolist() for n in lens]
-
-
-def _scenario(engine: Engine, waves: list[list[tuple[list[int], int]]], join_every: int) -> tuple[dict, list, list]:
-    """Run `waves` of (prompt, max_tokens), one wave every `join_every` steps. Returns every request's tokens,
-    every step's logits and the batch size of every step the fused runner served."""
-    logits: list[torch.Tensor] = []
+def _scenario(engine: Engine, waves: list[Wave], join_every: int) -> tuple[dict, list, list]:
+    """Run `waves` (see `run_waves`). Returns every request's tokens, every step's logits and the batch size of
+    every step the fused runner served."""
     fused_batches: list[int] = []
-    run = engine.runner.run
     fused = engine.runner.cpu_decode
     if fused is not None:
         fused_run = fused.run
@@ -50,28 +44,8 @@ def _scenario(engine: Engine, waves: list[list[tuple[list[int], int]]], join_eve
             return fused_run(ids, *args)
 
         fused.run = fused_recording
-
-    def recording(chunks):
-        out, rows = run(chunks)
-        logits.append(out.clone())
-        return out, rows
-
-    engine.runner.run = recording
-    tokens: dict[str, list[int]] = {}
-    step = 0
-    pending = list(waves)
-    while pending or engine.has_unfinished():
-        if pending and step % join_every == 0:
-            for prompt, max_tokens in pending.pop(0):
-                rid = f"r{len(tokens)}"
-                engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-                tokens[rid] = []
-        for o in engine.step():
-            tokens[o.request_id] += o.new_token_ids
-        step += 1
-    engine.allocator.check_invariants()
-    assert engine.allocator.num_used == 0
-    return tokens, logits, fused_batches
+    logits = record_logits(engine)
+    return run_waves(engine, waves, join_every), logits, fused_batches
 
 
 def _compare(model, waves, join_every: int, **config) -> list[int]:
@@ -91,15 +65,16 @@ def _compare(model, waves, join_every: int, **config) -> list[int]:
 
 
 def test_shrinking_and_joining_batches_match_the_torch_path(tiny):
-    first = list(zip(_prompts([7, 3, 12, 5, 9], seed=1), [9, 4, 14, 6, 11], strict=True))
-    second = list(zip(_prompts([6, 2, 10], seed=2), [8, 12, 5], strict=True))
+    first = list(zip(random_prompts([7, 3, 12, 5, 9], seed=1), [9, 4, 14, 6, 11], strict=True))
+    second = list(zip(random_prompts([6, 2, 10], seed=2), [8, 12, 5], strict=True))
     batches = _compare(tiny, [first, second], join_every=6)
     assert {1, 3, 5} <= set(batches), batches
 
 
 def test_batches_above_the_kernel_rows_run_the_torch_path(tiny):
     # 36 sequences decode together: those steps (36 > 32 rows) run eagerly, the tail (<= 32) fused
-    waves = [list(zip(_prompts([3 + i % 5 for i in range(36)], seed=3), [2 + i % 9 for i in range(36)], strict=True))]
+    prompts = random_prompts([3 + i % 5 for i in range(36)], seed=3)
+    waves = [list(zip(prompts, [2 + i % 9 for i in range(36)], strict=True))]
     batches = _compare(tiny, waves, join_every=1)
     assert batches and max(batches) <= cpu.MAX_ROWS and 36 not in batches
 
@@ -107,7 +82,7 @@ def test_batches_above_the_kernel_rows_run_the_torch_path(tiny):
 def test_one_token_prefill_chunks(tiny):
     # budget 2: "r1"'s prompt is prefilled one token a step next to "r0"'s decode: decode-only steps whose
     # second row samples nothing
-    waves = [[(_prompts([3], seed=4)[0], 10)], [(_prompts([5], seed=5)[0], 4)]]
+    waves = [[(random_prompts([3], seed=4)[0], 10)], [(random_prompts([5], seed=5)[0], 4)]]
     batches = _compare(tiny, waves, join_every=3, max_num_batched_tokens=2)
     assert 2 in batches
 

@@ -9,8 +9,9 @@ must give the same greedy tokens and logits within 1e-5 as the plain eager engin
 import pytest
 import torch
 
-from spindle_engine import Engine, EngineConfig, SamplingParams
+from spindle_engine import Engine, EngineConfig
 from spindle_engine.cuda_graphs import EMULATE_ENV, decode_buckets
+from spindle_engine.testing import Wave, random_prompts, record_logits, run_waves
 from spindle_model.testing import tiny_llama
 
 MAX_LOGIT_DIFF = 1e-5
@@ -26,27 +27,9 @@ def tiny():
     return model
 
 
-def _prompts(lens: list[int], seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 301, (n,), generator=g).tolist() for n in lens]
-
-
-def _scenario(engine: Engine, waves: list[list[tuple[list[int], int]]], join_every: int) -> tuple[dict, list]:
-    """Add `waves` of (prompt, max_tokens) requests, one wave every `join_every` steps; record every step's
-    logits and every request's tokens."""
-    logits: list[torch.Tensor] = []
-    run = engine.runner.run
+def _scenario(engine: Engine, waves: list[Wave], join_every: int) -> tuple[dict, list]:
+    """Run `waves` (see `run_waves`); record every step's logits and the batches through the static buffers."""
     graphs = engine.runner.decode_graphs
-
-    def recording(chunks):
-        before = graphs.steps if graphs is not None else 0
-        out, rows = run(chunks)
-        logits.append(out.clone())  # graph-path logits are a static buffer, rewritten by the next step
-        if graphs is not None and graphs.steps > before and len(rows) < len(chunks):
-            graphs.partial_steps += 1  # through the buffers, with a row that samples nothing
-        return out, rows
-
-    engine.runner.run = recording
     if graphs is not None:  # the batch sizes that went through the static buffers
         graphs.batch_sizes = []
         graphs.partial_steps = 0
@@ -57,21 +40,18 @@ def _scenario(engine: Engine, waves: list[list[tuple[list[int], int]]], join_eve
             return graph_run(ids, *args)
 
         graphs.run = graph_recording
-    tokens: dict[str, list[int]] = {}
-    step = 0
-    pending = list(waves)
-    while pending or engine.has_unfinished():
-        if pending and step % join_every == 0:
-            for prompt, max_tokens in pending.pop(0):
-                rid = f"r{len(tokens)}"
-                engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-                tokens[rid] = []
-        for o in engine.step():
-            tokens[o.request_id] += o.new_token_ids
-        step += 1
-    engine.allocator.check_invariants()
-    assert engine.allocator.num_used == 0
-    return tokens, logits
+    run = engine.runner.run
+
+    def counting(chunks):
+        before = graphs.steps if graphs is not None else 0
+        out, rows = run(chunks)
+        if graphs is not None and graphs.steps > before and len(rows) < len(chunks):
+            graphs.partial_steps += 1  # through the buffers, with a row that samples nothing
+        return out, rows
+
+    engine.runner.run = counting
+    logits = record_logits(engine)
+    return run_waves(engine, waves, join_every), logits
 
 
 def _compare(llama, monkeypatch, waves, join_every: int, **config) -> Engine:
@@ -107,8 +87,8 @@ def test_buckets():
 def test_padding_shrinking_and_joining_match_eager(tiny, monkeypatch):
     # 5 requests (bucket 8), finishing at different steps (5 -> 4 -> 3 -> ...), then 3 more join (block tables
     # of new sequences, the batch grows again); prompts cross block boundaries as they decode.
-    first = list(zip(_prompts([7, 3, 12, 5, 9], seed=1), [9, 4, 14, 6, 11], strict=True))
-    second = list(zip(_prompts([6, 2, 10], seed=2), [8, 12, 5], strict=True))
+    first = list(zip(random_prompts([7, 3, 12, 5, 9], seed=1), [9, 4, 14, 6, 11], strict=True))
+    second = list(zip(random_prompts([6, 2, 10], seed=2), [8, 12, 5], strict=True))
     engine = _compare(tiny, monkeypatch, [first, second], join_every=6)
     graphs = engine.runner.decode_graphs
     assert {3, 5} <= set(graphs.batch_sizes), graphs.batch_sizes
@@ -120,7 +100,7 @@ def test_padding_shrinking_and_joining_match_eager(tiny, monkeypatch):
 
 def test_steps_beyond_largest_bucket_run_eager(tiny, monkeypatch):
     # cuda_graph_max_batch=2: the decode steps of 3 rows run eagerly, those of 2 and 1 through the buffers
-    waves = [list(zip(_prompts([5, 4, 7], seed=3), [4, 7, 10], strict=True))]
+    waves = [list(zip(random_prompts([5, 4, 7], seed=3), [4, 7, 10], strict=True))]
     engine = _compare(tiny, monkeypatch, waves, join_every=1, cuda_graph_max_batch=2)
     graphs = engine.runner.decode_graphs
     assert graphs.buckets == [1, 2] and 3 not in graphs.batch_sizes and {1, 2} <= set(graphs.batch_sizes)
@@ -129,7 +109,7 @@ def test_steps_beyond_largest_bucket_run_eager(tiny, monkeypatch):
 def test_one_token_prefill_chunks(tiny, monkeypatch):
     # budget 2: while "r0" decodes, "r1"'s prompt is prefilled one token a step next to it; such a step holds
     # only 1-token chunks, so it goes through the buffers, with a row that samples nothing
-    waves = [[(_prompts([3], seed=4)[0], 10)], [(_prompts([5], seed=5)[0], 4)]]
+    waves = [[(random_prompts([3], seed=4)[0], 10)], [(random_prompts([5], seed=5)[0], 4)]]
     engine = _compare(tiny, monkeypatch, waves, join_every=3, max_num_batched_tokens=2)
     assert engine.runner.decode_graphs.partial_steps > 0
 

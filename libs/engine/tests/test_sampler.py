@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from spindle_engine import SamplingParams
-from spindle_engine.sampler import sample
+from spindle_engine.sampler import draw, sample
 
 
 def _logits(n: int = 4, vocab: int = 50) -> torch.Tensor:
@@ -41,6 +41,18 @@ def test_top_k_and_top_p_restrict_support():
     p = float(probs[0] + probs[1]) - 0.01
     seen = {sample(logits, [SamplingParams(temperature=1.0, top_p=p)], [None], g)[0] for _ in range(300)}
     assert seen == {0, 1}
+
+
+def test_draws_follow_the_distribution_and_never_pick_filtered_tokens():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])  # zeros first, between and last, as filters leave them
+    g = torch.Generator().manual_seed(0)
+    n = 20000
+    counts = torch.bincount(torch.tensor([draw(probs, g) for _ in range(n)]), minlength=6).double() / n
+    assert counts[[0, 2, 5]].sum() == 0
+    assert float((counts - probs.double()).abs().max()) < 0.015  # ~4.5 sigma at n = 20000
+    one = torch.zeros(49152)
+    one[49151] = 1.0
+    assert draw(one, g) == 49151
 
 
 @pytest.mark.parametrize(
