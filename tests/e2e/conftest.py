@@ -30,6 +30,15 @@ def start_stack(tmp_path_factory: pytest.TempPathFactory, name: str, **overrides
     return Stack(config).start()
 
 
+def start_slow_decode_stack(tmp_path_factory: pytest.TempPathFactory, name: str, **overrides) -> Stack:
+    """`start_stack` with the engines on the torch path (`SPINDLE_CPU_KERNELS=0` in their environment), for
+    scenarios that need a request to hold a decode instance while the next ones arrive (parking, moving, time
+    slicing): with the native kernels a short decode ends before the scheduler's timers fire."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPINDLE_CPU_KERNELS", "0")
+        return start_stack(tmp_path_factory, name, **overrides)
+
+
 @pytest.fixture(scope="session")
 def otlp():
     with OtlpReceiver() as receiver:

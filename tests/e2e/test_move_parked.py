@@ -10,14 +10,14 @@ import pytest
 
 from spindle_protocol.messages import DecodeStarted, TransferDone
 
-from .conftest import engine_greedy, start_stack
+from .conftest import engine_greedy, start_slow_decode_stack, start_stack
 from .test_preempt import Watcher, _stream, _wait_no_leaks
 
 pytestmark = pytest.mark.slow
 
 
 def test_a_parked_request_moves_to_the_decode_instance_that_freed_up(tmp_path_factory, reference_engine, tokenizer):
-    stack = start_stack(
+    stack = start_slow_decode_stack(
         tmp_path_factory,
         "move-parked",
         prefill=1,

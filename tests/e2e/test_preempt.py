@@ -26,7 +26,7 @@ from spindle_protocol.messages import (
     WorkerEvent,
 )
 
-from .conftest import engine_greedy, instance_blocks, start_stack
+from .conftest import engine_greedy, instance_blocks, start_slow_decode_stack, start_stack
 
 pytestmark = pytest.mark.slow
 
@@ -231,7 +231,7 @@ def test_abort_while_preempted_frees_everything(small_stack, reference_engine, t
 @pytest.fixture(scope="module")
 def sliced_stack(tmp_path_factory):
     # the scheduler's own policy: a request parked for 0.5 s swaps out one that has decoded for 0.5 s
-    s = start_stack(
+    s = start_slow_decode_stack(
         tmp_path_factory,
         "time-slice",
         prefill=1,
