@@ -510,26 +510,38 @@ def count_runs(args: argparse.Namespace, with_hf: bool) -> int:
 
 @contextlib.contextmanager
 def labelled_attention() -> Iterator[None]:
-    """Wrap the engine's attention and Spindle's native GEMM in profiler ranges so their time (KV writes
-    included) can be attributed: the native kernels are not aten ops the profiler would name."""
-    from spindle_attention.cpu import PackedWeight
+    """Wrap the engine's attention and Spindle's native GEMMs (float32/bf16 and GGUF-block weights) in profiler
+    ranges so their time (KV writes included) can be attributed: the native kernels are not aten ops the
+    profiler would name."""
+    from spindle_attention.cpu import GGUFPackedWeight, PackedWeight
     from spindle_engine.attention import PagedAttentionContext
 
-    original, original_gemm = PagedAttentionContext.attention, PackedWeight.linear
+    original = PagedAttentionContext.attention
+    own = {cls: vars(cls).get("linear") for cls in (PackedWeight, GGUFPackedWeight)}  # None: inherited
 
     def attention(self: PagedAttentionContext, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         with record_function(ATTENTION_LABEL):
             return original(self, layer, q, k, v)
 
-    def gemm(self: PackedWeight, x: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
-        with record_function(NATIVE_GEMM_LABEL):
-            return original_gemm(self, x, out_dtype)
+    def labelled(linear: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        def gemm(self: PackedWeight, x: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
+            with record_function(NATIVE_GEMM_LABEL):
+                return linear(self, x, out_dtype)
 
-    PagedAttentionContext.attention, PackedWeight.linear = attention, gemm
+        return gemm
+
+    PagedAttentionContext.attention = attention
+    for cls in own:
+        cls.linear = labelled(cls.linear)
     try:
         yield
     finally:
-        PagedAttentionContext.attention, PackedWeight.linear = original, original_gemm
+        PagedAttentionContext.attention = original
+        for cls, fn in own.items():
+            if fn is None:
+                del cls.linear
+            else:
+                cls.linear = fn
 
 
 def _has_ancestor(event: Any, names: frozenset[str]) -> bool:

@@ -33,7 +33,7 @@ def unsupported_reason(model: LlamaModel, cache: KVCache) -> str | None:
     cfg = model.config
     if model.device.type != "cpu" or not cpu.available():
         return "not on CPU or CPU kernels unavailable"
-    if model.dtype != torch.float32 or cache.k.dtype not in (torch.float32, torch.bfloat16):
+    if model.dtype != torch.float32:
         return f"model dtype {model.dtype} (float32 only)"
     if model.shard.world > 1 or not (model.is_first and model.is_last):
         return "tensor-parallel shard or pipeline stage"
@@ -72,7 +72,8 @@ class CPUDecodeRunner:
         """Seconds spent so far inside the native call, by phase (for profiles)."""
         return dict(zip(PHASES, self.phase_seconds.tolist(), strict=True))
 
-    def fits(self, batch: int) -> bool:
+    def fits(self, batch: int, table_width: int) -> bool:
+        """Whether a decode step of `batch` sequences runs here (any block-table width does)."""
         return 0 < batch <= cpu.MAX_ROWS
 
     @torch.inference_mode()
@@ -96,7 +97,7 @@ class CPUDecodeRunner:
         rc = self.lib.spindle_llama_decode(
             x.data_ptr(), b, len(model.layers), self.table.data_ptr(), rope.data_ptr(), slot_t.data_ptr(),
             block_table.data_ptr(), width, lens.data_ptr(), cfg.hidden_size, hq, hkv, d,
-            model.layers[0].down_proj.weight.shape[1], block_size, num_blocks, cache.k.element_size(),
+            cfg.intermediate_size, block_size, num_blocks, cache.k.element_size(),
             float(cfg.rms_norm_eps), 1.0 / math.sqrt(d), splits, threads, self.phase_seconds.data_ptr(),
         )  # fmt: skip
         if rc == -3:

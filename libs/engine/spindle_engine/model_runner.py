@@ -47,10 +47,9 @@ class ModelRunner:
         they belong to: one row for every chunk that completes its sequence's known tokens (a token is sampled).
         After a decode-only step through the graph runner the logits are a view of its static buffer, valid until
         the next step."""
-        if self.decode_graphs is not None and (out := self._run_decode_graph(chunks)) is not None:
-            return out
-        if self.cpu_decode is not None and (out := self._run_cpu_decode(chunks)) is not None:
-            return out
+        for runner in (self.decode_graphs, self.cpu_decode):
+            if runner is not None and (out := self._run_decode_only(runner, chunks)) is not None:
+                return out
         # decode tokens first, then prefill chunks without history, then chunks continuing a cached history
         decodes = [(i, c) for i, c in enumerate(chunks) if c.num_tokens == 1]
         prefills = [(i, c) for i, c in enumerate(chunks) if c.num_tokens > 1 and c.seq.num_computed_tokens == 0]
@@ -98,29 +97,18 @@ class ModelRunner:
                 sample_rows.append(i)
         return ids, pos, slots, lens, tables, sample_rows
 
-    def _run_decode_graph(self, chunks: list[ScheduledChunk]) -> tuple[Tensor, list[int]] | None:
-        """A decode-only step through the static buffers; None when the step does not qualify."""
-        graphs = self.decode_graphs
-        assert graphs is not None
+    def _run_decode_only(
+        self, runner: DecodeGraphRunner | CPUDecodeRunner, chunks: list[ScheduledChunk]
+    ) -> tuple[Tensor, list[int]] | None:
+        """A decode-only step through `runner`; None when the step does not qualify."""
         if any(c.num_tokens != 1 for c in chunks):
             return None
-        if not graphs.fits(len(chunks), max(len(c.seq.block_table) for c in chunks)):
+        if not runner.fits(len(chunks), max(len(c.seq.block_table) for c in chunks)):
             return None
         ids, pos, slots, lens, tables, sample_rows = self._decode_inputs(chunks)
-        logits = graphs.run(ids, pos, slots, lens, tables)
+        logits = runner.run(ids, pos, slots, lens, tables)
         if len(sample_rows) < len(chunks):
             logits = logits[host_to_device(sample_rows, torch.long, self.device)]
-        return logits, sample_rows
-
-    def _run_cpu_decode(self, chunks: list[ScheduledChunk]) -> tuple[Tensor, list[int]] | None:
-        """A decode-only step in one native call; None when the step does not qualify."""
-        assert self.cpu_decode is not None
-        if any(c.num_tokens != 1 for c in chunks) or not self.cpu_decode.fits(len(chunks)):
-            return None
-        ids, pos, slots, lens, tables, sample_rows = self._decode_inputs(chunks)
-        logits = self.cpu_decode.run(ids, pos, slots, lens, tables)
-        if len(sample_rows) < len(chunks):
-            logits = logits[torch.tensor(sample_rows)]
         return logits, sample_rows
 
     def _context(

@@ -38,7 +38,6 @@ _LAYER_PARTS = {  # Linear attribute -> GGUF tensors whose rows it stacks
 
 
 _GGML_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}  # ggml type ids; others are not block formats we take
-_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
 _SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
 
 
@@ -124,13 +123,13 @@ def _blocks(
 ) -> cpu.GGUFPackedWeight | None:
     """One packed weight from the stacked rows of `names`, or None when they are not all one supported type."""
     parts = [index.get(n) for n in names]
-    if any(p is None or p.kind not in _BLOCK_BYTES or p.cols != in_features for p in parts):
+    if any(p is None or p.kind not in cpu.gemm.GGUF_FORMATS or p.cols != in_features for p in parts):
         return None
     kinds = {p.kind for p in parts}
     if len(kinds) != 1:
         return None
     kind = kinds.pop()
-    row_bytes = in_features // cpu.gemm.GGUF_BLOCK * _BLOCK_BYTES[kind]
+    row_bytes = in_features // cpu.gemm.GGUF_BLOCK * cpu.gemm.GGUF_FORMATS[kind][1]
     raw = np.concatenate(
         [np.fromfile(path, dtype=np.uint8, count=p.rows * row_bytes, offset=p.offset).reshape(p.rows, row_bytes)
          for p in parts]

@@ -2,7 +2,7 @@
 
 torch's CPU GEMMs are tuned for large M; a decode step multiplies a few rows by every weight, so it is bound
 by reading the weights. A packed weight stores `[N, K]` as tiles of 64 output columns, each one sequential
-stream, and `linear()` reads each tile once per 6 rows of x with fp32 FMAs (gemm.c):
+stream, and `linear()` reads each tile once per pass of several rows of x with fp32 FMAs (gemm.c):
 - `PackedWeight`: float32 or bfloat16 elements (bf16 widened in registers: this CPU family's bf16 dot
   instructions run at half the fp32 FMA rate).
 - `GGUFPackedWeight`: GGUF Q4_1 / Q8_0 blocks kept quantized (0.625 / 1.06 bytes per weight instead of 4).

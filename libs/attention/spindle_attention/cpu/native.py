@@ -30,6 +30,8 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 REQUIRED_CPU_FLAGS = ("avx512f",)
 
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_LLAMA_DECODE_ARGS = [_P, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _INT, _F32,
+                      _F32, _I64, _INT, _P]  # fmt: skip
 SIGNATURES = {
     "spindle_pack_weight": ([_P, _P, _I64, _I64, _INT], None),
     "spindle_pack_gguf": ([_P, _P, _I64, _I64, _INT], None),
@@ -38,33 +40,7 @@ SIGNATURES = {
         [_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _INT, _I64, _INT],
         ctypes.c_int,
     ),
-    "spindle_llama_decode": (
-        [
-            _P,
-            _I64,
-            _I64,
-            _P,
-            _P,
-            _P,
-            _P,
-            _I64,
-            _P,
-            _I64,
-            _I64,
-            _I64,
-            _I64,
-            _I64,
-            _I64,
-            _I64,
-            _INT,
-            _F32,
-            _F32,
-            _I64,
-            _INT,
-            _P,
-        ],
-        ctypes.c_int,
-    ),
+    "spindle_llama_decode": (_LLAMA_DECODE_ARGS, ctypes.c_int),
 }
 
 
