@@ -2,8 +2,8 @@
 
 Starts `spindle up --decode-kvp K --kvp-tokens N` with a small per-member KV cache, sends requests whose
 prompts fill members nearly to the limit (so each tail member soon runs out of room for new tokens), a few at a
-time, and reads the decode instance's counters (`kvp_scale_ups`, `kvp_scale_downs`, `kvp_dropped`) from
-`/v1/spindle/instances`. Prints a table and writes JSON.
+time, and reads the group leader's counters (`kvp_scale_ups`, `kvp_scale_downs`, `kvp_dropped`, placements) and
+every member's blocks from `/v1/spindle/instances`. Prints a table and writes JSON.
 
     python bench/bench_kvp_stack.py                        # K=3, 512 tokens per member, 9 requests
     python bench/bench_kvp_stack.py --kvp 2 --requests 6 --out /tmp/kvp_stack.json
@@ -64,10 +64,12 @@ def _complete(stack: Stack, ids: list[int], max_tokens: int) -> dict[str, Any]:
     return out
 
 
-def decode_stats(stack: Stack) -> dict[str, Any]:
+def decode_stats(stack: Stack) -> list[dict[str, Any]]:
+    """The group's members' stats, the leader (decode-0, which carries the counters) first."""
     r = httpx.get(stack.url + "/v1/spindle/instances", timeout=10)
     r.raise_for_status()
-    return next(i for i in r.json()["instances"] if i["instance_id"] == "decode-0")
+    members = [i for i in r.json()["instances"] if i["instance_id"].startswith("decode-0")]
+    return sorted(members, key=lambda i: i["instance_id"] != "decode-0")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,10 +99,10 @@ def main(argv: list[str] | None = None) -> int:
                 bar.update()
             results = [f.result() for f in futures]
         wall = time.monotonic() - t0
-        stats = decode_stats(stack)
+        members = decode_stats(stack)
     finally:
         stack.stop()
-    counters = stats.get("counters", {})
+    counters = members[0].get("counters", {})
     ok = sum(r["status"] == 200 for r in results)
     result = {
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -111,8 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         "kvp_scale_ups": counters.get("kvp_scale_ups", 0),
         "kvp_scale_downs": counters.get("kvp_scale_downs", 0),
         "kvp_dropped": counters.get("kvp_dropped", 0),
-        "kv_blocks_total": stats["kv_blocks_total"],
-        "blocks_left": stats["kv_blocks_used"],
+        "kvp_placed_as_given": counters.get("kvp_placed_as_given", 0),  # where the scheduler placed them
+        "kvp_placed_by_group": counters.get("kvp_placed_by_group", 0),
+        "kv_blocks_total": sum(m["kv_blocks_total"] for m in members),
+        "blocks_left": sum(m["kv_blocks_used"] for m in members),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
@@ -120,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"requests {len(results)} ({ok} completed, {len(results) - ok} failed) in {wall:.1f} s")
     print(f"scale-ups {result['kvp_scale_ups']} ({result['kvp_scale_ups'] / len(results):.2f} per request), "
           f"scale-downs {result['kvp_scale_downs']}, dropped {result['kvp_dropped']}, "
+          f"placed by the scheduler {result['kvp_placed_as_given']} / by the group {result['kvp_placed_by_group']}, "
           f"blocks held at the end {result['blocks_left']}")  # fmt: skip
     log.info("wrote %s", args.out)
     return 0 if ok == len(results) else 1

@@ -1,8 +1,10 @@
-"""A KV-parallel decode instance (`spindle up --decode-kvp 3 --kvp-tokens 500`) in the real stack: three member
-processes of 32 blocks (512 tokens) each behind one registered instance. A 1000-token prompt is split at token 500
-(not a block boundary) over two members and, as its tail fills during decode, scales up onto the third (existing KV
-stays put); greedy tokens equal the single engine's; closing a stream frees the blocks on every member; a killed
-member ends its requests with an error within seconds while the other requests go on, exact."""
+"""A KV-parallel decode group (`spindle up --decode-kvp 3 --kvp-tokens 500`) in the real stack: three member
+processes of 32 blocks (512 tokens) each, each registered as a decode instance of the group. The scheduler places
+requests over the members (the strategy gets kvp_tokens=500): a 1000-token prompt is split at token 500 (not a
+block boundary) over two members and, as its tail fills during decode, scales up onto the third (existing KV stays
+put); greedy tokens equal the single engine's; closing a stream frees the blocks on every member; a killed member
+ends its requests with an error within seconds, its registry entry is withdrawn, and the other requests go on,
+exact."""
 
 from __future__ import annotations
 
@@ -46,17 +48,36 @@ def _stream(stack, body: dict, timeout: float = 300) -> list:
         return read_events(r)
 
 
-def _decode_stats(stack) -> dict:
+MEMBERS = ("decode-0", "decode-0-kvp1", "decode-0-kvp2")
+
+
+def _instances(stack) -> dict[str, dict]:
     r = httpx.get(stack.url + "/v1/spindle/instances", timeout=5)
     r.raise_for_status()
-    return next(i for i in r.json()["instances"] if i["instance_id"] == "decode-0")
+    return {i["instance_id"]: i for i in r.json()["instances"]}
 
 
-def test_registers_one_instance_with_every_members_blocks(kvp_stack):
-    stats = _decode_stats(kvp_stack)
-    assert stats["kv_blocks_total"] == 3 * MEMBER_TOKENS // 16
-    assert stats["counters"]["kvp_scale_ups"] == 0
-    assert stats["counters"]["kvp_scale_downs"] == 0  # the scale-down policy is off unless asked for
+def _decode_stats(stack) -> dict:
+    return _instances(stack)["decode-0"]
+
+
+def _all_free(stack) -> bool:
+    return not any(v for held in instance_blocks(stack).values() for v in held.values())
+
+
+def _holding(stack) -> dict[str, dict[str, int]]:
+    """The members holding blocks, with their blocks per request."""
+    held = instance_blocks(stack)
+    return {m: held[m] for m in MEMBERS if any(held.get(m, {}).values())}
+
+
+def test_registers_each_member_as_a_decode_instance(kvp_stack):
+    instances = _instances(kvp_stack)
+    assert sorted(i for i in instances if i.startswith("decode")) == list(MEMBERS)
+    assert all(instances[m]["kv_blocks_total"] == MEMBER_TOKENS // 16 for m in MEMBERS)
+    counters = instances["decode-0"]["counters"]
+    assert counters["kvp_scale_ups"] == 0
+    assert counters["kvp_scale_downs"] == 0  # the scale-down policy is off unless asked for
 
 
 def test_split_prompt_scales_up_and_equals_the_engine(kvp_stack, reference_engine, tokenizer):
@@ -73,7 +94,8 @@ def test_split_prompt_scales_up_and_equals_the_engine(kvp_stack, reference_engin
     ups = counters["kvp_scale_ups"]
     print(f"[kvp=3] scale-ups so far: {ups}, scale-downs {counters['kvp_scale_downs']}")
     assert ups >= 1  # the 1000-token prompt's tail member (500 tokens in all its 32 blocks) fills after 12 tokens
-    assert wait_until(lambda: not any(instance_blocks(kvp_stack)["decode-0"].values()), 5), instance_blocks(kvp_stack)
+    assert counters["kvp_placed_as_given"] == 2 and counters["kvp_placed_by_group"] == 0  # the scheduler placed both
+    assert wait_until(lambda: _all_free(kvp_stack), 5), instance_blocks(kvp_stack)
 
 
 def test_closing_a_stream_frees_blocks_on_every_member(kvp_stack, tokenizer):
@@ -84,11 +106,10 @@ def test_closing_a_stream_frees_blocks_on_every_member(kvp_stack, tokenizer):
         seen = 0
         while seen < 3:
             seen += next(lines).startswith("data: ")
-        held = instance_blocks(kvp_stack)["decode-0"]
-        members = [k for k in held if k.startswith("kvp-member-")]
-        assert members, f"no follower reports blocks: {held}"
-        assert sum(v for k, v in held.items() if not k.startswith("kvp-member-")) >= 700 // 16, held
-    assert wait_until(lambda: not any(instance_blocks(kvp_stack)["decode-0"].values()), 5), instance_blocks(kvp_stack)
+        holding = _holding(kvp_stack)
+        assert len(holding) == 2, holding
+        assert sorted(sum(h.values()) for h in holding.values()) == [13, 32], holding
+    assert wait_until(lambda: _all_free(kvp_stack), 5), instance_blocks(kvp_stack)
 
 
 def _greedy_ignoring_eos(engine, ids: list[int], max_tokens: int) -> list[int]:
@@ -104,11 +125,11 @@ def _greedy_ignoring_eos(engine, ids: list[int], max_tokens: int) -> list[int]:
 
 
 def test_member_sigkill_fails_only_its_requests(kvp_stack, reference_engine, tokenizer):
-    """Last in the module: it leaves the KVP instance with two members. A 700-token prompt is placed first, on
-    members 0 and 1 ([0, 500) and [500, 700), mastered by its tail, member 1); two short ones then go to member
-    2, the member with the most free blocks (one mastered by 2, one by the leader). Member 1's SIGKILL ends the
-    long stream with an error within seconds; the short ones finish with the engine's tokens; every surviving
-    member frees its blocks; the group's capacity shrinks to two members and new requests avoid member 1."""
+    """Last in the module: it leaves the group with two members. A 700-token prompt is placed first, split over
+    two members ([0, 500) and [500, 700)); the two short ones then go to the third, the freest. The SIGKILL of a
+    follower holding part of the long one ends the long stream with an error within seconds; the short ones
+    finish with the engine's tokens; every surviving member frees its blocks; the dead member's registry entry
+    is withdrawn and new requests avoid it."""
     long_ids, *short_ids = _prompts(tokenizer, [700, 7, 9])
     body = {"model": "smollm2", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
     short_body = {**body, "max_tokens": 48}
@@ -120,16 +141,19 @@ def test_member_sigkill_fails_only_its_requests(kvp_stack, reference_engine, tok
         lines = resp.iter_lines()
         while not next(lines).startswith("data: "):
             pass
+
+        def long_holders() -> list[str]:
+            return list(_holding(kvp_stack))  # only the long request runs yet
+
+        assert wait_until(lambda: len(long_holders()) == 2, 30), instance_blocks(kvp_stack)
+        holders = long_holders()
+        free = next(m for m in MEMBERS if m not in holders)
+        victim = next(m for m in holders if m != "decode-0")  # a follower holding part of the long request
         shorts = [pool.submit(_stream, kvp_stack, {**short_body, "prompt": ids}) for ids in short_ids]
-
-        def placed() -> bool:
-            held = instance_blocks(kvp_stack)["decode-0"]
-            requests = sum(1 for k, v in held.items() if v and not k.startswith("kvp-member-"))
-            return requests >= 3 and bool(held.get("kvp-member-1")) and bool(held.get("kvp-member-2"))
-
-        assert wait_until(placed, 60), instance_blocks(kvp_stack)  # member 2 holds the short ones: decoding
+        placed = lambda: len(_holding(kvp_stack).get(free, {})) == 2  # noqa: E731
+        assert wait_until(placed, 60), instance_blocks(kvp_stack)  # the free member holds the short ones: decoding
         t0 = time.monotonic()
-        kvp_stack.processes["decode-0-kvp1"].send_signal(signal.SIGKILL)
+        kvp_stack.processes[victim].send_signal(signal.SIGKILL)
         events = read_events_from(lines)
         elapsed = time.monotonic() - t0
         results = [f.result(timeout=120) for f in shorts]
@@ -139,12 +163,15 @@ def test_member_sigkill_fails_only_its_requests(kvp_stack, reference_engine, tok
     for got, ids in zip(results, short_ids, strict=True):
         assert got[-1] == "[DONE]"
         assert stream_text(got, chat=False) == tokenizer.decode(_greedy_ignoring_eos(reference_engine, ids, 48))
-    assert wait_until(lambda: not any(instance_blocks(kvp_stack)["decode-0"].values()), 5), instance_blocks(kvp_stack)
+    assert wait_until(lambda: _all_free(kvp_stack), 5), instance_blocks(kvp_stack)
     assert kvp_stack.processes["decode-0"].poll() is None, "the leader exited without its member"
-    assert kvp_stack.processes["decode-0-kvp2"].poll() is None, "the surviving member exited"
-    stats = _decode_stats(kvp_stack)
-    assert stats["kv_blocks_total"] == 2 * MEMBER_TOKENS // 16
-    assert stats["counters"]["kvp_members_gone"] == 1 and stats["counters"]["kvp_lost_requests"] == 1
+    survivor = next(m for m in MEMBERS if m not in (victim, "decode-0"))
+    assert kvp_stack.processes[survivor].poll() is None, "the surviving member exited"
+    assert wait_until(lambda: victim not in _instances(kvp_stack), 10), list(_instances(kvp_stack))
+    counters = _decode_stats(kvp_stack)["counters"]
+    assert counters["kvp_members_gone"] == 1 and counters["kvp_lost_requests"] == 1
     after = _prompts(tokenizer, [600])  # split over the two live members: [0, 500) and [500, 600)
     events = _stream(kvp_stack, {**short_body, "prompt": after[0]})
     assert stream_text(events, chat=False) == tokenizer.decode(_greedy_ignoring_eos(reference_engine, after[0], 48))
+    counters = _decode_stats(kvp_stack)["counters"]
+    assert counters["kvp_placed_by_group"] == 0  # every request went where the scheduler placed it

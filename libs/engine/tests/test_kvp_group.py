@@ -55,6 +55,26 @@ def test_masters_spread_over_members():
     assert sorted(masters) == [0, 0, 1, 1, 2, 2]
 
 
+def test_the_schedulers_placement_is_taken_when_it_fits():
+    p = _planner(kvp_tokens=0)
+    req = p.place_given("a", 700, [(2, 0, 350), (0, 350, 700)])  # master 2 holds the first range
+    assert req is not None and req.master == 2 and req.ranges == (KVRange(2, 0, 350), KVRange(0, 350, 700))
+    assert p.reserve("a", 700, req) and p.reserved["a"] == req
+    loads = p.member_loads()
+    assert (loads[2].used, loads[2].mastering, loads[2].requests) == (22, 1, {"a": 22})
+    assert (loads[0].used, loads[0].mastering, loads[1].used) == (22, 0, 0)
+    _admit(p, "b", 500)  # member 1, the freest: 32 blocks
+    assert p.place_given("c", 40, [(1, 0, 40)]) is None  # member 1 has one block left: does not fit now
+    with pytest.raises(ValueError, match="not live"):
+        p.place_given("c", 40, [(3, 0, 40)])
+    with pytest.raises(ValueError, match="do not cover"):
+        p.place_given("c", 40, [(0, 0, 30)])
+    with pytest.raises(ValueError, match="tile"):
+        p.place_given("c", 40, [(0, 0, 10), (2, 20, 40)])
+    p.mark_dead(2)
+    assert set(p.member_loads()) == {0, 1}  # a dead member has no entry (its registry entry is withdrawn)
+
+
 def test_more_ranges_than_members_fill_by_free_space():
     p = _planner(members=2, blocks=40, kvp_tokens=200)
     req = _admit(p, "a", 1000)  # ceil(1000 / 200) = 5 ranges, but only two members

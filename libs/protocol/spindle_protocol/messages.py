@@ -91,7 +91,10 @@ class InstanceInfo(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int = 0
     node: str = ""  # host name: strategies keep SP groups and TP shards on one node where they can
     tp_size: int = 1  # tensor-parallel degree of this instance
-    kvp_size: int = 1  # KV-parallel decode group: member processes behind this one instance (its blocks together)
+    kvp_size: int = 1  # members of the KV-parallel decode group this instance belongs to (1: none)
+    # the KV-parallel group it steps with in lockstep (its leader's id; "" = none): the scheduler splits a request's
+    # KV only over instances of one group; every member registers as its own decode instance, with its own blocks
+    kvp_group: str = ""
 
 
 class ClusterStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -140,6 +143,23 @@ class RunPrefill(msgspec.Struct, frozen=True, kw_only=True):
     kvstore_rank: int = -1
     chunks: list[SPChunkSpec] = []
     ranks: dict[str, int] = {}
+
+
+class KVShardSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Prompt tokens [start, end) of a request's KV held by decode `instance` (a member of a KVP group)."""
+
+    instance: str
+    start: int
+    end: int
+
+
+class PlaceKVP(msgspec.Struct, frozen=True, kw_only=True):
+    """scheduler -> the leader of a KV-parallel decode group, before the prefill starts: where the request's KV
+    goes. `shards` cover the prompt in order, the first on the master (which samples the request's tokens), the
+    last the tail (which takes the new tokens); one shard = the whole KV on one member."""
+
+    request_id: str
+    shards: list[KVShardSpec]
 
 
 class Abort(msgspec.Struct, frozen=True, kw_only=True):

@@ -29,13 +29,16 @@ async def registry_bucket(bus: Bus):
     return await bus.js.create_key_value(config=KeyValueConfig(bucket=REGISTRY_BUCKET, ttl=TTL_S, history=1))
 
 
-async def run_heartbeat(bus: Bus, info: Callable[[], InstanceInfo], interval: float = HEARTBEAT_S) -> None:
-    """Put `info()` under its instance id until cancelled; on cancel, delete the entry (clean leave)."""
+async def run_heartbeat(bus: Bus, info: Callable[[], InstanceInfo | None], interval: float = HEARTBEAT_S) -> None:
+    """Put `info()` under its instance id until cancelled or `info()` returns None; then delete the entry (clean
+    leave)."""
     kv = await registry_bucket(bus)
     key = None
     try:
         while True:
             current = info()
+            if current is None:
+                return
             key = current.instance_id
             try:
                 await kv.put(key, encode(current))

@@ -68,6 +68,11 @@ def decode_move(instance_id: str) -> str:
     return f"{PREFIX}.decode.{check_token(instance_id, 'instance id')}.move"
 
 
+def decode_place(instance_id: str) -> str:
+    """scheduler -> the leader of a KV-parallel decode group, publish: PlaceKVP (sent before the prefill starts)."""
+    return f"{PREFIX}.decode.{check_token(instance_id, 'instance id')}.place"
+
+
 def kvstore_put(instance_id: str) -> str:
     """prefill (any worker) -> kvstore, request-reply: KVPut -> ReserveReply; the tensor follows on the data plane."""
     return f"{PREFIX}.kvstore.{check_token(instance_id, 'instance id')}.put"

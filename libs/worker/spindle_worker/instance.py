@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,10 +151,8 @@ class Instance:
         await self.bus.subscribe(subjects.ABORT, Abort, self._on_abort)
         await self.bus.subscribe(subjects.instance_stats(self.id), StatsQuery, self._on_stats)
         await self.serve()
-        tasks = [
-            asyncio.create_task(run_heartbeat(self.bus, self.info)),
-            asyncio.create_task(self._sweep_loop()),
-        ]
+        tasks = [asyncio.create_task(run_heartbeat(self.bus, info)) for info in self.registry_entries()]
+        tasks.append(asyncio.create_task(self._sweep_loop()))
         log.info("%s ready (rank %d, %d KV blocks)", self.id, cfg.rank, self.engine.allocator.num_blocks)
         try:
             while not stop.is_set():
@@ -201,6 +200,10 @@ class Instance:
             self.on_outputs(outputs, t0, t1)
         except Exception:
             log.exception("handling engine outputs failed")
+
+    def registry_entries(self) -> list[Callable[[], InstanceInfo | None]]:
+        """What this process registers, one heartbeat each (an entry ends when its callable returns None)."""
+        return [self.info]
 
     def info(self) -> InstanceInfo:
         snap = self.thread.snapshot

@@ -31,16 +31,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="KV-parallel members of this instance: this process (rank R, member 0, the leader) and followers at "
-        "ranks R+1..R+K-1, each `python -m spindle_decode.kvp_follower --leader-rank R`; a request's KV is split "
-        "by token ranges over members, each with --kv-cache-tokens of its own (default %(default)s; needs "
+        "ranks R+1..R+K-1, each `python -m spindle_decode.kvp_follower --leader-rank R`, each registered as a "
+        "decode instance (ID, ID-kvp1, ...); a request's KV is split by token ranges over members, each with "
+        "--kv-cache-tokens of its own (default %(default)s; needs "
         "--tp-size 1)",
     )
     p.add_argument(
         "--kvp-tokens",
         type=int,
         default=0,
-        help="with --kvp-size > 1: the per-member KV token limit of a new request; a longer prompt is split over "
-        "ceil(len / N) members (0 = on one member when one has room; default %(default)s)",
+        help="with --kvp-size > 1: the per-member KV token limit of a new request the group places itself (the "
+        "scheduler's placement, PlaceKVP, comes first; this applies when none came or it does not fit now): a "
+        "longer prompt is split over ceil(len / N) members (0 = on one member when one has room; default "
+        "%(default)s)",
     )
     p.add_argument(
         "--kvp-scale-down-tokens",

@@ -19,8 +19,9 @@ leader talks NATS. A follower that dies or hangs stops the engine
 thread (TPError), and the instance fails every request it holds and exits non-zero.
 
 With `kvp_size` K > 1 it leads a KV-parallel group instead (kvp_lockstep.py): K member processes at consecutive
-ranks, each holding token ranges of the requests' KV; the scheduler sees one instance with the members' blocks
-together. KV arrives here whole and the leader forwards each member its token range; the same failure rule holds.
+ranks, each holding token ranges of the requests' KV and each registered as a decode instance (this process answers
+their subjects); the scheduler's `PlaceKVP` says where a request's KV goes. KV arrives here whole and the leader
+forwards each member its token range; a dead follower fails only the requests it had a part in.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +104,7 @@ class DecodeInstance(Instance):
         self.blocks_freed = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self.sp_parts: dict[str, sp_receive.PartsInFlight] = {}  # SP prompts whose parts are on their way
+        self.kvp_shards: dict[str, list[tuple[int, int, int]]] = {}  # KVP group: the scheduler's placements
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -113,11 +115,10 @@ class DecodeInstance(Instance):
     async def serve(self) -> None:
         if isinstance(self.engine, KVPLeaderEngine):
             await kvp_lockstep.connect(self)
+            await kvp_lockstep.subscribe(self)
         await self.bus.subscribe(subjects.decode_reserve(self.id), ReserveKV, self._on_reserve)
         await self.bus.subscribe(subjects.decode_parked(self.id), KVParked, self._on_parked)
-        await self.bus.subscribe(
-            subjects.decode_preempt(self.id), PreemptDecode, lambda msg, raw: preempt.on_preempt(self, msg, raw)
-        )
+        await self.bus.subscribe(subjects.decode_preempt(self.id), PreemptDecode, self.on_preempt)
         await self.bus.subscribe(subjects.decode_move(self.id), MoveParked, self._on_move)
         self._spawn(self._pump_parked())
 
@@ -137,6 +138,9 @@ class DecodeInstance(Instance):
             return self.engine.import_kv_shape(num_tokens)
         return self.engine.kv_shape(num_tokens)
 
+    async def on_preempt(self, msg: PreemptDecode, raw: Msg) -> Any:
+        return await preempt.on_preempt(self, msg, raw)
+
     def blocks_held(self) -> dict[str, int]:
         """Per request; a TP instance adds `tp-rank-R: blocks` for each follower rank R that holds any."""
         out = super().blocks_held()
@@ -144,15 +148,39 @@ class DecodeInstance(Instance):
             for peer, used in zip(self.engine.followers, self.engine.follower_blocks_used, strict=True):
                 if used:
                     out[f"tp-rank-{peer}"] = used
-        if isinstance(self.engine, KVPLeaderEngine):
-            out.update(kvp_lockstep.member_blocks(self.engine))
         return out
 
+    def base_info(self) -> InstanceInfo:
+        return super().info()
+
     def info(self) -> InstanceInfo:
-        return kvp_lockstep.with_kvp_size(super().info(), self.kvp.size)
+        if isinstance(self.engine, KVPLeaderEngine):  # member 0's own entry
+            info = kvp_lockstep.member_info(self, self.engine, 0)
+            assert info is not None
+            return info
+        return super().info()
+
+    def registry_entries(self) -> list[Callable[[], InstanceInfo | None]]:
+        if isinstance(self.engine, KVPLeaderEngine):
+            return kvp_lockstep.registry_entries(self)
+        return super().registry_entries()
+
+    async def reserve_blocks(self, request_id: str, num_tokens: int) -> bool:
+        """Reserve a request's KV blocks on the engine (a KVP group: at the scheduler's placement, if it sent one)."""
+        shards = self.kvp_shards.get(request_id)
+        if shards is None:
+            ok = await self.call(lambda e: e.reserve(request_id, num_tokens))
+        else:
+            ok = await self.call(lambda e: e.reserve(request_id, num_tokens, shards))
+        if ok:
+            self.kvp_shards.pop(request_id, None)
+        return ok
 
     async def _on_stats(self, msg: Any, raw: Msg) -> InstanceStats:
         stats = await super()._on_stats(msg, raw)
+        if isinstance(self.engine, KVPLeaderEngine):
+            own = kvp_lockstep.member_stats(self, self.engine, 0)
+            stats = msgspec.structs.replace(own, counters=stats.counters)
         if isinstance(self.engine, TPLeaderEngine):
             e = self.engine
             direct = [e.direct_bytes, *e.follower_direct_bytes]
@@ -211,7 +239,7 @@ class DecodeInstance(Instance):
         try:
             if msg.kv != self._expected_header(n):
                 return ReserveReply(accepted=False, reason=f"bad_header: expected {self._expected_header(n)}")
-            ok = await self.call(lambda e: e.reserve(rid, n))
+            ok = await self.reserve_blocks(rid, n)
         except ValueError as e:
             return ReserveReply(accepted=False, reason=str(e))
         if not ok:
@@ -325,6 +353,8 @@ class DecodeInstance(Instance):
         p = self.parked.get(rid)
         if p is None or self.jobs.get(rid) is not p.job or msg.dst_instance == self.id:
             return MoveReply(accepted=False, reason="not_parked")
+        if isinstance(self.engine, KVPLeaderEngine) and kvp_lockstep.member_of(self, msg.dst_instance) is not None:
+            return MoveReply(accepted=False, reason="the destination is a member of the same KV-parallel group")
         del self.parked[rid]
         moved = KVParked(
             request=p.job.spec,
@@ -356,7 +386,7 @@ class DecodeInstance(Instance):
                 self.parked.pop(rid, None)
                 continue
             try:
-                ok = await self.call(lambda e, rid=rid, n=n: e.reserve(rid, n))
+                ok = await self.reserve_blocks(rid, n)
             except ValueError as e:
                 self.parked.pop(rid, None)
                 await self.fail(job, 400, str(e))
@@ -402,6 +432,7 @@ class DecodeInstance(Instance):
 
     async def on_abort_job(self, request_id: str) -> None:
         self.parked.pop(request_id, None)
+        self.kvp_shards.pop(request_id, None)
         sp_receive.forget(self, request_id)
         job = self.jobs.get(request_id)
         if isinstance(job, DecodeJob):

@@ -1,24 +1,41 @@
 """The decode instance as the leader of a KV-parallel (KVP) group (`--kvp-size K`, `spindle up --decode-kvp K`).
 
 The instance's engine is a `spindle_engine.kvp.lockstep.KVPLeaderEngine`: member 0 of K processes at ranks
-R..R+K-1 (the others run `python -m spindle_decode.kvp_follower`). Everything NATS-facing stays as for one
-engine: the scheduler sees one instance whose KV blocks are the members' together, KV arrives whole at the
-leader (directly, in SP parts, or pulled from the kvstore), and the leader streams every request's tokens,
-whichever member masters it. Here: building and connecting the group, per-member block counts and the
-scale-up / scale-down counters in the instance's stats, and failing the requests the group had to drop (for want of
-blocks, or because a follower died: the group then goes on with the others and registers only their blocks).
+R..R+K-1 (the others run `python -m spindle_decode.kvp_follower`). Only the leader talks NATS, but every member
+registers as a decode instance of its own (`decode-0`, `decode-0-kvp1`, ...; `InstanceInfo.kvp_group` names the
+leader), with its own blocks, so the scheduler core routes by each member's freeness and picks a long request's
+KVP degree, members and master (placement.pick_decode_group) as the simulator does. The scheduler sends the
+placement (`PlaceKVP`) before the prefill starts; the leader answers every member's subjects, receives the KV
+whole (directly, in SP parts, or pulled from the kvstore), reserves it at that placement (or, when it does not fit
+now, where the group's planner puts it) and streams every request's tokens, whichever member masters it. Here:
+building and connecting the group, the members' registry entries and stats, the scale-up / scale-down counters,
+and failing the requests the group had to drop (for want of blocks, or because a follower died: the group then
+goes on with the others, and the dead member's registry entry is withdrawn).
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
+from nats.aio.msg import Msg
 
 from spindle_engine.kvp.lockstep import KVPLeaderEngine, leader_engine
-from spindle_protocol.messages import InstanceInfo, InstanceStats
+from spindle_protocol import subjects
+from spindle_protocol.messages import (
+    InstanceInfo,
+    InstanceStats,
+    KVParked,
+    MoveParked,
+    PlaceKVP,
+    PreemptDecode,
+    ReserveKV,
+    StatsQuery,
+)
 
 if TYPE_CHECKING:
     from .instance import DecodeInstance
@@ -65,13 +82,91 @@ async def connect(inst: DecodeInstance) -> None:
     )  # fmt: skip
 
 
-def member_blocks(engine: KVPLeaderEngine) -> dict[str, int]:
-    """`kvp-member-M: blocks` for each follower that holds any (from its last ack: what it really holds)."""
-    return {f"kvp-member-{m}": used for m, used in engine.member_blocks_used.items() if used}
+def member_id(group: str, member: int) -> str:
+    """The registry id of `member` of the group led by instance `group` (the leader keeps the group's id)."""
+    return group if member == 0 else f"{group}-kvp{member}"
 
 
-def with_kvp_size(info: InstanceInfo, size: int) -> InstanceInfo:
-    return info if size == 1 else msgspec.structs.replace(info, kvp_size=size)
+def member_of(inst: DecodeInstance, instance_id: str) -> int | None:
+    engine = inst.engine
+    assert isinstance(engine, KVPLeaderEngine)
+    for m in range(engine.kvp_size):
+        if member_id(inst.id, m) == instance_id:
+            return m
+    return None
+
+
+def registry_entries(inst: DecodeInstance) -> list[Callable[[], InstanceInfo | None]]:
+    """One heartbeat per member; a dead member's entry is withdrawn (the scheduler then fails what it held)."""
+    engine = inst.engine
+    assert isinstance(engine, KVPLeaderEngine)
+    return [lambda m=m: member_info(inst, engine, m) for m in range(engine.kvp_size)]
+
+
+def member_info(inst: DecodeInstance, engine: KVPLeaderEngine, member: int) -> InstanceInfo | None:
+    load = engine.member_loads.get(member)
+    if load is None:
+        return None  # gone
+    base = inst.base_info()
+    return msgspec.structs.replace(
+        base,
+        instance_id=member_id(inst.id, member),
+        kv_blocks_total=load.total,
+        kv_blocks_used=load.used,
+        num_running=load.mastering,
+        num_waiting=base.num_waiting if member == 0 else 0,  # parked requests wait at the leader
+        queued_tokens=0,
+        updated_at=time.time(),
+        kvp_size=engine.kvp_size,
+        kvp_group=inst.id,
+    )
+
+
+def member_stats(inst: DecodeInstance, engine: KVPLeaderEngine, member: int) -> InstanceStats:
+    """`kv_blocks_used` is what the member's allocator holds (its last ack; the leader's own for member 0);
+    `requests` what the plan puts there, reservations included."""
+    load = engine.member_loads.get(member)
+    used = engine.member.blocks_used if member == 0 else engine.member_blocks_used.get(member, 0)
+    return InstanceStats(
+        instance_id=member_id(inst.id, member),
+        role="decode",
+        kv_blocks_total=load.total if load else 0,
+        kv_blocks_used=used,
+        requests=dict(load.requests) if load else {},
+    )
+
+
+async def subscribe(inst: DecodeInstance) -> None:
+    """The placement subject, and the followers' subjects: a request placed on a member reaches the leader."""
+    engine = inst.engine
+    assert isinstance(engine, KVPLeaderEngine)
+    await inst.bus.subscribe(subjects.decode_place(inst.id), PlaceKVP, lambda msg, raw: on_place(inst, msg))
+    for m in range(1, engine.kvp_size):
+        mid = member_id(inst.id, m)
+        await inst.bus.subscribe(subjects.decode_reserve(mid), ReserveKV, inst._on_reserve)
+        await inst.bus.subscribe(subjects.decode_parked(mid), KVParked, inst._on_parked)
+        await inst.bus.subscribe(subjects.decode_preempt(mid), PreemptDecode, inst.on_preempt)
+        await inst.bus.subscribe(subjects.decode_move(mid), MoveParked, inst._on_move)
+        await inst.bus.subscribe(subjects.instance_stats(mid), StatsQuery, _stats_handler(inst, engine, m))
+
+
+def _stats_handler(inst: DecodeInstance, engine: KVPLeaderEngine, member: int):
+    async def handler(msg: StatsQuery, raw: Msg) -> InstanceStats:
+        return member_stats(inst, engine, member)
+
+    return handler
+
+
+async def on_place(inst: DecodeInstance, msg: PlaceKVP) -> None:
+    shards = []
+    for s in msg.shards:
+        m = member_of(inst, s.instance)
+        if m is None:
+            log.warning("%s: placement of %s names %s, not a member; the group places it", inst.id, msg.request_id,
+                        s.instance)  # fmt: skip
+            return
+        shards.append((m, s.start, s.end))
+    inst.kvp_shards[msg.request_id] = shards
 
 
 def with_counters(stats: InstanceStats, engine: object) -> InstanceStats:
@@ -83,6 +178,8 @@ def with_counters(stats: InstanceStats, engine: object) -> InstanceStats:
         "kvp_dropped": engine.dropped,
         "kvp_members_gone": len(engine.gone),
         "kvp_lost_requests": engine.lost_requests,
+        "kvp_placed_as_given": engine.placed_as_given,
+        "kvp_placed_by_group": engine.placed_by_group,
     }
     return msgspec.structs.replace(stats, counters={**stats.counters, **counters})
 

@@ -27,6 +27,18 @@ def test_kvp_members_take_consecutive_ranks_after_their_leader():
         assert f.args[f.args.index("--rank") + 1] == rank and f.args[f.args.index("--leader-rank") + 1] == "5"
         assert f.args[f.args.index("--world-size") + 1] == "8"
     assert "decode-0-kvp3" not in specs and not any("tp" in n.split("-")[-1] for n in specs if "kvp" not in n)
+    scheduler = specs["scheduler"].args  # the scheduler places over the members with the same token limit
+    assert scheduler[scheduler.index("--strategy") + 1] == "single:kvp_tokens=500"
+
+
+def test_kvp_tokens_joins_the_strategys_options_unless_the_strategy_sets_it():
+    def strategy(**kw) -> str:
+        args = {s.name: s for s in build_plan(StackConfig(decode_kvp=2, port=8000, **kw), RUNTIME)}["scheduler"].args
+        return args[args.index("--strategy") + 1]
+
+    assert strategy() == "single"
+    assert strategy(kvp_tokens=300, strategy="request-sp:max_sp=2") == "request-sp:max_sp=2,kvp_tokens=300"
+    assert strategy(kvp_tokens=300, strategy="single:kvp_tokens=900") == "single:kvp_tokens=900"
 
 
 def test_bad_kvp_stacks_are_refused():

@@ -56,17 +56,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--decode-kvp",
         type=int,
         default=1,
-        help="KV-parallel members (processes) per decode instance: a request's KV is split by token ranges over "
-        "them, each member with the decode KV cache size of its own; the scheduler sees one instance with their "
-        "blocks together (%(default)s; needs --decode-tp 1)",
+        help="KV-parallel members (processes) per decode group: a request's KV may be split by token ranges "
+        "over them, each member with the decode KV cache size of its own; every member registers as a decode "
+        "instance (decode-I, decode-I-kvpJ) and the scheduler places requests over members by freeness "
+        "(%(default)s; needs --decode-tp 1)",
     )
     c.add_argument(
         "--kvp-tokens",
         type=int,
         default=0,
-        help="with --decode-kvp > 1: per-member KV token limit of a new request; a longer prompt is split over "
-        "ceil(len / N) members, and a member running out of blocks hands the request's new tokens to another "
-        "(scale-up). 0 = a request on one member when one has room (%(default)s)",
+        help="with --decode-kvp > 1: per-member KV token limit of a new request; the scheduler splits a longer "
+        "prompt over ceil(len / N) members of a group (the strategy's kvp_tokens=N unless --strategy sets it), "
+        "and a member running out of blocks hands the request's new tokens to another (scale-up). 0 = on one "
+        "member, or split by capacity when no member could hold it (%(default)s)",
     )
     c.add_argument(
         "--kvp-scale-down-tokens",

@@ -40,7 +40,7 @@ class StackConfig:
     decode: int = 1  # decode instances
     decode_tp: int = 1  # tensor-parallel ranks (processes) of each decode instance
     decode_kvp: int = 1  # KV-parallel members (processes) of each decode instance (with decode_tp 1)
-    kvp_tokens: int = 0  # per-member KV token limit of a KVP decode instance's new requests; 0 = none
+    kvp_tokens: int = 0  # per-member KV token limit of a new request on a KVP group (the strategy's kvp_tokens)
     kvp_scale_down_tokens: int = 0  # KVP ranges shorter than this merge into a neighbour with room; 0 = never
     host: str = "127.0.0.1"  # gateway bind address
     port: int = 8000  # gateway port; 0 = a free port chosen at start
@@ -193,7 +193,7 @@ def build_plan(config: StackConfig, runtime: Runtime, python: str = sys.executab
     if config.kvstore_memory_gb is not None:
         kvstore += ["--memory-gb", _num(config.kvstore_memory_gb)]
     add("kvstore-0", "kvstore", kvstore)
-    scheduler = ["--strategy", config.strategy, "--model", config.model]
+    scheduler = ["--strategy", scheduler_strategy(config), "--model", config.model]
     if config.profile is not None:
         scheduler += ["--profile", str(config.profile)]
     add("scheduler", "scheduler", scheduler)
@@ -243,3 +243,10 @@ def check_decode_tp(config: StackConfig) -> None:
 
 def _num(value: float) -> str:
     return f"{value:g}"
+
+
+def scheduler_strategy(config: StackConfig) -> str:
+    """The scheduler's strategy spec: `kvp_tokens` comes from `config.kvp_tokens` unless the spec sets it."""
+    if not config.kvp_tokens or "kvp_tokens=" in config.strategy:
+        return config.strategy
+    return f"{config.strategy}{',' if ':' in config.strategy else ':'}kvp_tokens={config.kvp_tokens}"

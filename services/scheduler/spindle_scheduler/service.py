@@ -20,8 +20,10 @@ from spindle_protocol.messages import (
     AdmitRequest,
     ClusterStatus,
     InstanceInfo,
+    KVShardSpec,
     MoveParked,
     MoveReply,
+    PlaceKVP,
     PreemptDecode,
     PreemptReply,
     SPChunkSpec,
@@ -169,6 +171,10 @@ class SchedulerService:
             ranks=ranks,
         )
         async with self._plan_lock:  # another admission's plan must not interleave with this one's commands
+            if decode.kvp_group:  # a KV-parallel group: its leader learns the placement before any KV arrives
+                shards = [KVShardSpec(instance=s.instance, start=s.start, end=s.end) for s in a.decode_holders]
+                place = PlaceKVP(request_id=a.spec.request_id, shards=shards)
+                await self.bus.publish(subjects.decode_place(decode.kvp_group), place)
             for instance in a.prefill_instances:
                 await self.bus.publish(subjects.prefill_run(instance), msg)
 

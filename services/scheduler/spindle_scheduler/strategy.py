@@ -47,13 +47,8 @@ class Strategy(ABC):
             )
         self.preempt_after_s = preempt_after_s
         self.move_parked_after_s = move_parked_after_s
-        self.kvp_tokens = kvp_tokens  # > 0: a prompt longer than this is split over several decode instances
-        if kvp_tokens:
-            self.real_stack_gap = (
-                "its plans split a request's KV over several decode instances (KV-parallel decode across "
-                "instances); on the services, KV-parallel decode runs inside one decode instance instead: "
-                "`spindle up --decode-kvp K --kvp-tokens N`"
-            )
+        # > 0: a prompt longer than this is split over that many members of a KV-parallel decode group
+        self.kvp_tokens = kvp_tokens
 
     @abstractmethod
     def plan(self, spec: RequestSpec, state: ClusterState, now: float) -> list[Action]:

@@ -4,6 +4,7 @@ import pytest
 
 from spindle_scheduler import SchedulerConfig
 from spindle_scheduler.actions import KVShard, RunPrefill
+from spindle_scheduler.core import SchedulerCore
 from spindle_scheduler.latency import DecodeStepModel, LatencyModel, PrefillLatencyModel, TransferModel
 from spindle_scheduler.sim import SimConfig, Simulator
 from spindle_scheduler.sim.invariants import check_invariants
@@ -49,14 +50,14 @@ def test_long_prompts_split_over_the_freest_decode_instances():
     assert all(r.state == "finished" and len(r.token_times) == 40 for r in result.records)
     long_a, long_b, short = sim.plans_made
     assert long_a.decode_shards == (
-        KVShard("decode-0", 0, 1000), KVShard("decode-1", 1000, 2000), KVShard("decode-2", 2000, 3000),
+        KVShard("decode-0", 0, 1024), KVShard("decode-1", 1024, 2048), KVShard("decode-2", 2048, 3000),
     )  # fmt: skip
     assert len(long_b.decode_shards) == 3 and long_b.decode_instance != long_a.decode_instance  # another master
     assert short.decode_shards == ()  # under the limit: one instance
     assert all(i.used_blocks == 0 for i in sim.instances.values())
     assert sim.core.state.requests == {} and all(not i.incoming for i in sim.core.state.instances.values())
-    # every decode instance held a shard at once: 1000 prompt tokens (63 blocks), the tail 40 outputs more
-    assert all(sim.instances[f"decode-{k}"].peak_blocks >= 63 for k in range(3))
+    # every decode instance held a shard at once: 952 prompt tokens (60 blocks) or more
+    assert all(sim.instances[f"decode-{k}"].peak_blocks >= 60 for k in range(3))
 
 
 def test_splitting_a_few_long_requests_shortens_their_decode_steps():
@@ -67,21 +68,66 @@ def test_splitting_a_few_long_requests_shortens_their_decode_steps():
     assert tpot[1] < tpot[0]  # each step attends over a third of the KV per instance, in parallel
 
 
-def test_the_services_refuse_split_plans_for_now():
+def test_kvp_tokens_is_an_option_the_services_run():
     strategy = create_strategy("single:kvp_tokens=1024")
-    assert "KV-parallel" in strategy.real_stack_gap and strategy.describe() == "single:kvp_tokens=1024"
+    assert strategy.real_stack_gap == "" and strategy.describe() == "single:kvp_tokens=1024"
     with pytest.raises(ValueError, match="kvp_tokens must be >= 0"):
         create_strategy("single:kvp_tokens=-1")
+
+
+def _core(strategy: str, decodes: list[tuple[str, str]], total: int = 1000) -> SchedulerCore:
+    """A core with one prefill instance and decode instances `(id, kvp_group)` of `total` blocks each."""
+    core = SchedulerCore(create_strategy(strategy), SchedulerConfig(dead_after_s=1e9))
+    core.on_heartbeat(instance_info("p", "prefill", 0, total=4000, max_model_len=64000))
+    for rank, (iid, group) in enumerate(decodes, start=1):
+        core.on_heartbeat(instance_info(iid, "decode", rank, total=total, max_model_len=64000, kvp_group=group))
+    return core
+
+
+def _plan(core: SchedulerCore, rid: str, prompt: int, out: int = 8) -> RunPrefill:
+    actions = core.admit(request_spec(rid, prompt, out), 0.0)
+    plans = [a for a in actions if isinstance(a, RunPrefill)]
+    assert plans, actions
+    return plans[0]
+
+
+def test_a_split_stays_inside_one_kvp_group():
+    # group a (3 members) is busier than group b (2 members): a 3-way split takes a's members, the freest
+    # 3 of any one group; a 2-way split goes to b, whose two members are freer
+    core = _core("single:kvp_tokens=1000", [("a", "a"), ("a-kvp1", "a"), ("a-kvp2", "a"), ("b", "b"), ("b-kvp1", "b")])
+    core.on_heartbeat(instance_info("a", "decode", 1, total=1000, used=100, max_model_len=64000, kvp_group="a"))
+    three = _plan(core, "three", 2500)
+    assert {s.instance for s in three.decode_shards} == {"a", "a-kvp1", "a-kvp2"}
+    assert [(s.start, s.end) for s in three.decode_shards] == [(0, 1000), (1000, 2000), (2000, 2500)]
+    two = _plan(core, "two", 1500)
+    assert {s.instance for s in two.decode_shards} == {"b", "b-kvp1"}
+    assert two.decode_instance == two.decode_shards[0].instance
+
+
+def test_instances_outside_a_group_never_share_a_request():
+    core = _core("single:kvp_tokens=1000", [("d0", ""), ("d1", ""), ("d2", "")])
+    plan = _plan(core, "long", 2500)
+    assert plan.decode_shards == () and plan.decode_instance in {"d0", "d1", "d2"}
+
+
+def test_without_kvp_tokens_a_request_too_long_for_any_member_splits_by_capacity():
+    # members of 100 blocks (1,600 tokens): 3,000 + 8 tokens need 188 blocks, so two members
+    core = _core("single", [("g", "g"), ("g-kvp1", "g"), ("g-kvp2", "g")], total=100)
+    assert _plan(core, "fits", 1000).decode_shards == ()
+    assert len(_plan(core, "big", 3000).decode_shards) == 2
+    plain = _core("single", [("d0", ""), ("d1", "")], total=100)
+    actions = plain.admit(request_spec("big", 3000, 8), 0.0)
+    assert actions[0].status == 400 and "kvp_tokens" in actions[0].reason
 
 
 def test_losing_any_holder_of_a_split_request_fails_it_and_only_it():
     from spindle_protocol.messages import DecodeStarted
     from spindle_scheduler.actions import FailRequest
-    from spindle_scheduler.core import SchedulerCore
 
     core = SchedulerCore(create_strategy("single:kvp_tokens=1000"), SchedulerConfig(dead_after_s=1e9))
     for rank, (iid, role) in enumerate([("p", "prefill"), ("d0", "decode"), ("d1", "decode"), ("d2", "decode")]):
-        core.on_heartbeat(instance_info(iid, role, rank, total=1000, max_model_len=16000))
+        group = "g" if role == "decode" else ""
+        core.on_heartbeat(instance_info(iid, role, rank, total=1000, max_model_len=16000, kvp_group=group))
     for rid, prompt in (("split", 1800), ("small", 200)):
         spec = request_spec(rid, prompt, 8)
         core.admit(spec, 0.0)
@@ -96,19 +142,32 @@ def test_losing_any_holder_of_a_split_request_fails_it_and_only_it():
 
 def test_a_request_longer_than_one_decode_instance_needs_a_split_plan():
     # decode instances hold 4,096 tokens each, the model's context is 16k: a 10k-token prompt fits only split
+    # (the simulated decode instances form one KVP group: without kvp_tokens it splits by capacity)
     config = SimConfig(
         num_prefill=1, num_decode=3, block_size=16, decode_kv_blocks=256, kv_bytes_per_token=1024,
         max_model_len=16384,
     )  # fmt: skip
     trace = [TraceRequest(0.0, 10_000, 50), TraceRequest(0.1, 1000, 20)]
-    whole = Simulator("single", LATENCY, config)
-    result = whole.run(trace)
-    check_invariants(whole, result)
-    assert [r.state for r in result.records] == ["rejected", "finished"]
-    assert result.records[0].reason.startswith("400: decode instance") and "kvp_tokens" in result.records[0].reason
-    split = Simulator("single:kvp_tokens=4000", LATENCY, config)
-    result = split.run(trace)
-    check_invariants(split, result)
-    assert [r.state for r in result.records] == ["finished", "finished"]
-    assert len(result.records[0].token_times) == 50
-    assert max(i.peak_blocks for i in split.instances.values() if i.role == "decode") <= 256
+    for strategy in ("single", "single:kvp_tokens=4000"):
+        split = Simulator(strategy, LATENCY, config)
+        result = split.run(trace)
+        check_invariants(split, result)
+        assert [r.state for r in result.records] == ["finished", "finished"]
+        assert len(result.records[0].token_times) == 50
+        assert max(i.peak_blocks for i in split.instances.values() if i.role == "decode") <= 256
+
+
+def test_a_split_requests_outputs_scale_up_to_another_member_when_its_tail_has_no_room():
+    # 1,024-token decode instances; 2,000 prompt tokens in two shards of 1,000 (63 blocks each): the tail has no
+    # room for 200 outputs more, so they go to the third instance (a scale-up; the services' group does it when
+    # the tail fills). Without a KVP group the same request could not be placed at all.
+    config = SimConfig(
+        num_prefill=1, num_decode=3, block_size=16, decode_kv_blocks=64, kv_bytes_per_token=1024,
+        max_model_len=4096,
+    )  # fmt: skip
+    sim = Simulator("single:kvp_tokens=1000", LATENCY, config)
+    result = sim.run([TraceRequest(0.0, 2000, 200)])
+    check_invariants(sim, result)
+    assert result.records[0].state == "finished" and len(result.records[0].token_times) == 200
+    peaks = sorted(i.peak_blocks for i in sim.instances.values() if i.role == "decode")
+    assert peaks == [13, 63, 63] and all(i.used_blocks == 0 for i in sim.instances.values())

@@ -6,6 +6,9 @@ from the plan alone: `ceil(tokens / block_size)` per range, plus what reservatio
 leader place requests and decide scale-ups for every member without asking, and check the followers'
 reported block counts against it.
 
+- `place_given(rid, n, shards)`: the scheduler's placement (`PlaceKVP`, members by the scheduler core's own
+  Medha rule over the members' registry entries), used by `reserve` when it fits now; `member_loads()` is
+  what each member's registry entry reports.
 - `reserve(rid, n)`: a request whose prompt exceeds `kvp_tokens` (the per-member KV token limit; 0 = no
   limit, one member when one has room) is split into consecutive ranges of at most that many tokens over
   `ceil(n / kvp_tokens)` members, those with the most free blocks first; ranges need not fall on block
@@ -38,6 +41,7 @@ reported block counts against it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 from .plan import KVPPlan, KVPRequest, KVRange
 
@@ -65,6 +69,14 @@ class GroupConfig:
     @property
     def num_blocks(self) -> int:
         return self.num_members * self.blocks_per_member
+
+
+@dataclass
+class MemberLoad:
+    total: int  # blocks
+    used: int = 0
+    mastering: int = 0  # requests it leads (samples)
+    requests: dict[str, int] = field(default_factory=dict)  # request id -> blocks it holds here
 
 
 @dataclass(frozen=True)
@@ -174,10 +186,32 @@ class GroupPlanner:
         holders = {m for m, _ in cuts}
         return left[tail] >= 1 or any(left[m] >= 1 for m in self.live_members if m not in holders)
 
-    def reserve(self, request_id: str, num_tokens: int) -> bool:
+    def place_given(self, request_id: str, num_tokens: int, shards: list[tuple[int, int, int]]) -> KVPRequest | None:
+        """The scheduler's placement (`PlaceKVP`): `shards` (member, start, end) tile `[0, num_tokens)` in order,
+        the first on the master. None when it does not fit now (a member without room for its range, or none
+        for the first decoded token); ValueError when it names dead or unknown members or does not tile."""
+        if not shards or shards[-1][2] != num_tokens:
+            raise ValueError(f"shards {shards} do not cover {num_tokens} tokens")
+        members = [m for m, _, _ in shards]
+        if any(m not in self.plan.members or m in self.dead for m in members):
+            raise ValueError(f"shards {shards} name a member that is not live ({list(self.live_members)})")
+        if any(end <= start for _, start, end in shards):
+            raise ValueError(f"shards {shards} have an empty range")
+        if shards[0][1] != 0 or any(a[2] != b[1] for a, b in pairwise(shards)):
+            raise ValueError(f"shards {shards} must tile the tokens from 0")
+        req = KVPRequest.split(request_id, members[0], members, [shards[0][1], *(end for _, _, end in shards)])
+        if any(self.free_blocks(r.member) < self._range_blocks(r) for r in req.ranges):
+            return None
+        if not self._next_token_fits([(r.member, r.num_tokens) for r in req.ranges]):
+            return None
+        return req
+
+    def reserve(self, request_id: str, num_tokens: int, req: KVPRequest | None = None) -> bool:
+        """Hold blocks for `request_id`: at `req` (from `place_given`) or where `place` puts it. False when it
+        does not fit, or would leave too little room for the placed requests' committed growth."""
         if request_id in self.reserved or request_id in self.plan.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = self.place(request_id, num_tokens)
+        req = req or self.place(request_id, num_tokens)
         if req is None:
             return False
         free = self.num_blocks - self.num_used - sum(self._range_blocks(r) for r in req.ranges)
@@ -185,6 +219,18 @@ class GroupPlanner:
             return False
         self.reserved[request_id] = req
         return True
+
+    def member_loads(self) -> dict[int, MemberLoad]:
+        """What each live member holds and leads, for its registry entry (placed and reserved requests)."""
+        loads = {m: MemberLoad(self.config.blocks_per_member) for m in self.live_members}
+        for q in (*self.plan.requests.values(), *self.reserved.values()):
+            if q.master in loads:
+                loads[q.master].mastering += 1
+            for r in q.ranges:
+                if r.member in loads and (blocks := self._range_blocks(r)):
+                    loads[r.member].requests[q.request_id] = blocks
+                    loads[r.member].used += blocks
+        return loads
 
     def commit(self, request_id: str, final_tokens: int) -> None:
         """A placed request's KV may grow to `final_tokens` tokens (its output budget)."""

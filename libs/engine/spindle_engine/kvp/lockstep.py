@@ -36,7 +36,7 @@ from ..kv_cache import KVCache
 from ..sampling_params import SamplingParams
 from ..sequence import Sequence, stop_reason
 from .decoder import KVPMember
-from .group import GroupConfig, GroupPlanner
+from .group import GroupConfig, GroupPlanner, MemberLoad
 from .plan import KVPRequest
 from .wire import (
     Call,
@@ -140,6 +140,10 @@ class KVPLeaderEngine:
         self._last_sent = 0.0
         self._connected = False
         self._closed = False
+        self.member_loads: dict[int, MemberLoad] = {}
+        self.placed_as_given = 0  # reservations at the scheduler's placement
+        self.placed_by_group = 0  # reservations the group's planner placed (none given, or it did not fit)
+        self._refresh_loads()
 
     @property
     def kvp_size(self) -> int:
@@ -172,15 +176,37 @@ class KVPLeaderEngine:
         if not prompt_token_ids or any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"token ids must be a non-empty list of integers in [0, {vocab})")
 
-    def reserve(self, request_id: str, num_tokens: int) -> bool:
+    def reserve(self, request_id: str, num_tokens: int, shards: list[tuple[int, int, int]] | None = None) -> bool:
+        """Hold blocks for a request's KV: at the scheduler's `shards` (member, start, end) when given and they fit
+        now, else where the group's planner puts it (Medha-style, `kvp_tokens`)."""
         if not 0 < num_tokens < self.max_model_len:
             raise ValueError(f"cannot reserve {num_tokens} tokens (context is {self.max_model_len})")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        return self.planner.reserve(request_id, num_tokens)
+        given = None
+        if shards:
+            try:
+                given = self.planner.place_given(request_id, num_tokens, shards)
+            except ValueError as e:
+                log.warning("the scheduler's placement of %s is not usable (%s); the group places it", request_id, e)
+            else:
+                if given is None:
+                    log.info("the scheduler's placement of %s %s does not fit now; the group places it", request_id,
+                             shards)  # fmt: skip
+        ok = self.planner.reserve(request_id, num_tokens, given)
+        if ok:
+            self.placed_as_given += given is not None
+            self.placed_by_group += given is None
+        self._refresh_loads()
+        return ok
 
     def cancel_reservation(self, request_id: str) -> bool:
-        return self.planner.cancel(request_id)
+        cancelled = self.planner.cancel(request_id)
+        self._refresh_loads()
+        return cancelled
+
+    def _refresh_loads(self) -> None:
+        self.member_loads = self.planner.member_loads()  # read by the service's threads: replaced, never mutated
 
     def add_prefilled(
         self, request_id: str, prompt_token_ids: list[int], first_token: int, kv: Tensor, params: SamplingParams
@@ -212,14 +238,17 @@ class KVPLeaderEngine:
         self.requests[request_id] = seq
         samples_left = max(0, params.max_tokens - (len(token_ids) - num_prompt_tokens))
         self.planner.commit(request_id, min(n + samples_left, self.max_model_len))
+        self._refresh_loads()
         log.info("placed %s: %s, master %d", request_id, [(r.member, r.start, r.end) for r in req.ranges], req.master)
 
     def abort(self, request_id: str) -> bool:
         if self.planner.cancel(request_id):
+            self._refresh_loads()
             return True
         if request_id not in self.requests:
             return False
         self._drop(request_id)
+        self._refresh_loads()
         return True
 
     def _drop(self, request_id: str) -> None:
@@ -290,7 +319,10 @@ class KVPLeaderEngine:
     def step(self) -> list[StepOutput]:
         if self.requests:
             self._plan_growth()
-        return self._exchange(step=bool(self.requests))
+        try:
+            return self._exchange(step=bool(self.requests))
+        finally:
+            self._refresh_loads()
 
     def _plan_growth(self) -> None:
         for rid, m, into in self.planner.scale_downs():

@@ -133,6 +133,7 @@ class SimInstance:
             max_model_len=self.max_model_len,
             node=self.node,
             tp_size=getattr(self, "tp", 1),
+            kvp_group=getattr(self, "kvp_group", ""),
             **self._load(),
         )
 
@@ -164,6 +165,9 @@ class SimDecode(SimInstance):
     running request's KV out to the kvstore (after the step in flight) and queues it again at the back."""
 
     tp: int = 1
+    # the simulated decode instances form one KV-parallel group (a split request's holders step independently
+    # here, the slowest one setting the master's step; the services' group steps in lockstep)
+    kvp_group: str = "decode"
     waiting: deque[RequestRecord] = field(default_factory=deque)
     running: list[RequestRecord] = field(default_factory=list)
     kv_tokens: int = 0  # context tokens of the running batch
@@ -179,6 +183,7 @@ class SimColocated(SimDecode):
     """An elastic instance: each step runs the running decodes plus, when one is ready, the head prefill chunk
     (Sarathi-style mixed batch). A request takes blocks for its whole sequence when its first chunk starts."""
 
+    kvp_group: str = ""
     prefills: deque[ChunkJob] = field(default_factory=deque)
     queued_tokens: int = 0
     step_chunk: ChunkJob | None = None  # the chunk in the step now running

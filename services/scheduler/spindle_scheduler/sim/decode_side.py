@@ -58,14 +58,27 @@ class DecodeSide(SimBase):
         return tail  # type: ignore[return-value]
 
     def _shard_blocks(self, rec: RequestRecord) -> list[tuple[SimDecode, int]]:
-        """Blocks each holder takes at join: its shard, and on the tail room for every output token too."""
+        """Blocks each holder takes at join: its shard, and on the tail room for every output token too. A split
+        request's tail without that room scales up at join: the outputs' blocks go to the group's member with
+        the most free blocks that holds none of it (the services' group does this when the tail fills)."""
         holders = self._shards(rec)
         tail = len(holders) - 1
-        outputs = len(rec.token_times)
-        return [
-            (inst, self.config.blocks(tokens + (rec.num_decode_tokens - outputs if k == tail else 0)))
-            for k, (inst, tokens) in enumerate(holders)
+        left = rec.num_decode_tokens - len(rec.token_times)
+        out = [
+            (inst, self.config.blocks(tokens + (left if k == tail else 0))) for k, (inst, tokens) in enumerate(holders)
         ]
+        tail_inst, tail_blocks = out[-1]
+        if len(holders) > 1 and left > 0 and tail_blocks > tail_inst.free_blocks:
+            held = {inst.id for inst, _ in holders}
+            spare = [
+                i for i in self.instances.values()
+                if isinstance(i, SimDecode) and i.kvp_group == tail_inst.kvp_group and i.id not in held
+            ]  # fmt: skip
+            if spare:
+                best = max(spare, key=lambda i: (i.free_blocks, -i.rank))
+                out[-1] = (tail_inst, self.config.blocks(holders[-1][1]))
+                out.append((best, self.config.blocks(left)))
+        return out
 
     def _fits(self, rec: RequestRecord) -> bool:
         return all(inst.free_blocks >= blocks for inst, blocks in self._shard_blocks(rec))
@@ -75,8 +88,9 @@ class DecodeSide(SimBase):
             inst.kv_tokens += sign * tokens
 
     def _free_decode(self, rec: RequestRecord) -> None:
-        for inst, _ in self._shards(rec):
-            inst.free(rec.request_id)
+        for inst in self.instances.values():  # the holders, and a member its outputs scaled up to
+            if isinstance(inst, SimDecode):
+                inst.free(rec.request_id)
 
     def _retry_split_joins(self, now: float) -> None:
         """A split request heading a master's queue may wait for blocks on another instance: retry them all."""

@@ -25,20 +25,37 @@ def pick_decode(state: ClusterState, spec: RequestSpec) -> InstanceState | None:
 def pick_decode_group(
     state: ClusterState, spec: RequestSpec, kvp_tokens: int
 ) -> tuple[InstanceState, tuple[KVShard, ...]] | None:
-    """Decode placement with Medha-style KV parallelism: a prompt longer than `kvp_tokens` (0: never) is split
-    into shards of at most `kvp_tokens` over that many decode instances, the freest ones. The master (first
-    shard) is the member leading the fewest requests, so masters spread out (LoongServe's multi-master); the
-    last member, the tail, also takes the new tokens. Fewer live instances than shards: the
-    shards grow to cover the prompt. Returns the master and the shards (empty: the whole KV on the master)."""
+    """Decode placement with Medha-style KV parallelism: a prompt longer than `kvp_tokens` (0: never, unless no
+    decode instance could hold it whole) is split into shards of at most `kvp_tokens` over that many members of
+    one KV-parallel group (instances that step in lockstep: `InstanceInfo.kvp_group`), its freest ones. The
+    group is the one whose chosen members have the most free blocks. The master (first shard) is the member
+    leading the fewest requests, so masters spread out (LoongServe's multi-master); the last member, the tail,
+    also takes the new tokens. A group smaller than the degree: the shards grow to cover the prompt. Returns
+    the master and the shards (empty: the whole KV on the master)."""
     n = spec.prompt.num_tokens
-    degree = -(-n // kvp_tokens) if kvp_tokens else 1
     decodes = state.live("decode")
-    if degree <= 1 or len(decodes) < 2:
+    groups: dict[str, list[InstanceState]] = {}
+    for inst in decodes:
+        if inst.info.kvp_group:
+            groups.setdefault(inst.info.kvp_group, []).append(inst)
+    groups = {g: members for g, members in groups.items() if len(members) > 1}
+    degree = -(-n // kvp_tokens) if kvp_tokens else 1
+    if degree <= 1 and groups and decodes:
+        need = n + spec.sampling.max_tokens
+        largest = max(i.info.kv_blocks_total for i in decodes)
+        if largest and decodes[0].blocks_for(need) > largest:  # fits no instance whole: split by capacity
+            degree = -(-decodes[0].blocks_for(need) // largest)
+    if degree <= 1 or not groups:
         decode = pick_decode(state, spec)
         return None if decode is None else (decode, ())
-    group = sorted(decodes, key=lambda i: (-i.freeness, i.info.rank))[:degree]
-    group.sort(key=lambda i: (len(i.mastering), -i.freeness, i.info.rank))
-    size = -(-n // len(group))
+
+    def freest(members: list[InstanceState]) -> list[InstanceState]:
+        return sorted(members, key=lambda i: (-i.freeness, i.info.rank, i.id))[:degree]
+
+    group = max((freest(m) for m in groups.values()), key=lambda g: (sum(i.free_blocks for i in g), -g[0].info.rank))
+    group.sort(key=lambda i: (len(i.mastering), -i.freeness, i.info.rank, i.id))
+    # ranges of kvp_tokens each (the tail, which grows, takes the rest), or even ones when the shards must grow
+    size = kvp_tokens if kvp_tokens and kvp_tokens * len(group) >= n else -(-n // len(group))
     shards = tuple(KVShard(inst.id, k * size, min(n, (k + 1) * size)) for k, inst in enumerate(group) if k * size < n)
     return group[0], shards
 

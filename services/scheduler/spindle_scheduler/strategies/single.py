@@ -2,7 +2,7 @@
 
 Prefill goes to the instance with the least predicted queue (prompt tokens waiting there, counting what
 was planned since its last heartbeat); decode goes by freeness (placement.pick_decode), over several
-instances when `kvp_tokens` splits a long prompt's KV (KV-parallel decode; `spindle sim` only for now).
+members of a KV-parallel group when `kvp_tokens` splits a long prompt's KV (placement.pick_decode_group).
 Needs no latency model, so it runs on the real stack without a profile. `preempt_after_s` > 0 time-slices
 full decode instances (preemption.py), as in the other disaggregated strategies.
 """
