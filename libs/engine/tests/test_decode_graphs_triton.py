@@ -21,6 +21,7 @@ def _run(emulate: bool) -> tuple[dict[str, list[int]], list, dict]:
 
     from spindle_engine import Engine, EngineConfig, SamplingParams
     from spindle_engine.cuda_graphs import EMULATE_ENV
+    from spindle_engine.testing import record_logits
     from spindle_model.testing import tiny_llama
 
     _, model = tiny_llama(0, num_layers=2, vocab_size=101, max_positions=256)
@@ -34,15 +35,7 @@ def _run(emulate: bool) -> tuple[dict[str, list[int]], list, dict]:
     )
     engine = Engine(config, model=model)
     assert (engine.runner.decode_graphs is not None) == emulate
-    logits: list = []
-    run = engine.runner.run
-
-    def recording(chunks):
-        out, rows = run(chunks)
-        logits.append(out.clone())
-        return out, rows
-
-    engine.runner.run = recording
+    logits = record_logits(engine)
     g = torch.Generator().manual_seed(1)
     waves = [{"a": (9, 6), "b": (3, 5), "c": (40, 8)}, {"d": (5, 4), "e": (2, 3)}]  # id: (prompt, max_tokens)
     tokens: dict[str, list[int]] = {}

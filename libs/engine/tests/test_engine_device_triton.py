@@ -20,6 +20,7 @@ def _run_backend(backend: str) -> tuple[dict[str, list[int]], list]:
     import torch
 
     from spindle_engine import Engine, EngineConfig, SamplingParams
+    from spindle_engine.testing import record_logits
     from spindle_model import LlamaModel
     from spindle_model.testing import tiny_llama
 
@@ -34,15 +35,7 @@ def _run_backend(backend: str) -> tuple[dict[str, list[int]], list]:
         model="tiny", block_size=4, kv_cache_tokens=512, max_num_batched_tokens=24, attention_backend=backend
     )
     engine = Engine(config, model=model)
-    logits: list = []
-    run = engine.runner.run
-
-    def recording_run(chunks):
-        out, rows = run(chunks)
-        logits.append(out.clone())
-        return out, rows
-
-    engine.runner.run = recording_run
+    logits = record_logits(engine)
     g = torch.Generator().manual_seed(1)
     prompts = {"a": 37, "b": 13, "c": 3, "d": 21}
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)

@@ -185,12 +185,13 @@ class SchedulerCore:
         decode = decode_tokens(plan.spec, plan.decode_holders)
         if len(plan.decode_holders) > 1:  # a KVP group: new tokens go wherever the group has room (scale-up)
             decode = {s.instance: s.end - s.start for s in plan.decode_holders}
-            group = [i for i in self.state.live("decode") if i.info.kvp_group == self._group(plan)]
+            name = self.state.instances[plan.decode_instance].info.kvp_group
+            group = [i for i in self.state.live("decode") if i.info.kvp_group == name]
             total = sum(i.info.kv_blocks_total for i in group)
             blocks = sum(self.state.instances[iid].blocks_for(t) for iid, t in decode.items())
             blocks += group[0].blocks_for(plan.spec.sampling.max_tokens) if group else 0
             if total and blocks > total:
-                return f"KV-parallel group {self._group(plan)} would hold {blocks} blocks but has {total}"
+                return f"KV-parallel group {name} would hold {blocks} blocks but has {total}"
         for role, tokens_by_instance in (("prefill", need), ("decode", decode)):
             for iid, tokens in tokens_by_instance.items():
                 inst = self.state.instances[iid]
@@ -201,9 +202,6 @@ class SchedulerCore:
                         f"{inst.info.kv_blocks_total} blocks"
                     )
         return ""
-
-    def _group(self, plan: RunPrefill) -> str:
-        return self.state.instances[plan.decode_instance].info.kvp_group
 
     def on_event(self, event: WorkerEvent, now: float) -> list[Action]:
         req = self.state.requests.get(event.request_id)
