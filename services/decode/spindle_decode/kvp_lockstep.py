@@ -97,7 +97,8 @@ def member_of(inst: DecodeInstance, instance_id: str) -> int | None:
 
 
 def registry_entries(inst: DecodeInstance) -> list[Callable[[], InstanceInfo | None]]:
-    """One heartbeat per member; a dead member's entry is withdrawn (the scheduler then fails what it held)."""
+    """One heartbeat per member; a dead member's entry is withdrawn (the scheduler stops routing to it; the leader
+    fails the requests that had a part on it, and the scheduler leaves that to the leader)."""
     engine = inst.engine
     assert isinstance(engine, KVPLeaderEngine)
     return [lambda m=m: member_info(inst, engine, m) for m in range(engine.kvp_size)]

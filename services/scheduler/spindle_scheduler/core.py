@@ -122,9 +122,19 @@ class SchedulerCore:
         inst = self.state.instances[instance_id]
         self.state.mark_dead(instance_id)
         log.warning("instance %s (%s) is dead: %s", instance_id, inst.role, why)
+        group = inst.info.kvp_group
+        leader = self.state.instances.get(group) if group != instance_id else None
+        if leader is not None and leader.alive:
+            # the group's leader knows where each request's KV is now (it re-places reservations and scales tails
+            # up past this plan): it fails exactly those that had a part on the dead member
+            log.warning("%s was a member of KV-parallel group %s: its leader fails what it held", instance_id, group)
+            return self.strategy.on_instance_lost(instance_id, self.state, now)
+        lost = {instance_id}
+        if group == instance_id:  # a dead leader takes its members' parts with it
+            lost |= {i.id for i in self.state.instances.values() if i.info.kvp_group == group}
         actions: list[Action] = []
         for req in list(self.state.requests.values()):
-            if instance_id in req.holders():
+            if lost & req.holders():
                 self._forget(req.request_id)
                 actions.append(FailRequest(req.request_id, 503, f"{inst.role} instance {instance_id} was lost"))
         return actions + self.strategy.on_instance_lost(instance_id, self.state, now)

@@ -140,6 +140,36 @@ def test_losing_any_holder_of_a_split_request_fails_it_and_only_it():
     assert all(not i.incoming and i.mastering <= {"small"} for i in core.state.instances.values())
 
 
+def test_a_dead_member_of_a_live_leaders_group_is_left_to_the_leader_and_a_dead_leader_fails_the_group():
+    from spindle_protocol.messages import DecodeStarted
+    from spindle_scheduler.actions import FailRequest
+
+    core = SchedulerCore(create_strategy("single:kvp_tokens=1000"), SchedulerConfig(dead_after_s=1e9))
+    ids = [("p", "prefill", ""), ("d0", "decode", "d0"), ("d0-kvp1", "decode", "d0"), ("d0-kvp2", "decode", "d0")]
+    for rank, (iid, role, group) in enumerate([*ids, ("e", "decode", "")]):
+        core.on_heartbeat(instance_info(iid, role, rank, total=1000, max_model_len=16000, kvp_group=group))
+
+    def admit(rid: str, prompt: int, used: int) -> tuple[str, ...]:
+        core.admit(request_spec(rid, prompt, 8), 0.0)
+        req = core.state.requests[rid]
+        core.on_event(DecodeStarted(request_id=rid, instance_id=req.decode_instance), 0.1)
+        for iid in req.decode_instances():  # its holders report its blocks
+            inst = core.state.instances[iid].info
+            core.on_heartbeat(instance_info(iid, "decode", inst.rank, total=1000, used=used, max_model_len=16000,
+                                            kvp_group=inst.kvp_group))  # fmt: skip
+        return req.decode_instances()
+
+    assert admit("split", 1800, 900) == ("d0", "d0-kvp1")
+    assert admit("member", 200, 500) == ("d0-kvp2",)  # in the group, not on its leader
+    assert admit("other", 200, 500) == ("e",)
+    assert core.on_instance_left("d0-kvp1", 1.0) == []  # the leader knows where the group put each request now
+    assert set(core.state.requests) == {"split", "member", "other"} and "d0-kvp1" in core.state.dead
+    assert admit("next", 100, 100) == ("d0-kvp2",)  # the freest live one; never d0-kvp1 again
+    actions = core.on_instance_left("d0", 2.0)  # a dead leader: every request with a part in its group fails
+    assert sorted(a.request_id for a in actions if isinstance(a, FailRequest)) == ["member", "next", "split"]
+    assert set(core.state.requests) == {"other"}
+
+
 def test_a_request_longer_than_one_decode_instance_needs_a_split_plan():
     # decode instances hold 4,096 tokens each, the model's context is 16k: a 10k-token prompt fits only split
     # (the simulated decode instances form one KVP group: without kvp_tokens it splits by capacity)

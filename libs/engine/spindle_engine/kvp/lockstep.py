@@ -133,7 +133,7 @@ class KVPLeaderEngine:
         self.failures: list[tuple[str, str]] = []  # requests dropped (no block, a dead member); the service fails them
         self.dropped = 0  # how many dropped for want of blocks, in all
         self.gone: set[int] = set()  # followers found dead and removed from the group
-        self.lost_requests = 0  # requests failed because a member holding or mastering them died
+        self.lost_requests = 0  # requests failed because a member holding, mastering or reserved for them died
         self._calls: list[Call] = []
         self._kv: dict[int, list[Tensor]] = {m: [] for m in self.followers}
         self._seq = 0
@@ -387,6 +387,11 @@ class KVPLeaderEngine:
             raise KVPError("the leader cannot lose itself")
         hit = {rid for rid, q in placement.items() if q.master in members or any(r.member in members for r in q.ranges)}
         hit |= {rid for rid, pair in self.member.moved.items() if members & set(pair)}  # a scale-down's KV in flight
+        for rid in sorted(hit):  # first, so that their blocks are free when the dead members' reservations move
+            if self.requests.pop(rid, None) is not None:
+                self.planner.forget(rid)
+                self.lost_requests += 1
+                self.failures.append((rid, f"a KV-parallel member holding {rid} died (members {sorted(members)})"))
         for m in sorted(members):
             log.warning("KVP member %d (rank %d) is gone; failing its requests", m, self.member.ranks[m])
             self.gone.add(m)
@@ -396,12 +401,8 @@ class KVPLeaderEngine:
             self.member.remove_member(m)
             self._calls.insert(0, Gone(m))
             for rid in self.planner.mark_dead(m):
-                self.failures.append((rid, f"KV-parallel member {m} died and the group has no room for {rid}"))
-        for rid in sorted(hit):
-            if self.requests.pop(rid, None) is not None:
-                self.planner.forget(rid)
                 self.lost_requests += 1
-                self.failures.append((rid, f"a KV-parallel member holding {rid} died (members {sorted(members)})"))
+                self.failures.append((rid, f"KV-parallel member {m} died and the group has no room for {rid}"))
         return [t for t in tokens if t[0] not in hit]
 
     def _outputs(self, tokens: list[tuple[str, int, bool]]) -> list[StepOutput]:

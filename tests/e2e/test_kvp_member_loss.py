@@ -1,0 +1,77 @@
+"""A KV-parallel member that held none of a long split request dies (`spindle up --decode-kvp 3 --kvp-tokens 500`):
+the long request goes on, exact, over the two other members; of the short requests the scheduler placed on the
+dead member, those already decoding fail with the leader's error, and those whose KV had not arrived yet are placed
+again by the leader and finish exact. The scheduler leaves the failing to the leader, which knows where each
+request's KV is now."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import signal
+
+import httpx
+import pytest
+
+from .conftest import instance_blocks, start_stack, wait_until
+from .sse import stream_text
+from .test_failures import read_events_from
+from .test_kvp_decode import MEMBER_TOKENS, MEMBERS, _all_free, _greedy_ignoring_eos, _holding, _instances, _prompts
+from .test_kvp_decode import _stream as stream
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def kvp_stack(tmp_path_factory):
+    s = start_stack(
+        tmp_path_factory, "kvp-loss", prefill=1, decode=1, decode_kvp=3, kvp_tokens=500,
+        decode_kv_cache_tokens=MEMBER_TOKENS,
+    )  # fmt: skip
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def test_a_dead_member_without_a_part_of_the_long_request_leaves_it_exact(kvp_stack, reference_engine, tokenizer):
+    long_ids, *short_ids = _prompts(tokenizer, [700, 7, 9])
+    body = {"model": "smollm2", "max_tokens": 120, "ignore_eos": True, "temperature": 0}
+    short_body = {**body, "max_tokens": 48}
+    with (
+        httpx.stream("POST", kvp_stack.base_url + "/completions", timeout=120, json={**body, "prompt": long_ids,
+                     "stream": True}) as resp,
+        cf.ThreadPoolExecutor(2) as pool,
+    ):  # fmt: skip
+        lines = resp.iter_lines()
+        first = next(lines)
+        while not first.startswith("data: "):
+            first = next(lines)
+        assert wait_until(lambda: len(_holding(kvp_stack)) == 2, 30), instance_blocks(kvp_stack)
+        long_rid = next(iter(next(iter(_holding(kvp_stack).values()))))
+        victim = next(m for m in MEMBERS if m not in _holding(kvp_stack) and m != "decode-0")
+        shorts = [pool.submit(stream, kvp_stack, {**short_body, "prompt": ids}) for ids in short_ids]
+
+        def short_rids() -> dict[str, str]:  # short request id -> the member holding it
+            return {r: m for m, held in _holding(kvp_stack).items() for r in held if r != long_rid}
+
+        assert wait_until(lambda: len(short_rids()) == 2, 60), instance_blocks(kvp_stack)
+        on_victim = sum(m == victim for m in short_rids().values())  # the freest member takes them, usually
+        kvp_stack.processes[victim].send_signal(signal.SIGKILL)
+        events = [json.loads(first.removeprefix("data: ")), *read_events_from(lines)]
+        results = [f.result(timeout=120) for f in shorts]
+    print(f"\n[kvp=3] {on_victim} short requests on the killed member {victim}")
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events if isinstance(e, dict)), events[-3:]
+    assert stream_text(events, chat=False) == tokenizer.decode(_greedy_ignoring_eos(reference_engine, long_ids, 120))
+    exact = [
+        stream_text(got, chat=False) == tokenizer.decode(_greedy_ignoring_eos(reference_engine, ids, 48))
+        for got, ids in zip(results, short_ids, strict=True)
+    ]
+    failed = ["error" in got[-2] for got in results]
+    assert all(x != f for x, f in zip(exact, failed, strict=True)), (exact, failed, [got[-2] for got in results])
+    assert sum(failed) <= on_victim, (failed, on_victim)
+    assert all("KV-parallel member" in got[-2]["error"]["message"] for got, f in zip(results, failed, strict=True) if f)
+    assert wait_until(lambda: _all_free(kvp_stack), 5), instance_blocks(kvp_stack)
+    assert wait_until(lambda: victim not in _instances(kvp_stack), 10), list(_instances(kvp_stack))
+    counters = _instances(kvp_stack)["decode-0"]["counters"]
+    assert counters["kvp_members_gone"] == 1 and counters["kvp_lost_requests"] == sum(failed)
