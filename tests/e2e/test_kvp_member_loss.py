@@ -1,8 +1,12 @@
-"""A KV-parallel member that held none of a long split request dies (`spindle up --decode-kvp 3 --kvp-tokens 500`):
-the long request goes on, exact, over the two other members; of the short requests the scheduler placed on the
-dead member, those already decoding fail with the leader's error, and those whose KV had not arrived yet are placed
-again by the leader and finish exact. The scheduler leaves the failing to the leader, which knows where each
-request's KV is now."""
+"""A KV-parallel group asked by the strategy to scale down, then losing a member (`spindle up --decode-kvp 3
+--kvp-tokens 300 --strategy single:kvp_merge_tokens=64`).
+
+A 310-token prompt is placed at [0, 300) and [300, 310) on two members; the strategy merges the 10-token tail
+shard into the first holder while it decodes (`ScaleDownKVP`, the one time a group moves KV), and its tokens stay
+the single engine's. Then a member that holds none of a long split request dies: the long request goes on, exact,
+over the two other members; of the short requests the scheduler placed on the dead member, those already decoding
+fail with the leader's error, and those whose KV had not arrived yet are placed again by the leader and finish
+exact. The scheduler leaves the failing to the leader, which knows where each request's KV is now."""
 
 from __future__ import annotations
 
@@ -25,8 +29,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def kvp_stack(tmp_path_factory):
     s = start_stack(
-        tmp_path_factory, "kvp-loss", prefill=1, decode=1, decode_kvp=3, kvp_tokens=500,
-        decode_kv_cache_tokens=MEMBER_TOKENS,
+        tmp_path_factory, "kvp-loss", prefill=1, decode=1, decode_kvp=3, kvp_tokens=300,
+        decode_kv_cache_tokens=MEMBER_TOKENS, strategy="single:kvp_merge_tokens=64",
     )  # fmt: skip
     try:
         yield s
@@ -34,8 +38,26 @@ def kvp_stack(tmp_path_factory):
         s.stop()
 
 
+def test_the_strategy_merges_a_short_tail_shard_and_the_tokens_stay_exact(kvp_stack, reference_engine, tokenizer):
+    ids = _prompts(tokenizer, [310])[0]
+    body = {"model": "smollm2", "prompt": ids, "max_tokens": 64, "ignore_eos": True, "temperature": 0}
+    with httpx.stream("POST", kvp_stack.base_url + "/completions", timeout=120, json={**body, "stream": True}) as resp:
+        lines = resp.iter_lines()
+        first = next(lines)
+        while not first.startswith("data: "):
+            first = next(lines)
+        assert wait_until(lambda: _instances(kvp_stack)["decode-0"]["counters"]["kvp_scale_downs"] == 1, 30)
+        holding = _holding(kvp_stack)
+        events = [json.loads(first.removeprefix("data: ")), *read_events_from(lines)]
+    assert len(holding) == 1, holding  # mid-stream, after the merge: one member holds all of its KV
+    assert events[-1] == "[DONE]" and stream_text(events, chat=False) == tokenizer.decode(
+        _greedy_ignoring_eos(reference_engine, ids, 64)
+    )
+    assert wait_until(lambda: _all_free(kvp_stack), 5), instance_blocks(kvp_stack)
+
+
 def test_a_dead_member_without_a_part_of_the_long_request_leaves_it_exact(kvp_stack, reference_engine, tokenizer):
-    long_ids, *short_ids = _prompts(tokenizer, [700, 7, 9])
+    long_ids, *short_ids = _prompts(tokenizer, [600, 7, 9])  # [0, 300) and [300, 600) on two members
     body = {"model": "smollm2", "max_tokens": 120, "ignore_eos": True, "temperature": 0}
     short_body = {**body, "max_tokens": 48}
     with (

@@ -162,6 +162,22 @@ class PlaceKVP(msgspec.Struct, frozen=True, kw_only=True):
     shards: list[KVShardSpec]
 
 
+class ScaleDownKVP(msgspec.Struct, frozen=True, kw_only=True):
+    """scheduler -> the leader of a KV-parallel decode group, request-reply: member `instance` leaves the holders
+    of a decoding request; its range of the KV moves to `into`, an adjacent holder ("": the one before it, or
+    after it when it holds the first range). The only KV a group ever moves."""
+
+    request_id: str
+    instance: str
+    into: str = ""
+
+
+class ScaleDownReply(msgspec.Struct, frozen=True, kw_only=True):
+    accepted: bool
+    reason: str = ""  # "unknown" (not decoding in the group), "no_room", or why the plan does not allow it
+    shards: list[KVShardSpec] = []  # accepted: where the request's KV is now (its tokens so far), master first
+
+
 class Abort(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     reason: str = "abort"

@@ -68,6 +68,11 @@ def decode_move(instance_id: str) -> str:
     return f"{PREFIX}.decode.{check_token(instance_id, 'instance id')}.move"
 
 
+def decode_scale_down(instance_id: str) -> str:
+    """scheduler -> the leader of a KV-parallel decode group, request-reply: ScaleDownKVP -> ScaleDownReply."""
+    return f"{PREFIX}.decode.{check_token(instance_id, 'instance id')}.scale_down"
+
+
 def decode_place(instance_id: str) -> str:
     """scheduler -> the leader of a KV-parallel decode group, publish: PlaceKVP (sent before the prefill starts)."""
     return f"{PREFIX}.decode.{check_token(instance_id, 'instance id')}.place"

@@ -7,7 +7,8 @@ leader), with its own blocks, so the scheduler core routes by each member's free
 KVP degree, members and master (placement.pick_decode_group) as the simulator does. The scheduler sends the
 placement (`PlaceKVP`) before the prefill starts; the leader answers every member's subjects, receives the KV
 whole (directly, in SP parts, or pulled from the kvstore), reserves it at that placement (or, when it does not fit
-now, where the group's planner puts it) and streams every request's tokens, whichever member masters it. Here:
+now, where the group's planner puts it) and streams every request's tokens, whichever member masters it. A
+strategy's `ScaleDownKVP` moves a member's range of a decoding request to an adjacent holder. Here:
 building and connecting the group, the members' registry entries and stats, the scale-up / scale-down counters,
 and failing the requests the group had to drop (for want of blocks, or because a follower died: the group then
 goes on with the others, and the dead member's registry entry is withdrawn).
@@ -30,10 +31,13 @@ from spindle_protocol.messages import (
     InstanceInfo,
     InstanceStats,
     KVParked,
+    KVShardSpec,
     MoveParked,
     PlaceKVP,
     PreemptDecode,
     ReserveKV,
+    ScaleDownKVP,
+    ScaleDownReply,
     StatsQuery,
 )
 
@@ -142,6 +146,9 @@ async def subscribe(inst: DecodeInstance) -> None:
     engine = inst.engine
     assert isinstance(engine, KVPLeaderEngine)
     await inst.bus.subscribe(subjects.decode_place(inst.id), PlaceKVP, lambda msg, raw: on_place(inst, msg))
+    await inst.bus.subscribe(
+        subjects.decode_scale_down(inst.id), ScaleDownKVP, lambda msg, raw: on_scale_down(inst, msg)
+    )  # fmt: skip
     for m in range(1, engine.kvp_size):
         mid = member_id(inst.id, m)
         await inst.bus.subscribe(subjects.decode_reserve(mid), ReserveKV, inst._on_reserve)
@@ -168,6 +175,35 @@ async def on_place(inst: DecodeInstance, msg: PlaceKVP) -> None:
             return
         shards.append((m, s.start, s.end))
     inst.kvp_shards[msg.request_id] = shards
+
+
+async def on_scale_down(inst: DecodeInstance, msg: ScaleDownKVP) -> ScaleDownReply:
+    """Applied to the group's plan now (on the engine thread); the KV moves in the group's next step."""
+    member = member_of(inst, msg.instance)
+    into = member_of(inst, msg.into) if msg.into else None
+    if member is None or (msg.into and into is None):
+        return ScaleDownReply(accepted=False, reason=f"{msg.instance} or {msg.into} is not a member of {inst.id}")
+    rid = msg.request_id
+
+    def apply(engine: KVPLeaderEngine) -> list[tuple[int, int, int]] | None:
+        if rid not in engine.requests:
+            return None
+        if not engine.request_scale_down(rid, member, into):
+            return []
+        return [(r.member, r.start, r.end) for r in engine.member.plan.requests[rid].ranges]
+
+    try:
+        ranges = await inst.call(apply)
+    except ValueError as e:  # the plan does not allow it (not adjacent, the last holder, ...)
+        return ScaleDownReply(accepted=False, reason=str(e))
+    if ranges is None:
+        return ScaleDownReply(accepted=False, reason="unknown")
+    if not ranges:
+        return ScaleDownReply(accepted=False, reason="no_room")
+    shards = [KVShardSpec(instance=member_id(inst.id, m), start=a, end=b) for m, a, b in ranges]
+    log.info("%s: %s leaves %s for %s at the scheduler's request (now %s)", inst.id, msg.instance, rid, msg.into,
+             ranges)  # fmt: skip
+    return ScaleDownReply(accepted=True, shards=shards)
 
 
 def with_counters(stats: InstanceStats, engine: object) -> InstanceStats:

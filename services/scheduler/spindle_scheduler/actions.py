@@ -158,4 +158,14 @@ class TransferKV:
     dst: str
 
 
-Action = Admit | Reject | RunPrefill | FailRequest | Preempt | TransferKV
+@dataclass(frozen=True)
+class ScaleDownKVP:
+    """Decode member `instance` leaves the holders of a decoding KV-parallel request: its shard of the KV moves
+    to `into`, the adjacent holder before it (the group's leader carries it out in its next step)."""
+
+    request_id: str
+    instance: str
+    into: str
+
+
+Action = Admit | Reject | RunPrefill | FailRequest | Preempt | TransferKV | ScaleDownKVP

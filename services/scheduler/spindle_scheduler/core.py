@@ -22,7 +22,8 @@ from spindle_protocol.messages import (
 )
 from spindle_protocol.registry import DEAD_AFTER_S
 
-from .actions import Action, Admit, FailRequest, Preempt, Reject, RunPrefill, TransferKV, decode_tokens
+from .actions import Action, Admit, FailRequest, Preempt, Reject, RunPrefill, ScaleDownKVP, TransferKV, decode_tokens
+from .merging import merged
 from .state import DECODE_ROLES, PREFILL_ROLES, ClusterState, Phase, RequestState
 from .strategy import Strategy
 
@@ -90,7 +91,22 @@ class SchedulerCore:
                 req = self.state.requests.get(a.request_id)
                 assert req is not None and req.parked_since is not None, f"moving a request not parked: {a}"
                 req.moving = True
+            elif isinstance(a, ScaleDownKVP):
+                req = self.state.requests.get(a.request_id)
+                assert req is not None and req.phase is Phase.DECODE, f"scaling down a request not decoding: {a}"
+                req.merging = True
         return actions
+
+    def scaled_down(self, request_id: str, instance: str, into: str) -> None:
+        """A ScaleDownKVP was carried out: `instance`'s shard is `into`'s now."""
+        if (req := self.state.requests.get(request_id)) is not None:
+            req.decode_shards, req.merging = merged(req.decode_shards, instance, into), False
+            log.info("%s: %s merged into %s (holders %s)", request_id, instance, into, req.decode_instances())
+
+    def scale_down_refused(self, request_id: str, reason: str, now: float) -> None:
+        if (req := self.state.requests.get(request_id)) is not None:
+            log.info("scaling down %s refused: %s", request_id, reason)
+            req.merging, req.merge_refused_at = False, now
 
     def moved(self, request_id: str, dst: str) -> None:
         """A TransferKV was carried out: the request now waits on `dst`."""

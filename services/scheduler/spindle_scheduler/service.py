@@ -26,6 +26,8 @@ from spindle_protocol.messages import (
     PlaceKVP,
     PreemptDecode,
     PreemptReply,
+    ScaleDownKVP,
+    ScaleDownReply,
     SPChunkSpec,
     StatusQuery,
     StreamEvent,
@@ -36,6 +38,7 @@ from spindle_protocol.registry import watch_registry
 from spindle_telemetry import extract, inject, setup, shutdown, tracer
 
 from .actions import Action, Admit, FailRequest, Preempt, Reject, RunPrefill, TransferKV
+from .actions import ScaleDownKVP as ScaleDownAction
 from .core import SchedulerConfig, SchedulerCore
 from .latency import LatencyModel
 from .strategy import create_strategy
@@ -212,6 +215,26 @@ class SchedulerService:
         else:
             self.core.move_refused(a.request_id, reply.reason)
 
+    async def _scale_down(self, a: ScaleDownAction) -> None:
+        assert self.bus is not None
+        member = self.core.state.instances.get(a.instance)
+        leader = member.info.kvp_group if member is not None else ""
+        try:
+            if not leader:
+                raise RuntimeError(f"{a.instance} is not a member of a KV-parallel group")
+            reply = await self.bus.request(
+                subjects.decode_scale_down(leader),
+                ScaleDownKVP(request_id=a.request_id, instance=a.instance, into=a.into),
+                ScaleDownReply,
+            )
+        except Exception as e:  # the leader died or is stuck: its loss fails the request
+            self.core.scale_down_refused(a.request_id, f"{type(e).__name__}: {e}", time.time())
+            return
+        if reply.accepted:
+            self.core.scaled_down(a.request_id, a.instance, a.into)
+        else:
+            self.core.scale_down_refused(a.request_id, reply.reason, time.time())
+
     async def _execute(self, actions: list[Action]) -> None:
         assert self.bus is not None
         for a in actions:
@@ -221,6 +244,8 @@ class SchedulerService:
                 self._spawn(self._preempt(a))  # its reply must not hold up the tick loop
             elif isinstance(a, TransferKV):
                 self._spawn(self._move_parked(a))
+            elif isinstance(a, ScaleDownAction):
+                self._spawn(self._scale_down(a))
             elif isinstance(a, FailRequest):
                 log.warning("failing %s: %s", a.request_id, a.message)
                 await self.bus.publish(

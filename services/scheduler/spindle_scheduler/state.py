@@ -75,6 +75,8 @@ class RequestState:
     decoding_since: float | None = None  # in its decode instance's batch since (DecodeStarted)
     preempting: bool = False  # a Preempt was sent and its Preempted event has not come yet
     moving: bool = False  # a TransferKV was sent and not answered yet
+    merging: bool = False  # a ScaleDownKVP was sent and not answered yet
+    merge_refused_at: float | None = None  # when the last ScaleDownKVP was refused (no retry for a while)
     num_preemptions: int = 0
 
     def kv_location(self) -> list[tuple[int, int, tuple[str, ...]]]:

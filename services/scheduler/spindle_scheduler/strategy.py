@@ -16,12 +16,15 @@ from spindle_protocol.messages import RequestSpec, WorkerEvent
 
 from .actions import Action
 from .latency import LatencyModel
+from .merging import kvp_merges
 from .moving import move_parked
 from .preemption import time_slice_preemptions
 from .state import ClusterState
 
 _REGISTRY: dict[str, type[Strategy]] = {}
-DECODE_OPTIONS: dict[str, object] = {"preempt_after_s": 0.0, "move_parked_after_s": 0.0, "kvp_tokens": 0}
+DECODE_OPTIONS: dict[str, object] = {
+    "preempt_after_s": 0.0, "move_parked_after_s": 0.0, "kvp_tokens": 0, "kvp_merge_tokens": 0,
+}  # fmt: skip
 
 
 class Strategy(ABC):
@@ -37,18 +40,27 @@ class Strategy(ABC):
         self.set_decode_options()
 
     def set_decode_options(
-        self, *, preempt_after_s: float = 0.0, move_parked_after_s: float = 0.0, kvp_tokens: int = 0
+        self,
+        *,
+        preempt_after_s: float = 0.0,
+        move_parked_after_s: float = 0.0,
+        kvp_tokens: int = 0,
+        kvp_merge_tokens: int = 0,
     ) -> None:
         """The decode-side options every disaggregated strategy takes (DECODE_OPTIONS; off by default)."""
-        if not preempt_after_s >= 0 or not move_parked_after_s >= 0 or kvp_tokens < 0:
-            raise ValueError(
-                f"{self.name}: preempt_after_s, move_parked_after_s and kvp_tokens must be >= 0, got "
-                f"{preempt_after_s}, {move_parked_after_s}, {kvp_tokens}"
-            )
+        given = {
+            "preempt_after_s": preempt_after_s, "move_parked_after_s": move_parked_after_s,
+            "kvp_tokens": kvp_tokens, "kvp_merge_tokens": kvp_merge_tokens,
+        }  # fmt: skip
+        for key, value in given.items():
+            if not value >= 0:
+                raise ValueError(f"{self.name}: {key} must be >= 0, got {value}")
         self.preempt_after_s = preempt_after_s
         self.move_parked_after_s = move_parked_after_s
         # > 0: a prompt longer than this is split over that many members of a KV-parallel decode group
         self.kvp_tokens = kvp_tokens
+        # > 0: a decoding request's shard of fewer prompt tokens merges into the holder before it (merging.py)
+        self.kvp_merge_tokens = kvp_merge_tokens
 
     @abstractmethod
     def plan(self, spec: RequestSpec, state: ClusterState, now: float) -> list[Action]:
@@ -57,8 +69,11 @@ class Strategy(ABC):
     def on_tick(self, state: ClusterState, now: float) -> list[Action]:
         """Periodic decisions (about every 0.25 s). By default, when enabled: a request parked on a full decode
         instance for `move_parked_after_s` moves to one with room (moving.py); one parked for `preempt_after_s`
-        swaps running requests out (time-sliced decode, preemption.py)."""
+        swaps running requests out (time-sliced decode, preemption.py); a KV-parallel shard shorter than
+        `kvp_merge_tokens` merges into its neighbour (merging.py)."""
         actions: list[Action] = []
+        if self.kvp_merge_tokens > 0:
+            actions += kvp_merges(state, now, self.kvp_merge_tokens)
         if self.move_parked_after_s > 0:
             actions += move_parked(state, now, self.move_parked_after_s)
         if self.preempt_after_s > 0:
@@ -85,6 +100,7 @@ class Strategy(ABC):
             "preempt_after_s": self.preempt_after_s,
             "move_parked_after_s": self.move_parked_after_s,
             "kvp_tokens": self.kvp_tokens,
+            "kvp_merge_tokens": self.kvp_merge_tokens,
         }
         text = ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in opts.items() if v)
         return f"{self.name}:{text}" if text else self.name

@@ -170,6 +170,57 @@ def test_a_dead_member_of_a_live_leaders_group_is_left_to_the_leader_and_a_dead_
     assert set(core.state.requests) == {"other"}
 
 
+def test_the_strategy_merges_a_short_shard_into_its_neighbour_once_it_has_room():
+    from spindle_protocol.messages import DecodeStarted
+    from spindle_scheduler.actions import ScaleDownKVP
+
+    core = _core("single:kvp_tokens=1000,kvp_merge_tokens=64", [("g", "g"), ("g-kvp1", "g")], total=100)
+    plan = _plan(core, "r", 1010, out=20)
+    head, tail = plan.decode_shards
+    assert (head.end - head.start, tail.end - tail.start) == (1000, 10)
+    assert core.tick(0.1) == []  # not decoding yet
+    core.on_event(DecodeStarted(request_id="r", instance_id=plan.decode_instance), 0.2)
+    core.on_heartbeat(instance_info(head.instance, "decode", 1, total=100, used=99, kvp_group="g"))
+    assert core.tick(0.3) == []  # the receiver has 1 block free: the tail's 10 tokens and 20 outputs need 2
+    core.on_heartbeat(instance_info(head.instance, "decode", 1, total=100, used=63, kvp_group="g"))
+    merge = ScaleDownKVP("r", tail.instance, head.instance)
+    assert core.tick(0.4) == [merge]
+    assert core.tick(0.5) == []  # asked already
+    core.scale_down_refused("r", "no_room", 0.6)
+    assert core.tick(1.0) == []  # not asked again for a while
+    assert core.tick(2.7) == [merge]
+    core.scaled_down("r", tail.instance, head.instance)
+    req = core.state.requests["r"]
+    assert req.decode_shards == () and req.decode_instances() == (head.instance,) == (plan.decode_instance,)
+    assert core.tick(3.0) == []
+    with pytest.raises(ValueError, match="kvp_merge_tokens must be >= 0"):
+        create_strategy("single:kvp_merge_tokens=-1")
+    assert create_strategy("single:kvp_tokens=1000,kvp_merge_tokens=64").describe() == (
+        "single:kvp_tokens=1000,kvp_merge_tokens=64"
+    )
+
+
+def test_the_simulator_merges_short_shards_and_still_finishes_every_request():
+    # members of 256 blocks (4,096 tokens); kvp_tokens 4,000: a 4,040-token prompt leaves a 40-token tail shard,
+    # which merges into the first holder (room for it and its 30 outputs)
+    config = SimConfig(
+        num_prefill=1, num_decode=3, block_size=16, decode_kv_blocks=300, kv_bytes_per_token=1024,
+        max_model_len=16384,
+    )  # fmt: skip
+    trace = [TraceRequest(0.0, 4040, 30), TraceRequest(0.05, 900, 30), TraceRequest(0.1, 8100, 30)]
+    runs = {}
+    for strategy in ("single:kvp_tokens=4000", "single:kvp_tokens=4000,kvp_merge_tokens=128"):
+        sim = Simulator(strategy, LATENCY, config)
+        result = sim.run(trace)
+        check_invariants(sim, result)
+        assert [r.state for r in result.records] == ["finished"] * 3
+        assert all(len(r.token_times) == 30 for r in result.records)
+        runs[strategy] = result
+    assert runs["single:kvp_tokens=4000"].summary().scale_downs == 0
+    merged = runs["single:kvp_tokens=4000,kvp_merge_tokens=128"]
+    assert [r.scale_downs for r in merged.records] == [1, 0, 1]  # 4,000 + 40 and 4,000 + 4,000 + 100
+
+
 def test_a_request_longer_than_one_decode_instance_needs_a_split_plan():
     # decode instances hold 4,096 tokens each, the model's context is 16k: a 10k-token prompt fits only split
     # (the simulated decode instances form one KVP group: without kvp_tokens it splits by capacity)

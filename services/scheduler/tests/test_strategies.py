@@ -85,6 +85,7 @@ def test_strategy_specs():
         "preempt_after_s": 0.0,
         "move_parked_after_s": 0.0,
         "kvp_tokens": 0,
+        "kvp_merge_tokens": 0,
     }
     assert create_strategy("single:preempt_after_s=1.5").describe() == "single:preempt_after_s=1.5"
     assert create_strategy("fixed-sp:sp=4", TETRIS).describe() == "fixed-sp:sp=4"

@@ -29,7 +29,7 @@ from spindle_protocol.messages import (
     WorkerEvent,
 )
 
-from ..actions import Action, Admit, FailRequest, Preempt, Reject, RunPrefill, TransferKV
+from ..actions import Action, Admit, FailRequest, Preempt, Reject, RunPrefill, ScaleDownKVP, TransferKV
 from ..core import SchedulerCore
 from ..latency import LatencyModel
 from ..strategy import Strategy, create_strategy
@@ -172,6 +172,8 @@ class Simulator(PrefillSide, DecodeSide, Swaps):
                 self._preempt(a, now)
             elif isinstance(a, TransferKV):
                 self._move_parked(a, now)
+            elif isinstance(a, ScaleDownKVP):
+                self._scale_down(a, now)
             elif not isinstance(a, Admit):  # Admit only answers the gateway; RunPrefill carries the placement
                 raise AssertionError(f"unexpected action {a!r}")
 

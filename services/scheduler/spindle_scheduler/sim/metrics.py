@@ -34,6 +34,7 @@ class RequestRecord:
     token_times: list[float] = field(default_factory=list)
     preemptions: int = 0  # times its decode was swapped out to the kvstore
     moves: int = 0  # times it was moved, parked, to another decode instance
+    scale_downs: int = 0  # KV-parallel shards of it merged into another holder (ScaleDownKVP)
 
     @property
     def ttft(self) -> float | None:
@@ -131,6 +132,7 @@ class SimSummary:
     slo_attainment: float | None = None  # requests meeting the SLO / all requests (rejected and failed miss it)
     preemptions: int = 0  # decode swap-outs to the kvstore, all requests
     moves: int = 0  # parked requests moved to another decode instance, all requests
+    scale_downs: int = 0  # KV-parallel shards merged into another holder, all requests
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -184,4 +186,5 @@ def summarize(
         slo_attainment=attainment,
         preemptions=sum(r.preemptions for r in records),
         moves=sum(r.moves for r in records),
+        scale_downs=sum(r.scale_downs for r in records),
     )

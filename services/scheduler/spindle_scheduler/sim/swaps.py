@@ -1,5 +1,6 @@
-"""The simulator's decode moves: a parked request handed to another decode instance (TransferKV), and a
-decoding request swapped out to the kvstore and back (Preempt)."""
+"""The simulator's decode moves: a parked request handed to another decode instance (TransferKV), a decoding
+request swapped out to the kvstore and back (Preempt), and a KV-parallel shard merged into its neighbour
+(ScaleDownKVP; its KV moves at once here, within the group's next step in the services)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import dataclasses
 
 from spindle_protocol.messages import Preempted
 
-from ..actions import Preempt, TransferKV
+from ..actions import Preempt, ScaleDownKVP, TransferKV
+from ..merging import merged
 from .base import SimBase
 from .cluster import SimColocated, SimDecode
 from .events import EventKind
@@ -39,6 +41,34 @@ class Swaps(SimBase):
         self.core.moved(a.request_id, dst.id)
         dst.waiting.append(rec)
         for d in (src, dst):
+            self._join_decode(d, now)
+            self._start_step(d, now)
+
+    # ---- scale-down of a KV-parallel request ----
+
+    def _scale_down(self, a: ScaleDownKVP, now: float) -> None:
+        rec, plan = self.records[a.request_id], self.plans.get(a.request_id)
+        master = self.instances.get(rec.decode_instance)
+        leaving, receiver = self.instances.get(a.instance), self.instances.get(a.into)
+        decoding = rec.state == "pending" and isinstance(master, SimDecode) and rec in master.running
+        if not decoding or plan is None or not isinstance(leaving, SimDecode) or not isinstance(receiver, SimDecode):
+            self.core.scale_down_refused(a.request_id, "unknown", now)
+            return
+        blocks = leaving.held.get(a.request_id, 0)
+        if receiver.free_blocks < blocks:
+            self.core.scale_down_refused(a.request_id, "no_room", now)
+            return
+        self._add_kv(rec, -1)
+        leaving.free(a.request_id)
+        receiver.alloc(a.request_id, blocks)
+        shards = merged(plan.decode_shards, a.instance, a.into)
+        self.plans[a.request_id] = dataclasses.replace(plan, decode_shards=shards)
+        self._tails.pop(a.request_id, None)
+        self._add_kv(rec, +1)
+        rec.scale_downs += 1
+        self.core.scaled_down(a.request_id, a.instance, a.into)
+        self._retry_split_joins(now)
+        for d in (leaving, receiver):
             self._join_decode(d, now)
             self._start_step(d, now)
 
