@@ -7,6 +7,7 @@ every member's blocks from `/v1/spindle/instances`. Prints a table and writes JS
 
     python bench/bench_kvp_stack.py                        # K=3, 512 tokens per member, 9 requests
     python bench/bench_kvp_stack.py --kvp 2 --requests 6 --out /tmp/kvp_stack.json
+    python bench/bench_kvp_stack.py --strategy single:kvp_merge_tokens=64 --kvp-tokens 300 --prompt-lens 310,600
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kvp-tokens", type=int, default=500, help="per-member token limit of a new request's ranges")
     p.add_argument("--prompt-lens", default="520,760,1000", help="prompt lengths, cycled (default 520,760,1000)")
     p.add_argument("--max-tokens", type=int, default=48, help="output tokens per request (default 48)")
+    p.add_argument("--strategy", default="single", help="the scheduler's strategy spec (default single; "
+                   "e.g. single:kvp_merge_tokens=64 to merge short shards)")  # fmt: skip
     p.add_argument("--requests", type=int, default=9, help="requests in all (default 9)")
     p.add_argument("--concurrency", type=int, default=2, help="requests in flight at once (default 2)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")
@@ -81,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         decode=1,
         decode_kvp=args.kvp,
         kvp_tokens=args.kvp_tokens,
+        strategy=args.strategy,
         decode_kv_cache_tokens=args.member_tokens,
         kv_cache_tokens=4096,
         max_model_len=max(args.prompt_lens) + args.max_tokens + 16,
@@ -120,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nKVP decode group: {args.kvp} members x {args.member_tokens} tokens, --kvp-tokens {args.kvp_tokens}")
+    print(f"\nKVP decode group: {args.kvp} members x {args.member_tokens} tokens, --kvp-tokens {args.kvp_tokens}, "
+          f"strategy {args.strategy}")  # fmt: skip
     print(f"requests {len(results)} ({ok} completed, {len(results) - ok} failed) in {wall:.1f} s")
     print(f"scale-ups {result['kvp_scale_ups']} ({result['kvp_scale_ups'] / len(results):.2f} per request), "
           f"scale-downs {result['kvp_scale_downs']}, dropped {result['kvp_dropped']}, "

@@ -47,9 +47,10 @@ def test_the_strategy_merges_a_short_tail_shard_and_the_tokens_stay_exact(kvp_st
         while not first.startswith("data: "):
             first = next(lines)
         assert wait_until(lambda: _instances(kvp_stack)["decode-0"]["counters"]["kvp_scale_downs"] == 1, 30)
+        merged = wait_until(lambda: len(_holding(kvp_stack)) == 1, 10)  # one member holds all of its KV now
         holding = _holding(kvp_stack)
         events = [json.loads(first.removeprefix("data: ")), *read_events_from(lines)]
-    assert len(holding) == 1, holding  # mid-stream, after the merge: one member holds all of its KV
+    assert merged, holding
     assert events[-1] == "[DONE]" and stream_text(events, chat=False) == tokenizer.decode(
         _greedy_ignoring_eos(reference_engine, ids, 64)
     )
@@ -58,6 +59,7 @@ def test_the_strategy_merges_a_short_tail_shard_and_the_tokens_stay_exact(kvp_st
 
 def test_a_dead_member_without_a_part_of_the_long_request_leaves_it_exact(kvp_stack, reference_engine, tokenizer):
     long_ids, *short_ids = _prompts(tokenizer, [600, 7, 9])  # [0, 300) and [300, 600) on two members
+    assert wait_until(lambda: _all_free(kvp_stack), 10), instance_blocks(kvp_stack)
     body = {"model": "smollm2", "max_tokens": 120, "ignore_eos": True, "temperature": 0}
     short_body = {**body, "max_tokens": 48}
     with (

@@ -112,6 +112,52 @@ def test_committed_growth_of_placed_requests_holds_back_new_reservations():
     assert p.growth_blocks() == 0 and p.reserve("b", 40)
 
 
+def test_growth_demands_are_met_only_by_members_a_request_can_reach():
+    from spindle_engine.kvp.growth import demands_fit
+
+    assert demands_fit([], {0: 0})
+    assert demands_fit([(3, [0, 1])], {0: 1, 1: 2})  # split over both
+    assert not demands_fit([(3, [1])], {0: 5, 1: 2})  # member 0's room is out of its reach
+    # a takes 0 or 1, b only 1: a must give 1 up (an augmenting path through a's use of member 1)
+    assert demands_fit([(2, [0, 1]), (2, [1])], {0: 2, 1: 2})
+    assert not demands_fit([(3, [0, 1]), (2, [1])], {0: 2, 1: 2})
+    assert not demands_fit([(1, [0])], {0: -1, 1: 5})  # an overfull member gives nothing
+
+
+def test_a_reservation_that_would_leave_a_request_no_reachable_room_waits():
+    # 3 members of 10 blocks of 4 tokens. a: [0, 16) on 0 and [16, 56) on 1, whose 10 blocks it fills; it may
+    # grow by 8 tokens, which only member 2 (holding none of it) can take: 2 blocks, +1 for the new range
+    p = _planner(members=3, blocks=10, kvp_tokens=0, block_size=4)
+    a = p.place_given("a", 56, [(0, 0, 16), (1, 16, 56)])
+    assert a is not None and p.reserve("a", 56, a, final_tokens=64)
+    p.plan.add(p.take_reservation("a", 56))
+    assert p.growth_fits()
+    b = p.place_given("b", 36, [(2, 0, 36)])  # 9 of member 2's blocks: 6 stay free on member 0 only
+    assert b is not None
+    free_after = p.num_blocks - p.num_used - 9
+    assert free_after >= p.growth_blocks()  # the group-wide count alone would take it
+    assert not p.reserve("b", 36, b)  # but a would get stuck on member 2's last block
+    assert "b" not in p.reserved and p.growth_fits()
+    c = p.place_given("c", 20, [(2, 0, 20)])  # 5 blocks on 2 leave 5 there: a's 3 fit
+    assert c is not None and p.reserve("c", 20, c, final_tokens=24)
+    assert p.reserve("d", 16, p.place_given("d", 16, [(0, 0, 16)]), final_tokens=20)  # d's growth: member 0
+    p.plan.add(p.take_reservation("c", 20))
+    p.commit("c", 24)
+    for _ in range(8):
+        _step(p)  # never stuck: a scales up onto member 2 and finishes its 8 tokens there
+    assert p.plan.get("a").tail == 2
+
+
+def test_a_request_that_could_not_grow_even_alone_is_still_taken():
+    p = _planner(members=2, blocks=4, kvp_tokens=0, block_size=4)  # 32 tokens
+    q = p.place_given("q", 28, [(0, 0, 14), (1, 14, 28)])  # holds both members: nowhere to scale up to
+    assert q is not None
+    p.final_tokens["q"] = 40
+    assert not p.growth_fits(only=q)  # 12 more tokens: 2 slots left on its tail, no member to scale up to
+    p.final_tokens.clear()
+    assert p.reserve("q", 28, q, final_tokens=40)  # refusing would make it wait forever: only the count applies
+
+
 def _step(p: GroupPlanner) -> list[tuple[str, int]]:
     ups = p.scale_ups()
     assert not ups.stuck

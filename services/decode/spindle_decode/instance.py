@@ -165,13 +165,14 @@ class DecodeInstance(Instance):
             return kvp_lockstep.registry_entries(self)
         return super().registry_entries()
 
-    async def reserve_blocks(self, request_id: str, num_tokens: int) -> bool:
-        """Reserve a request's KV blocks on the engine (a KVP group: at the scheduler's placement, if it sent one)."""
-        shards = self.kvp_shards.get(request_id)
-        if shards is None:
-            ok = await self.call(lambda e: e.reserve(request_id, num_tokens))
+    async def reserve_blocks(self, request_id: str, num_tokens: int, max_tokens: int) -> bool:
+        """Reserve a request's KV blocks on the engine (a KVP group: at the scheduler's placement, if it sent one,
+        its outputs' growth counted)."""
+        if isinstance(self.engine, KVPLeaderEngine):
+            shards = self.kvp_shards.get(request_id)
+            ok = await self.call(lambda e: e.reserve(request_id, num_tokens, shards, max_tokens))
         else:
-            ok = await self.call(lambda e: e.reserve(request_id, num_tokens, shards))
+            ok = await self.call(lambda e: e.reserve(request_id, num_tokens))
         if ok:
             self.kvp_shards.pop(request_id, None)
         return ok
@@ -239,7 +240,7 @@ class DecodeInstance(Instance):
         try:
             if msg.kv != self._expected_header(n):
                 return ReserveReply(accepted=False, reason=f"bad_header: expected {self._expected_header(n)}")
-            ok = await self.reserve_blocks(rid, n)
+            ok = await self.reserve_blocks(rid, n, spec.sampling.max_tokens)
         except ValueError as e:
             return ReserveReply(accepted=False, reason=str(e))
         if not ok:
@@ -386,7 +387,7 @@ class DecodeInstance(Instance):
                 self.parked.pop(rid, None)
                 continue
             try:
-                ok = await self.reserve_blocks(rid, n)
+                ok = await self.reserve_blocks(rid, n, job.spec.sampling.max_tokens)
             except ValueError as e:
                 self.parked.pop(rid, None)
                 await self.fail(job, 400, str(e))

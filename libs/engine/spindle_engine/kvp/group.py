@@ -31,9 +31,13 @@ reported block counts against it.
   ping-pong. At most one scale-down per request per step. `scale_down_fits` checks an explicit one (a scheduler
   strategy's `KVPLeaderEngine.request_scale_down`): room for the range alone.
 - Growth is committed: each placed request's KV may still grow to `final_tokens` (its max_tokens, set by
-  `commit` when it joins), and a new reservation must leave the group enough free blocks for that growth of
-  every placed request, so admitting one request does not leave the ones decoding without room (there is no
-  preemption inside a group: a stuck request fails). A refused reservation waits (the service parks it).
+  `commit` when it joins, or at `reserve` when the service passes it), and a new reservation must leave the
+  group enough free blocks for that growth of every placed and reserved request, so admitting one request does
+  not leave the ones decoding without room (there is no preemption inside a group: a stuck request fails).
+  Counting blocks group-wide is not enough: a request's new tokens reach only its tail and the members holding
+  none of it, so `growth_fits` solves the small transport problem (growth.py) and a reservation that would
+  leave some request without reachable room is refused too (unless that request could not grow even alone in
+  an empty group: then only the count applies). A refused reservation waits (the service parks it).
 - `mark_dead(m)`: a member that died leaves the group for good: nothing is placed there again, the group's
   blocks shrink by its share, and reservations that used it are placed again on the others (or fail).
 """
@@ -43,6 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import pairwise
 
+from .growth import demands_fit
 from .plan import KVPPlan, KVPRequest, KVRange
 
 
@@ -206,9 +211,11 @@ class GroupPlanner:
             return None
         return req
 
-    def reserve(self, request_id: str, num_tokens: int, req: KVPRequest | None = None) -> bool:
+    def reserve(self, request_id: str, num_tokens: int, req: KVPRequest | None = None, final_tokens: int = 0) -> bool:
         """Hold blocks for `request_id`: at `req` (from `place_given`) or where `place` puts it. False when it
-        does not fit, or would leave too little room for the placed requests' committed growth."""
+        does not fit, or would leave too little room for the committed growth of the placed and reserved
+        requests (this one's too: up to `final_tokens` KV tokens, when given), each on the members its new
+        tokens can reach (`growth_fits`)."""
         if request_id in self.reserved or request_id in self.plan.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = req or self.place(request_id, num_tokens)
@@ -217,8 +224,36 @@ class GroupPlanner:
         free = self.num_blocks - self.num_used - sum(self._range_blocks(r) for r in req.ranges)
         if free < self.growth_blocks():
             return False
+        fitted = self.growth_fits()  # False only after a request that could never fit alone (below)
+        if final_tokens > num_tokens:
+            self.final_tokens[request_id] = final_tokens
         self.reserved[request_id] = req
+        if fitted and not self.growth_fits() and self.growth_fits(only=req):
+            del self.reserved[request_id]  # it would leave another request (or itself) stuck: it waits
+            self.final_tokens.pop(request_id, None)
+            return False
         return True
+
+    def growth_fits(self, only: KVPRequest | None = None) -> bool:
+        """Whether every placed and reserved request (or `only` that one, in an otherwise empty group) can grow
+        to its committed size on its tail and the members holding none of it (growth.py)."""
+        bs = self.config.block_size
+        if only is None:
+            requests = [*self.plan.requests.values(), *self.reserved.values()]
+            free = {m: self.free_blocks(m) for m in self.live_members}
+        else:
+            requests = [only]
+            free = {m: self.config.blocks_per_member for m in self.live_members}
+            for r in only.ranges:
+                free[r.member] = free.get(r.member, 0) - self._range_blocks(r)
+        demands = []
+        for q in requests:
+            left = self._left(q)
+            if left > 0:
+                n = q.ranges[-1].num_tokens
+                blocks = _blocks(n + left, bs) - _blocks(n, bs) + 1  # +1: a scale-up's new range (growth_blocks)
+                demands.append((blocks, [m for m in free if m == q.tail or q.range_of(m) is None]))
+        return demands_fit(demands, free)
 
     def member_loads(self) -> dict[int, MemberLoad]:
         """What each live member holds and leads, for its registry entry (placed and reserved requests)."""
@@ -251,6 +286,7 @@ class GroupPlanner:
         return req
 
     def cancel(self, request_id: str) -> bool:
+        self.final_tokens.pop(request_id, None)
         return self.reserved.pop(request_id, None) is not None
 
     def mark_dead(self, member: int) -> list[str]:
@@ -261,7 +297,8 @@ class GroupPlanner:
         for rid, req in list(self.reserved.items()):
             if req.master == member or req.range_of(member) is not None:
                 del self.reserved[rid]
-                if not self.reserve(rid, req.num_tokens):
+                if not self.reserve(rid, req.num_tokens, final_tokens=self.final_tokens.get(rid, 0)):
+                    self.final_tokens.pop(rid, None)
                     failed.append(rid)
         return failed
 

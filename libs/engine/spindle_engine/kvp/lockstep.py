@@ -176,9 +176,16 @@ class KVPLeaderEngine:
         if not prompt_token_ids or any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"token ids must be a non-empty list of integers in [0, {vocab})")
 
-    def reserve(self, request_id: str, num_tokens: int, shards: list[tuple[int, int, int]] | None = None) -> bool:
+    def reserve(
+        self,
+        request_id: str,
+        num_tokens: int,
+        shards: list[tuple[int, int, int]] | None = None,
+        max_tokens: int = 0,
+    ) -> bool:
         """Hold blocks for a request's KV: at the scheduler's `shards` (member, start, end) when given and they fit
-        now, else where the group's planner puts it (Medha-style, `kvp_tokens`)."""
+        now, else where the group's planner puts it (Medha-style, `kvp_tokens`). With `max_tokens`, its outputs'
+        growth counts from now on (the planner refuses a reservation some request could not grow after)."""
         if not 0 < num_tokens < self.max_model_len:
             raise ValueError(f"cannot reserve {num_tokens} tokens (context is {self.max_model_len})")
         if request_id in self.requests:
@@ -193,7 +200,8 @@ class KVPLeaderEngine:
                 if given is None:
                     log.info("the scheduler's placement of %s %s does not fit now; the group places it", request_id,
                              shards)  # fmt: skip
-        ok = self.planner.reserve(request_id, num_tokens, given)
+        final = min(num_tokens + max(0, max_tokens - 1), self.max_model_len) if max_tokens else 0  # as resume commits
+        ok = self.planner.reserve(request_id, num_tokens, given, final)
         if ok:
             self.placed_as_given += given is not None
             self.placed_by_group += given is None
@@ -266,6 +274,7 @@ class KVPLeaderEngine:
         if not self.planner.scale_down_fits(request_id, member, into):
             return False
         self._scale_down(request_id, member, into)
+        self._refresh_loads()
         return True
 
     def _scale_down(self, request_id: str, member: int, into: int | None) -> None:
