@@ -38,18 +38,24 @@ def kvp_stack(tmp_path_factory):
         s.stop()
 
 
+def _first_event(lines) -> dict:
+    """The stream's first event (the request is decoding by then), skipping SSE blank lines."""
+    line = next(lines)
+    while not line.startswith("data: "):
+        line = next(lines)
+    return json.loads(line.removeprefix("data: "))
+
+
 def test_the_strategy_merges_a_short_tail_shard_and_the_tokens_stay_exact(kvp_stack, reference_engine, tokenizer):
     ids = _prompts(tokenizer, [310])[0]
     body = {"model": "smollm2", "prompt": ids, "max_tokens": 64, "ignore_eos": True, "temperature": 0}
     with httpx.stream("POST", kvp_stack.base_url + "/completions", timeout=120, json={**body, "stream": True}) as resp:
         lines = resp.iter_lines()
-        first = next(lines)
-        while not first.startswith("data: "):
-            first = next(lines)
+        first = _first_event(lines)
         assert wait_until(lambda: _instances(kvp_stack)["decode-0"]["counters"]["kvp_scale_downs"] == 1, 30)
         merged = wait_until(lambda: len(_holding(kvp_stack)) == 1, 10)  # one member holds all of its KV now
         holding = _holding(kvp_stack)
-        events = [json.loads(first.removeprefix("data: ")), *read_events_from(lines)]
+        events = [first, *read_events_from(lines)]
     assert merged, holding
     assert events[-1] == "[DONE]" and stream_text(events, chat=False) == tokenizer.decode(
         _greedy_ignoring_eos(reference_engine, ids, 64)
@@ -68,9 +74,7 @@ def test_a_dead_member_without_a_part_of_the_long_request_leaves_it_exact(kvp_st
         cf.ThreadPoolExecutor(2) as pool,
     ):  # fmt: skip
         lines = resp.iter_lines()
-        first = next(lines)
-        while not first.startswith("data: "):
-            first = next(lines)
+        first = _first_event(lines)
         assert wait_until(lambda: len(_holding(kvp_stack)) == 2, 30), instance_blocks(kvp_stack)
         long_rid = next(iter(next(iter(_holding(kvp_stack).values()))))
         victim = next(m for m in MEMBERS if m not in _holding(kvp_stack) and m != "decode-0")
@@ -82,7 +86,7 @@ def test_a_dead_member_without_a_part_of_the_long_request_leaves_it_exact(kvp_st
         assert wait_until(lambda: len(short_rids()) == 2, 60), instance_blocks(kvp_stack)
         on_victim = sum(m == victim for m in short_rids().values())  # the freest member takes them, usually
         kvp_stack.processes[victim].send_signal(signal.SIGKILL)
-        events = [json.loads(first.removeprefix("data: ")), *read_events_from(lines)]
+        events = [first, *read_events_from(lines)]
         results = [f.result(timeout=120) for f in shorts]
     print(f"\n[kvp=3] {on_victim} short requests on the killed member {victim}")
     assert events[-1] == "[DONE]" and not any("error" in e for e in events if isinstance(e, dict)), events[-3:]

@@ -84,6 +84,16 @@ static inline __m512 load16_f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm25
  * fit the 32 vector registers. */
 #define MBQ 4
 
+/* acc{0..3}[i] += x(i) * w{0..3} for the R rows of a GGUF tile pass (XI: the row's x value, in terms of i). */
+#define ROWS_FMA4(R, XI, W0, W1, W2, W3)                                                                       \
+    for (int i = 0; i < R; i++) {                                                                              \
+        const __m512 xb = _mm512_set1_ps(XI);                                                                  \
+        a0[i] = _mm512_fmadd_ps(xb, W0, a0[i]);                                                                \
+        a1[i] = _mm512_fmadd_ps(xb, W1, a1[i]);                                                                \
+        a2[i] = _mm512_fmadd_ps(xb, W2, a2[i]);                                                                \
+        a3[i] = _mm512_fmadd_ps(xb, W3, a3[i]);                                                                \
+    }
+
 /* Q4_1: per pair of k, 64 bytes give the 64 columns' nibbles for k (low) and k + 1 (high). */
 #define GEMM_TILE_Q4(R)                                                                                        \
     static void tile_q4_##R(const float* x, int64_t K, const uint8_t* pt, __m512* out) {                       \
@@ -108,24 +118,12 @@ static inline __m512 load16_f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm25
                 const __m512 w1 = _mm512_fmadd_ps(d1, _mm512_cvtepi32_ps(_mm512_and_si512(b1, lo)), m1);       \
                 const __m512 w2 = _mm512_fmadd_ps(d2, _mm512_cvtepi32_ps(_mm512_and_si512(b2, lo)), m2);       \
                 const __m512 w3 = _mm512_fmadd_ps(d3, _mm512_cvtepi32_ps(_mm512_and_si512(b3, lo)), m3);       \
-                for (int i = 0; i < R; i++) {                                                                  \
-                    const __m512 xb = _mm512_set1_ps(x[i * K + k]);                                            \
-                    a0[i] = _mm512_fmadd_ps(xb, w0, a0[i]);                                                    \
-                    a1[i] = _mm512_fmadd_ps(xb, w1, a1[i]);                                                    \
-                    a2[i] = _mm512_fmadd_ps(xb, w2, a2[i]);                                                    \
-                    a3[i] = _mm512_fmadd_ps(xb, w3, a3[i]);                                                    \
-                }                                                                                              \
+                ROWS_FMA4(R, x[i * K + k], w0, w1, w2, w3);                                                    \
                 const __m512 v0 = _mm512_fmadd_ps(d0, _mm512_cvtepi32_ps(_mm512_srli_epi32(b0, 4)), m0);       \
                 const __m512 v1 = _mm512_fmadd_ps(d1, _mm512_cvtepi32_ps(_mm512_srli_epi32(b1, 4)), m1);       \
                 const __m512 v2 = _mm512_fmadd_ps(d2, _mm512_cvtepi32_ps(_mm512_srli_epi32(b2, 4)), m2);       \
                 const __m512 v3 = _mm512_fmadd_ps(d3, _mm512_cvtepi32_ps(_mm512_srli_epi32(b3, 4)), m3);       \
-                for (int i = 0; i < R; i++) {                                                                  \
-                    const __m512 xb = _mm512_set1_ps(x[i * K + k + 1]);                                        \
-                    a0[i] = _mm512_fmadd_ps(xb, v0, a0[i]);                                                    \
-                    a1[i] = _mm512_fmadd_ps(xb, v1, a1[i]);                                                    \
-                    a2[i] = _mm512_fmadd_ps(xb, v2, a2[i]);                                                    \
-                    a3[i] = _mm512_fmadd_ps(xb, v3, a3[i]);                                                    \
-                }                                                                                              \
+                ROWS_FMA4(R, x[i * K + k + 1], v0, v1, v2, v3);                                                \
             }                                                                                                  \
         }                                                                                                      \
         for (int i = 0; i < R; i++) {                                                                          \
@@ -152,13 +150,7 @@ static inline __m512 load16_f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm25
                                                         _mm_loadu_si128((const __m128i*)(q + 32)))));          \
                 const __m512 w3 = _mm512_mul_ps(d3, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                    \
                                                         _mm_loadu_si128((const __m128i*)(q + 48)))));          \
-                for (int i = 0; i < R; i++) {                                                                  \
-                    const __m512 xb = _mm512_set1_ps(x[i * K + kb * QK + kk]);                                 \
-                    a0[i] = _mm512_fmadd_ps(xb, w0, a0[i]);                                                    \
-                    a1[i] = _mm512_fmadd_ps(xb, w1, a1[i]);                                                    \
-                    a2[i] = _mm512_fmadd_ps(xb, w2, a2[i]);                                                    \
-                    a3[i] = _mm512_fmadd_ps(xb, w3, a3[i]);                                                    \
-                }                                                                                              \
+                ROWS_FMA4(R, x[i * K + kb * QK + kk], w0, w1, w2, w3);                                         \
             }                                                                                                  \
         }                                                                                                      \
         for (int i = 0; i < R; i++) {                                                                          \

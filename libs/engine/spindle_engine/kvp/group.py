@@ -136,14 +136,16 @@ class GroupPlanner:
         return sum(self.used_blocks(m) for m in self.live_members)
 
     def growth_blocks(self) -> int:
-        """Blocks the placed requests may still take as they decode (one more each for a scale-up's new range)."""
-        bs, out = self.config.block_size, 0
-        for rid, q in self.plan.requests.items():
-            left = self.final_tokens.get(rid, q.num_tokens) - q.num_tokens
-            if left > 0:
-                n = q.ranges[-1].num_tokens
-                out += _blocks(n + left, bs) - _blocks(n, bs) + 1
-        return out
+        """Blocks the placed requests may still take as they decode."""
+        return sum(self._growth(q) for q in self.plan.requests.values())
+
+    def _growth(self, q: KVPRequest) -> int:
+        """Blocks `q` may still take as it decodes (one more for a scale-up's new range)."""
+        left, bs = self._left(q), self.config.block_size
+        if left <= 0:
+            return 0
+        n = q.ranges[-1].num_tokens
+        return _blocks(n + left, bs) - _blocks(n, bs) + 1
 
     # ---- placement ----
 
@@ -237,7 +239,6 @@ class GroupPlanner:
     def growth_fits(self, only: KVPRequest | None = None) -> bool:
         """Whether every placed and reserved request (or `only` that one, in an otherwise empty group) can grow
         to its committed size on its tail and the members holding none of it (growth.py)."""
-        bs = self.config.block_size
         if only is None:
             requests = [*self.plan.requests.values(), *self.reserved.values()]
             free = {m: self.free_blocks(m) for m in self.live_members}
@@ -246,13 +247,11 @@ class GroupPlanner:
             free = {m: self.config.blocks_per_member for m in self.live_members}
             for r in only.ranges:
                 free[r.member] = free.get(r.member, 0) - self._range_blocks(r)
-        demands = []
-        for q in requests:
-            left = self._left(q)
-            if left > 0:
-                n = q.ranges[-1].num_tokens
-                blocks = _blocks(n + left, bs) - _blocks(n, bs) + 1  # +1: a scale-up's new range (growth_blocks)
-                demands.append((blocks, [m for m in free if m == q.tail or q.range_of(m) is None]))
+        demands = [
+            (blocks, [m for m in free if m == q.tail or q.range_of(m) is None])
+            for q in requests
+            if (blocks := self._growth(q))
+        ]
         return demands_fit(demands, free)
 
     def member_loads(self) -> dict[int, MemberLoad]:
