@@ -1,16 +1,18 @@
-"""A KV-parallel decode group (`spindle up --decode-kvp 3 --kvp-tokens 500`) in the real stack: three member
-processes of 32 blocks (512 tokens) each, each registered as a decode instance of the group. The scheduler places
-requests over the members (the strategy gets kvp_tokens=500): a 1000-token prompt is split at token 500 (not a
-block boundary) over two members and, as its tail fills during decode, scales up onto the third (existing KV stays
-put); greedy tokens equal the single engine's; closing a stream frees the blocks on every member; a killed member
-ends its requests with an error within seconds, its registry entry is withdrawn, and the other requests go on,
-exact."""
+"""A KV-parallel decode group (`spindle up --decode-kvp 3 --kvp-tokens 500`) in the real stack: three member processes
+of 32 blocks (512 tokens) each, each registered as a decode instance of the group. The scheduler places requests
+over the members (the strategy gets kvp_tokens=500): a 1000-token prompt is split at token 500 (not a block
+boundary) over two members and, as its tail fills during decode, scales up onto the third (existing KV stays put)
+and the leader tells the scheduler (KVPShards); greedy tokens equal the single engine's; closing a stream frees the
+blocks on every member; a killed member ends its requests with an error within seconds, its registry entry is
+withdrawn, and the other requests go on, exact."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import re
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -95,6 +97,9 @@ def test_split_prompt_scales_up_and_equals_the_engine(kvp_stack, reference_engin
     print(f"[kvp=3] scale-ups so far: {ups}, scale-downs {counters['kvp_scale_downs']}")
     assert ups >= 1  # the 1000-token prompt's tail member (500 tokens in all its 32 blocks) fills after 12 tokens
     assert counters["kvp_placed_as_given"] == 2 and counters["kvp_placed_by_group"] == 0  # the scheduler placed both
+    # the leader told the scheduler of the scale-up (KVPShards): its view holds the third member too
+    log = (Path(kvp_stack.config.log_dir) / "scheduler.log").read_text()
+    assert re.search(r"its KV is on 3 members now: \[\('decode-0[^)]*, 0, 500\)", log), log[-3000:]
     assert wait_until(lambda: _all_free(kvp_stack), 5), instance_blocks(kvp_stack)
 
 

@@ -178,6 +178,25 @@ def test_a_full_tail_scales_up_to_a_free_member_and_nothing_moves():
     assert p.placed_blocks(1) == 33 and p.placed_blocks(2) == 1
 
 
+def test_a_scale_up_leaves_the_room_another_request_depends_on():
+    # 4 members of 10 blocks of 4 tokens. b holds members 2 (7 blocks), 3 (full) and 1 (5 blocks, its tail) and
+    # may grow by 16 tokens: only member 1 can take them (member 0 is full with a). a fills member 0 and may grow
+    # by 8 tokens: member 1 has the most free blocks, but taking them would leave b stuck; member 2 fits a
+    p = _planner(members=4, blocks=10, kvp_tokens=0, block_size=4)
+    p.plan.add(KVPRequest.split("b", 2, [2, 3, 1], [0, 28, 68, 88]))
+    p.plan.add(KVPRequest.split("a", 0, [0], [0, 40]))
+    p.commit("b", 104)
+    p.commit("a", 48)
+    assert p.growth_fits() and [p.free_blocks(m) for m in range(4)] == [0, 5, 3, 0]
+    assert p.scale_ups().moves == [("a", 2)]
+    for i in range(16):
+        _step(p)  # b's 16 tokens on member 1, a's 8 on member 2: nobody is stuck
+        if i == 7:
+            p.plan.finish("a")
+            p.forget("a")
+    assert p.plan.get("b").ranges[-1] == KVRange(1, 68, 104) and p.free_blocks(1) == 1
+
+
 def test_no_member_to_scale_up_to_is_stuck():
     p = _planner(members=2, blocks=2, kvp_tokens=20, block_size=4)
     _admit(p, "a", 15)  # [0, 8) on 0 and [8, 15) on 1: every member holds some; 1 slot left at the tail
@@ -295,6 +314,11 @@ def test_group_engine_gives_the_single_engine_tokens(tiny_dir, tmp_path):
     # long: [0, 21) on 0 and [21, 40) on 1, mastered by 1; short on 2 mastered by 2; gone and seeded on 2
     # mastered by 0 (which holds none of them); long's tail fills member 1 and moves to 2 at step 13
     assert int(leader["scale_ups"]) == 1
+    # what the scheduler is told: each request once when placed, long again after its scale-up
+    assert {k.removeprefix("reports:"): int(v) for k, v in leader.items() if k.startswith("reports:")} == {
+        "long": 2, "short": 1, "gone": 1, "seeded": 1
+    }  # fmt: skip
+    assert leader["placement:long"].tolist()[:8] == [1, 0, 0, 21, 1, 21, 53, 2]  # member 1 filled at token 53
     assert leader["blocks_used"].tolist() == [0, 0]
     assert leader["member_blocks_used"].tolist() == [0, 0]
     assert [int(r["blocks_used"]) for r in results[1:]] == [0, 0]

@@ -392,7 +392,28 @@ class Preempted(msgspec.Struct, frozen=True, kw_only=True, tag="preempted"):
     seconds: float  # from the command to the KV stored and the blocks freed
 
 
-WorkerEvent = PrefillProgress | PrefillDone | TransferDone | DecodeStarted | Preempted | RequestFinished | RequestFailed
+class KVPShards(msgspec.Struct, frozen=True, kw_only=True, tag="kvp_shards"):
+    """The leader of a KV-parallel decode group, after a step: where a decoding request's KV is now, sent when it
+    was placed (the group may not use the scheduler's `PlaceKVP`) and after each scale-up or scale-down. `shards`
+    tile its tokens so far in order, the last the tail; `master` (a member too) samples its tokens and may hold
+    none of them."""
+
+    request_id: str
+    instance_id: str  # the leader
+    master: str
+    shards: list[KVShardSpec]
+
+
+WorkerEvent = (
+    PrefillProgress
+    | PrefillDone
+    | TransferDone
+    | DecodeStarted
+    | Preempted
+    | KVPShards
+    | RequestFinished
+    | RequestFailed
+)
 
 
 class StatsQuery(msgspec.Struct, frozen=True, kw_only=True):

@@ -454,5 +454,6 @@ class DecodeInstance(Instance):
                 self.from_thread(self.publish_tokens(job, out.new_token_ids))
         if isinstance(self.engine, KVPLeaderEngine):
             kvp_lockstep.fail_dropped(self, self.engine)
+            kvp_lockstep.report_placements(self, self.engine)
         if any(o.finished for o in outputs):
             self.loop.call_soon_threadsafe(self.blocks_freed.set)

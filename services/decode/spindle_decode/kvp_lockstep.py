@@ -8,7 +8,9 @@ KVP degree, members and master (placement.pick_decode_group) as the simulator do
 placement (`PlaceKVP`) before the prefill starts; the leader answers every member's subjects, receives the KV
 whole (directly, in SP parts, or pulled from the kvstore), reserves it at that placement (or, when it does not fit
 now, where the group's planner puts it) and streams every request's tokens, whichever member masters it. A
-strategy's `ScaleDownKVP` moves a member's range of a decoding request to an adjacent holder. Here:
+strategy's `ScaleDownKVP` moves a member's range of a decoding request to an adjacent holder. After a step the
+leader tells the scheduler where a request's KV is when that changed (`KVPShards`: placed, scaled up or down), so
+strategies see the group's placement, not only the one they asked for. Here:
 building and connecting the group, the members' registry entries and stats, the scale-up / scale-down counters,
 and failing the requests the group had to drop (for want of blocks, or because a follower died: the group then
 goes on with the others, and the dead member's registry entry is withdrawn).
@@ -31,6 +33,7 @@ from spindle_protocol.messages import (
     InstanceInfo,
     InstanceStats,
     KVParked,
+    KVPShards,
     KVShardSpec,
     MoveParked,
     PlaceKVP,
@@ -219,6 +222,15 @@ def with_counters(stats: InstanceStats, engine: object) -> InstanceStats:
         "kvp_placed_by_group": engine.placed_by_group,
     }
     return msgspec.structs.replace(stats, counters={**stats.counters, **counters})
+
+
+def report_placements(inst: DecodeInstance, engine: KVPLeaderEngine) -> None:
+    """On the engine thread after a step: a `KVPShards` event per request placed, scaled up or scaled down."""
+    for q in engine.placement_changes():
+        shards = [KVShardSpec(instance=member_id(inst.id, r.member), start=r.start, end=r.end) for r in q.ranges]
+        master = member_id(inst.id, q.master)
+        event = KVPShards(request_id=q.request_id, instance_id=inst.id, master=master, shards=shards)
+        inst.from_thread(inst.bus.publish(subjects.EVENTS, event))
 
 
 def fail_dropped(inst: DecodeInstance, engine: KVPLeaderEngine) -> None:

@@ -5,12 +5,14 @@ No I/O: methods take the current time and return actions for an executor to carr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
 from spindle_protocol.messages import (
     DecodeStarted,
     InstanceInfo,
+    KVPShards,
     Preempted,
     PrefillDone,
     PrefillProgress,
@@ -22,7 +24,18 @@ from spindle_protocol.messages import (
 )
 from spindle_protocol.registry import DEAD_AFTER_S
 
-from .actions import Action, Admit, FailRequest, Preempt, Reject, RunPrefill, ScaleDownKVP, TransferKV, decode_tokens
+from .actions import (
+    Action,
+    Admit,
+    FailRequest,
+    KVShard,
+    Preempt,
+    Reject,
+    RunPrefill,
+    ScaleDownKVP,
+    TransferKV,
+    decode_tokens,
+)
 from .merging import merged
 from .state import DECODE_ROLES, PREFILL_ROLES, ClusterState, Phase, RequestState
 from .strategy import Strategy
@@ -100,7 +113,9 @@ class SchedulerCore:
     def scaled_down(self, request_id: str, instance: str, into: str) -> None:
         """A ScaleDownKVP was carried out: `instance`'s shard is `into`'s now."""
         if (req := self.state.requests.get(request_id)) is not None:
-            req.decode_shards, req.merging = merged(req.decode_shards, instance, into), False
+            with contextlib.suppress(ValueError):  # the leader's KVPShards came first
+                req.decode_shards = merged(req.decode_shards, instance, into, req.decode_instance)
+            req.merging = False
             log.info("%s: %s merged into %s (holders %s)", request_id, instance, into, req.decode_instances())
 
     def scale_down_refused(self, request_id: str, reason: str, now: float) -> None:
@@ -121,6 +136,24 @@ class SchedulerCore:
             self._expect(req)
         if (new := self.state.instances.get(dst)) is not None:
             new.mastering.add(request_id)
+
+    def _kvp_placed(self, req: RequestState, event: KVPShards) -> None:
+        """A KVP group's leader says where the request's KV is: the group may have placed it elsewhere than asked,
+        and scale-ups and scale-downs change it. Its KV is in the group, counted by the members' own reports."""
+        self._arrived(req)
+        if event.master != req.decode_instance:
+            if (old := self.state.instances.get(req.decode_instance)) is not None:
+                old.mastering.discard(req.request_id)
+            if (new := self.state.instances.get(event.master)) is not None:
+                new.mastering.add(req.request_id)
+            req.decode_instance = event.master
+        shards = tuple(KVShard(s.instance, s.start, s.end) for s in event.shards)
+        if tuple(s.instance for s in shards) != req.decode_instances():
+            log.info(
+                "%s: its KV is on %d members now: %s (master %s)", req.request_id, len(shards),
+                [(s.instance, s.start, s.end) for s in shards], req.decode_instance,
+            )  # fmt: skip
+        req.decode_shards = shards
 
     def move_refused(self, request_id: str, reason: str) -> None:
         """The request was no longer parked there (pulled in meanwhile, or gone)."""
@@ -249,6 +282,8 @@ class SchedulerCore:
                 req.phase = Phase.DECODE
                 req.parked_since = None
                 req.decoding_since = now
+            case KVPShards():
+                self._kvp_placed(req, event)
             case Preempted():
                 req.phase = Phase.TRANSFER
                 req.parked_since, req.decoding_since = now, None

@@ -5,8 +5,10 @@ holder before it once that holder has room for it (and, for the tail, for every 
 Such fragments come from placements cut by free space (a busy group when the request arrived, room again now) and
 from a `kvp_tokens` limit that leaves a short tail. Each costs its member a query and a partial state per layer
 and step, and the master one more merge, for little KV: merging it is the one time a group moves KV (LoongServe's
-scale-down). The master's shard (the first) never leaves. Pure function of the cluster state: the simulator and
-the services run it alike; the group's leader checks room again and may refuse.
+scale-down). The first shard never leaves, nor the master's (the group's leader reports where a request's KV is
+after placing and after each scale-up: `KVPShards`, so these are the shards the group holds, not only those the
+strategy asked for). Pure function of the cluster state: the simulator and the services run it alike; the group's
+leader checks room again and may refuse.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ def kvp_merges(state: ClusterState, now: float, merge_tokens: int) -> list[Scale
             tokens = leaving.end - leaving.start
             if tokens >= merge_tokens:
                 break
+            if leaving.instance == req.decode_instance:
+                continue
             receiver = state.instances.get(into.instance)
             if receiver is None or not receiver.alive or receiver.id in taken:
                 continue
@@ -43,12 +47,12 @@ def kvp_merges(state: ClusterState, now: float, merge_tokens: int) -> list[Scale
     return out
 
 
-def merged(shards: tuple[KVShard, ...], leaving: str, into: str) -> tuple[KVShard, ...]:
+def merged(shards: tuple[KVShard, ...], leaving: str, into: str, master: str) -> tuple[KVShard, ...]:
     """The shards after `leaving`'s range joined `into`'s (adjacent); () when only the master's is left."""
-    k = next(i for i, s in enumerate(shards) if s.instance == leaving)
-    j = next(i for i, s in enumerate(shards) if s.instance == into)
-    if abs(j - k) != 1:
+    k = next((i for i, s in enumerate(shards) if s.instance == leaving), None)
+    j = next((i for i, s in enumerate(shards) if s.instance == into), None)
+    if k is None or j is None or abs(j - k) != 1:
         raise ValueError(f"{into} does not hold a shard next to {leaving}'s in {shards}")
     a, b = sorted((shards[k], shards[j]), key=lambda s: s.start)
     out = [*shards[: min(j, k)], KVShard(into, a.start, b.end), *shards[max(j, k) + 1 :]]
-    return () if len(out) == 1 and j == 0 else tuple(out)
+    return () if len(out) == 1 and out[0].instance == master else tuple(out)

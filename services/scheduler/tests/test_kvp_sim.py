@@ -1,5 +1,6 @@
 """KV-parallel decode in the scheduler and the simulator: placement of shards, block accounting, step time."""
 
+import msgspec
 import pytest
 
 from spindle_scheduler import SchedulerConfig
@@ -198,6 +199,42 @@ def test_the_strategy_merges_a_short_shard_into_its_neighbour_once_it_has_room()
     assert create_strategy("single:kvp_tokens=1000,kvp_merge_tokens=64").describe() == (
         "single:kvp_tokens=1000,kvp_merge_tokens=64"
     )
+
+
+def test_the_leaders_report_of_where_the_kv_is_replaces_the_strategys_placement():
+    from spindle_protocol.messages import DecodeStarted, KVPShards, KVShardSpec
+    from spindle_scheduler.actions import ScaleDownKVP
+
+    groups = [("g", "g"), ("g-kvp1", "g"), ("g-kvp2", "g")]
+    core = _core("single:kvp_tokens=1000,kvp_merge_tokens=64", groups, total=100)
+    plan = _plan(core, "r", 1500, out=20)
+    asked = [s.instance for s in plan.decode_shards]
+    assert len(asked) == 2 and plan.decode_instance == asked[0]
+    assert all(core.state.instances[i].incoming for i in asked)  # virtual usage until the KV is in the group
+    spare = next(i for i, _ in groups if i not in asked)
+    # the group placed it otherwise (the placement did not fit when the KV came), mastered by the spare member,
+    # and the tail filled: a scale-up onto the spare member, which holds no prompt token
+    report = KVPShards(
+        request_id="r", instance_id="g", master=spare,
+        shards=[KVShardSpec(instance=asked[1], start=0, end=990), KVShardSpec(instance=asked[0], start=990, end=1512),
+                KVShardSpec(instance=spare, start=1512, end=1513)],
+    )  # fmt: skip
+    core.on_event(report, 0.1)
+    core.on_event(DecodeStarted(request_id="r", instance_id="g"), 0.2)  # may come after the first report
+    req = core.state.requests["r"]
+    assert req.decode_instances() == (asked[1], asked[0], spare) and req.decode_instance == spare
+    assert core.state.instances[spare].mastering == {"r"} and not core.state.instances[asked[0]].mastering
+    assert not any(i.incoming for i in core.state.instances.values())
+    # the strategy merges the 1-token tail back (not the master's own shard: the scaled-up tail is the master's)
+    assert core.tick(0.3) == []
+    report = msgspec.structs.replace(report, master=asked[1])
+    core.on_event(report, 0.4)
+    assert core.tick(0.5) == [ScaleDownKVP("r", spare, asked[0])]
+    merged = [report.shards[0], KVShardSpec(instance=asked[0], start=990, end=1515)]
+    core.on_event(msgspec.structs.replace(report, shards=merged), 0.6)  # the leader's report before its reply
+    core.scaled_down("r", spare, asked[0])
+    assert [(s.instance, s.start, s.end) for s in req.decode_shards] == [(asked[1], 0, 990), (asked[0], 990, 1515)]
+    assert not req.merging
 
 
 def test_the_simulator_merges_short_shards_and_still_finishes_every_request():

@@ -18,8 +18,10 @@ reported block counts against it.
 - The master is the member mastering the fewest requests (ties: the tail, then other holders, then the
   lowest member), so different members run different requests' layers.
 - `scale_ups()` before each step: a tail member whose requests' next tokens need more blocks than it has
-  free hands the tails of some of them to the member with the most free blocks that holds no range of that
-  request yet (LoongServe's scale-up: existing KV never moves). A request no member can take is `stuck`.
+  free hands the tails of some of them to a member that holds no range of that request yet (LoongServe's
+  scale-up: existing KV never moves): the one with the most free blocks among those that keep every request's
+  committed growth within reach (`growth_fits`' flow), so a move never takes the room another request depends
+  on. A request no member can take is `stuck`.
 - `scale_downs()` before each step, before `scale_ups()` (`scale_down_tokens` > 0 turns it on): a *fragment*,
   a range shorter than `scale_down_tokens` held by a member that is not the request's master, merges into the
   holder before it (or after it, when it is the first range), the one KV move of the group (plan.py), when that
@@ -324,10 +326,32 @@ class GroupPlanner:
                 if not candidates:
                     out.stuck.append(q.request_id)
                     continue
-                best = min(candidates, key=lambda c: (-free[c], c))
+                candidates.sort(key=lambda c: (-free[c], c))
+                tails = dict(out.moves)
+                best = next(
+                    (c for c in candidates if self._growth_fits_after(growing, {**tails, q.request_id: c}, free, c)),
+                    candidates[0],  # no choice keeps every request's growth in reach: the freest, as before
+                )
                 free[best] -= 1
                 out.moves.append((q.request_id, best))
         return out
+
+    def _growth_fits_after(
+        self, growing: dict[int, list[KVPRequest]], tails: dict[str, int], free: dict[int, int], taken: int
+    ) -> bool:
+        """Whether every placed request's committed growth still fits (growth.py) once this step's tokens are
+        placed, the tails in `tails` moved, and one more block of `taken` used by the latest move. `free` has
+        this step's blocks already taken from the tails (blocks of moves still to decide stay counted on their
+        old tail, which only makes the check less strict)."""
+        supply = {m: free[m] - (m == taken) for m in self.live_members}
+        now = {q.request_id for reqs in growing.values() for q in reqs}  # their next block is taken already
+        demands = []
+        for q in self.plan.requests.values():
+            tail = tails.get(q.request_id, q.tail)
+            blocks = self._growth(q) - (q.request_id in now)
+            if blocks > 0:
+                demands.append((blocks, [m for m in supply if m == tail or q.range_of(m) is None]))
+        return demands_fit(demands, supply)
 
     # ---- consolidation ----
 

@@ -45,10 +45,15 @@ def prefilled(config: EngineConfig, prompt: list[int], params: SamplingParams) -
 
 
 def play(
-    leader: KVPLeaderEngine, ref_config: EngineConfig, script: list[dict], failed: dict[str, str] | None = None
+    leader: KVPLeaderEngine,
+    ref_config: EngineConfig,
+    script: list[dict],
+    failed: dict[str, str] | None = None,
+    placements: dict[str, list[list[int]]] | None = None,
 ) -> dict[str, list[int]]:
     """Apply `script` entries ({"step": k, "op": resume|abort, ...}) before step k; run until done. Requests the
-    group fails go to `failed` (id -> message)."""
+    group fails go to `failed` (id -> message); what `placement_changes` reports after each step to `placements`
+    (id -> [master, member, start, end, member, start, end, ...] per report)."""
     tokens: dict[str, list[int]] = {}
     step = 0
     last = max(e["step"] for e in script)
@@ -69,6 +74,10 @@ def play(
             return tokens
         for out in leader.step():
             tokens[out.request_id] += out.new_token_ids
+        for q in leader.placement_changes():
+            if placements is not None:
+                ranges = [x for r in q.ranges for x in (r.member, r.start, r.end)]
+                placements.setdefault(q.request_id, []).append([q.master, *ranges])
         for rid, message in leader.take_failures():
             if failed is None:
                 raise RuntimeError(f"{rid} failed: {message}")
@@ -91,9 +100,12 @@ def group_engine_worker(
     )  # fmt: skip
     leader.connect()
     ref_config = EngineConfig(model=config.model, block_size=config.block_size, kv_cache_tokens=4096)
-    tokens = play(leader, ref_config, json.loads(script_json))
+    placements: dict[str, list[list[int]]] = {}
+    tokens = play(leader, ref_config, json.loads(script_json), placements=placements)
     leader.step()  # one more exchange: the followers report their blocks after the last finishes
     out = {f"tokens:{rid}": torch.tensor(t) for rid, t in tokens.items()}
+    out |= {f"reports:{rid}": torch.tensor([len(r)]) for rid, r in placements.items()}
+    out |= {f"placement:{rid}": torch.tensor(r[-1]) for rid, r in placements.items()}
     out["blocks_used"] = torch.tensor([member.blocks_used, leader.allocator.num_used])
     out["member_blocks_used"] = torch.tensor(list(leader.member_blocks_used.values()))
     out["scale_ups"] = torch.tensor([leader.scale_ups])

@@ -143,6 +143,7 @@ class KVPLeaderEngine:
         self.member_loads: dict[int, MemberLoad] = {}
         self.placed_as_given = 0  # reservations at the scheduler's placement
         self.placed_by_group = 0  # reservations the group's planner placed (none given, or it did not fit)
+        self._reported: dict[str, tuple] = {}  # request -> (master, range starts) last given by placement_changes
         self._refresh_loads()
 
     @property
@@ -312,6 +313,20 @@ class KVPLeaderEngine:
     @property
     def num_waiting(self) -> int:
         return 0
+
+    def placement_changes(self) -> list[KVPRequest]:
+        """The decoding requests placed, or whose master or holders changed (scale-up, scale-down), since the last
+        call: what the scheduler is told, as its own view is the placement it asked for (`PlaceKVP`)."""
+        for rid in [rid for rid in self._reported if rid not in self.requests]:
+            del self._reported[rid]
+        changed = []
+        for rid in self.requests:
+            q = self.member.plan.requests.get(rid)
+            key = None if q is None else (q.master, tuple((r.member, r.start) for r in q.ranges))
+            if key is not None and self._reported.get(rid) != key:
+                self._reported[rid] = key
+                changed.append(q)
+        return changed
 
     def take_failures(self) -> list[tuple[str, str]]:
         out, self.failures = self.failures, []

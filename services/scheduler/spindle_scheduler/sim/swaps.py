@@ -61,7 +61,7 @@ class Swaps(SimBase):
         self._add_kv(rec, -1)
         leaving.free(a.request_id)
         receiver.alloc(a.request_id, blocks)
-        shards = merged(plan.decode_shards, a.instance, a.into)
+        shards = merged(plan.decode_shards, a.instance, a.into, plan.decode_instance)
         self.plans[a.request_id] = dataclasses.replace(plan, decode_shards=shards)
         self._tails.pop(a.request_id, None)
         self._add_kv(rec, +1)
