@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import signal
+import time
 
 import httpx
 import pytest
@@ -103,3 +104,30 @@ def test_a_dead_member_without_a_part_of_the_long_request_leaves_it_exact(kvp_st
     assert wait_until(lambda: victim not in _instances(kvp_stack), 10), list(_instances(kvp_stack))
     counters = _instances(kvp_stack)["decode-0"]["counters"]
     assert counters["kvp_members_gone"] == 1 and counters["kvp_lost_requests"] == sum(failed)
+
+
+def test_a_dead_leader_fails_its_requests_and_takes_the_group_down_cleanly(kvp_stack, tokenizer):
+    """Last in the module: the group's leader (member 0, the only one on NATS) dies mid-decode. The request gets
+    the scheduler's error before its deadline, the surviving follower exits (its share of the KV goes with it),
+    the group's registry entries expire, and a new request gets a clean 503, not a hang."""
+    ids = _prompts(tokenizer, [600])[0]  # [0, 300) and [300, 600) on the two live members
+    assert wait_until(lambda: _all_free(kvp_stack), 10), instance_blocks(kvp_stack)
+    survivors = [m for m in MEMBERS[1:] if kvp_stack.processes[m].poll() is None]
+    assert len(survivors) == 1, survivors  # the previous test killed one follower
+    body = {"model": "smollm2", "prompt": ids, "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+    with httpx.stream("POST", kvp_stack.base_url + "/completions", timeout=60, json={**body, "stream": True}) as resp:
+        lines = resp.iter_lines()
+        _first_event(lines)
+        assert wait_until(lambda: len(_holding(kvp_stack)) == 2, 30), instance_blocks(kvp_stack)
+        t0 = time.monotonic()
+        kvp_stack.processes["decode-0"].send_signal(signal.SIGKILL)
+        events = read_events_from(lines)
+        elapsed = time.monotonic() - t0
+    print(f"\n[kvp=3] error event {elapsed:.1f}s after the leader's SIGKILL")
+    assert elapsed < 15
+    assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
+    assert "decode instance decode-0 was lost" in events[-2]["error"]["message"], events[-2]
+    assert wait_until(lambda: kvp_stack.processes[survivors[0]].poll() is not None, 30), "the follower kept running"
+    assert wait_until(lambda: not any(i.startswith("decode") for i in _instances(kvp_stack)), 10)
+    r = httpx.post(kvp_stack.base_url + "/completions", timeout=30, json={**body, "max_tokens": 4, "stream": False})
+    assert r.status_code == 503 and "no live prefill or decode instance" in r.json()["error"]["message"], r.text
