@@ -100,10 +100,8 @@ def test_worker_sigkill_ends_requests_cleanly(tmp_path_factory):
             lines = resp.iter_lines()  # kept open: leaving a for-loop over it would close the response
             while not next(lines).startswith("data: "):
                 pass
-            t0 = time.monotonic()
-            stack.processes["decode-0"].send_signal(signal.SIGKILL)
-            events = read_events_from(lines)
-        assert time.monotonic() - t0 < 10
+            events, elapsed = kill_mid_stream(stack, "decode-0", lines)
+        assert elapsed < 10
         assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
         assert stream_text([e for e in events if e == "[DONE]" or "error" not in e], chat=False) is not None
         assert wait_until(lambda: httpx.get(stack.url + "/health", timeout=5).status_code == 503, 5)
@@ -117,3 +115,12 @@ def read_events_from(lines) -> list:
             return lines
 
     return read_events(_R())
+
+
+def kill_mid_stream(stack, name: str, lines) -> tuple[list, float]:
+    """SIGKILL service `name` while a stream is open: the rest of the stream's events and the seconds until its
+    end."""
+    t0 = time.monotonic()
+    stack.processes[name].send_signal(signal.SIGKILL)
+    events = read_events_from(lines)
+    return events, time.monotonic() - t0

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import re
-import signal
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pytest
 
 from .conftest import engine_greedy, instance_blocks, start_stack, wait_until
 from .sse import read_events, stream_text
-from .test_failures import read_events_from
+from .test_failures import kill_mid_stream
 
 pytestmark = pytest.mark.slow
 
@@ -159,10 +158,7 @@ def test_member_sigkill_fails_only_its_requests(kvp_stack, reference_engine, tok
 
         assert wait_until(lambda: len(short_rids()) == 2, 60), instance_blocks(kvp_stack)  # both decoding
         on_victim = sum(m == victim for m in short_rids().values())  # the freest member takes them, usually
-        t0 = time.monotonic()
-        kvp_stack.processes[victim].send_signal(signal.SIGKILL)
-        events = read_events_from(lines)
-        elapsed = time.monotonic() - t0
+        events, elapsed = kill_mid_stream(kvp_stack, victim, lines)
         results = [f.result(timeout=120) for f in shorts]
     print(f"\n[kvp=3] error event {elapsed:.1f}s after a member's SIGKILL")
     assert elapsed < 10

@@ -13,14 +13,13 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import signal
-import time
 
 import httpx
 import pytest
 
 from .conftest import instance_blocks, start_stack, wait_until
 from .sse import stream_text
-from .test_failures import read_events_from
+from .test_failures import kill_mid_stream, read_events_from
 from .test_kvp_decode import MEMBER_TOKENS, MEMBERS, _all_free, _greedy_ignoring_eos, _holding, _instances, _prompts
 from .test_kvp_decode import _stream as stream
 
@@ -119,10 +118,7 @@ def test_a_dead_leader_fails_its_requests_and_takes_the_group_down_cleanly(kvp_s
         lines = resp.iter_lines()
         _first_event(lines)
         assert wait_until(lambda: len(_holding(kvp_stack)) == 2, 30), instance_blocks(kvp_stack)
-        t0 = time.monotonic()
-        kvp_stack.processes["decode-0"].send_signal(signal.SIGKILL)
-        events = read_events_from(lines)
-        elapsed = time.monotonic() - t0
+        events, elapsed = kill_mid_stream(kvp_stack, "decode-0", lines)
     print(f"\n[kvp=3] error event {elapsed:.1f}s after the leader's SIGKILL")
     assert elapsed < 15
     assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]

@@ -8,7 +8,6 @@ error instead of a hang."""
 from __future__ import annotations
 
 import concurrent.futures as cf
-import signal
 import time
 
 import httpx
@@ -16,7 +15,7 @@ import pytest
 
 from .conftest import engine_greedy, instance_blocks, start_stack, wait_until
 from .sse import read_events, stream_text
-from .test_failures import read_events_from
+from .test_failures import kill_mid_stream
 from .test_sp_grow import _grow_profile
 
 pytestmark = pytest.mark.slow
@@ -130,10 +129,7 @@ def test_follower_sigkill_ends_the_stream_with_an_error(tp_stack):
         lines = resp.iter_lines()
         while not next(lines).startswith("data: "):
             pass
-        t0 = time.monotonic()
-        tp_stack.processes["decode-0-tp1"].send_signal(signal.SIGKILL)
-        events = read_events_from(lines)
-    elapsed = time.monotonic() - t0
+        events, elapsed = kill_mid_stream(tp_stack, "decode-0-tp1", lines)
     print(f"\n[tp=2] error event {elapsed:.1f}s after the follower's SIGKILL")
     assert elapsed < 30
     assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
