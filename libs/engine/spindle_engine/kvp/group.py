@@ -339,14 +339,14 @@ class GroupPlanner:
     def _growth_fits_after(
         self, growing: dict[int, list[KVPRequest]], tails: dict[str, int], free: dict[int, int], taken: int
     ) -> bool:
-        """Whether every placed request's committed growth still fits (growth.py) once this step's tokens are
-        placed, the tails in `tails` moved, and one more block of `taken` used by the latest move. `free` has
-        this step's blocks already taken from the tails (blocks of moves still to decide stay counted on their
-        old tail, which only makes the check less strict)."""
+        """Whether every placed and reserved request's committed growth still fits (growth.py) once this step's
+        tokens are placed, the tails in `tails` moved, and one more block of `taken` used by the latest move.
+        `free` has this step's blocks already taken from the tails (blocks of moves still to decide stay counted
+        on their old tail, which only makes the check less strict)."""
         supply = {m: free[m] - (m == taken) for m in self.live_members}
         now = {q.request_id for reqs in growing.values() for q in reqs}  # their next block is taken already
         demands = []
-        for q in self.plan.requests.values():
+        for q in (*self.plan.requests.values(), *self.reserved.values()):
             tail = tails.get(q.request_id, q.tail)
             blocks = self._growth(q) - (q.request_id in now)
             if blocks > 0:
