@@ -275,6 +275,22 @@ def test_a_request_longer_than_one_decode_instance_needs_a_split_plan():
         assert max(i.peak_blocks for i in split.instances.values() if i.role == "decode") <= 256
 
 
+def _kvp_reports(sim: Simulator) -> list:
+    """The KVPShards events the simulator's core gets, from now on."""
+    from spindle_protocol.messages import KVPShards
+
+    reports = []
+    on_event = sim.core.on_event
+
+    def record(event, now: float):
+        if isinstance(event, KVPShards):
+            reports.append(event)
+        return on_event(event, now)
+
+    sim.core.on_event = record
+    return reports
+
+
 def test_a_split_requests_outputs_scale_up_to_another_member_when_its_tail_has_no_room():
     # 1,024-token decode instances; 2,000 prompt tokens in two shards of 1,000 (63 blocks each): the tail has no
     # room for 200 outputs more, so they go to the third instance (a scale-up; the services' group does it when
@@ -283,9 +299,17 @@ def test_a_split_requests_outputs_scale_up_to_another_member_when_its_tail_has_n
         num_prefill=1, num_decode=3, block_size=16, decode_kv_blocks=64, kv_bytes_per_token=1024,
         max_model_len=4096,
     )  # fmt: skip
-    sim = Simulator("single:kvp_tokens=1000", LATENCY, config)
-    result = sim.run([TraceRequest(0.0, 2000, 200)])
-    check_invariants(sim, result)
-    assert result.records[0].state == "finished" and len(result.records[0].token_times) == 200
-    peaks = sorted(i.peak_blocks for i in sim.instances.values() if i.role == "decode")
-    assert peaks == [13, 63, 63] and all(i.used_blocks == 0 for i in sim.instances.values())
+    for strategy in ("single:kvp_tokens=1000", "single:kvp_tokens=1000,kvp_merge_tokens=64"):
+        sim = Simulator(strategy, LATENCY, config)
+        reports = _kvp_reports(sim)
+        result = sim.run([TraceRequest(0.0, 2000, 200)])
+        check_invariants(sim, result)
+        assert result.records[0].state == "finished" and len(result.records[0].token_times) == 200
+        peaks = sorted(i.peak_blocks for i in sim.instances.values() if i.role == "decode")
+        assert peaks == [13, 63, 63] and all(i.used_blocks == 0 for i in sim.instances.values())
+        assert result.records[0].scale_ups == 1 and result.summary().scale_ups == 1
+        # the core hears of it as from a group's leader: the third instance is the tail, with no prompt token
+        (report,) = reports
+        assert [(s.start, s.end) for s in report.shards] == [(0, 1000), (1000, 2000), (2000, 2000)]
+        assert len({s.instance for s in report.shards}) == 3
+        assert result.summary().scale_downs == 0  # merging the new tail back needs 13 blocks its neighbour lacks

@@ -23,3 +23,4 @@ class SimBase:
     _swapped: set[str]  # preempted requests whose KV is in the kvstore
     _split_masters: set[SimDecode]  # masters whose queue head waits for blocks on another instance
     _tails: dict[str, SimDecode]  # request id -> the holder that takes its new tokens
+    _scaled_up: dict[str, SimDecode]  # split request -> the member its outputs went to at join (its tail)

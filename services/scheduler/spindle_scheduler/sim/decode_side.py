@@ -1,9 +1,10 @@
 """The simulator's decode side: transfer arrival, FIFO joins when blocks fit (on every holder of a split
-request), continuous-batching steps (with a prefill chunk mixed in on colocated instances), and leaving."""
+request; a split request's tail without room for its outputs scales up onto another member of its group),
+continuous-batching steps (with a prefill chunk mixed in on colocated instances), and leaving."""
 
 from __future__ import annotations
 
-from spindle_protocol.messages import DecodeStarted, RequestFinished, TransferDone
+from spindle_protocol.messages import DecodeStarted, KVPShards, KVShardSpec, RequestFinished, TransferDone
 
 from .base import SimBase
 from .cluster import ChunkJob, SimColocated, SimDecode
@@ -43,9 +44,12 @@ class DecodeSide(SimBase):
     # ---- KV-parallel decode: a request's KV split over decode instances ----
 
     def _shards(self, rec: RequestRecord) -> list[tuple[SimDecode, int]]:
-        """(instance, tokens it holds now) per decode holder, the master first; the tail holds the outputs."""
+        """(instance, tokens it holds now) per decode holder, the master first; the tail holds the outputs (a
+        member they scaled up to at join, when there is one)."""
         holders = self.plans[rec.request_id].decode_holders
         out = [(self.instances[h.instance], h.end - h.start) for h in holders]
+        if (member := self._scaled_up.get(rec.request_id)) is not None:
+            out.append((member, 0))
         tail, tokens = out[-1]
         out[-1] = (tail, tokens + len(rec.token_times))
         return out  # type: ignore[return-value]
@@ -54,8 +58,8 @@ class DecodeSide(SimBase):
         """The holder that takes the request's new tokens."""
         tail = self._tails.get(rec.request_id)
         if tail is None:
-            tail = self._tails[rec.request_id] = self.instances[self.plans[rec.request_id].decode_holders[-1].instance]
-        return tail  # type: ignore[return-value]
+            tail = self._tails[rec.request_id] = self._shards(rec)[-1][0]
+        return tail
 
     def _shard_blocks(self, rec: RequestRecord) -> list[tuple[SimDecode, int]]:
         """Blocks each holder takes at join: its shard, and on the tail room for every output token too. A split
@@ -91,6 +95,8 @@ class DecodeSide(SimBase):
         for inst in self.instances.values():  # the holders, and a member its outputs scaled up to
             if isinstance(inst, SimDecode):
                 inst.free(rec.request_id)
+        self._scaled_up.pop(rec.request_id, None)
+        self._tails.pop(rec.request_id, None)
 
     def _retry_split_joins(self, now: float) -> None:
         """A split request heading a master's queue may wait for blocks on another instance: retry them all."""
@@ -110,13 +116,30 @@ class DecodeSide(SimBase):
                 return
             self._split_masters.discard(d)
             d.waiting.popleft()
-            for inst, blocks in self._shard_blocks(head):
+            shard_blocks = self._shard_blocks(head)
+            for inst, blocks in shard_blocks:
                 inst.alloc(head.request_id, blocks)
+            if len(shard_blocks) > len(self.plans[head.request_id].decode_holders):
+                self._scale_up(head, shard_blocks[-1][0], now)
             if head.request_id in self._swapped:  # its KV comes back from the kvstore first
                 self._swapped.discard(head.request_id)
                 self.queue.push(now + self._kv_seconds(self._context(head)), EventKind.SWAP_IN_DONE, (d, head))
             else:
                 self._start_decoding(d, head, now)
+
+    def _scale_up(self, rec: RequestRecord, member: SimDecode, now: float) -> None:
+        """`member` took the outputs of a split request at join: it is the request's tail now (a shard with no
+        prompt token), and the core hears of it as from a group's leader (KVPShards)."""
+        self._scaled_up[rec.request_id] = member
+        self._tails.pop(rec.request_id, None)
+        rec.scale_ups += 1
+        plan = self.plans[rec.request_id]
+        end = plan.decode_holders[-1].end
+        shards = [KVShardSpec(instance=h.instance, start=h.start, end=h.end) for h in plan.decode_holders]
+        shards.append(KVShardSpec(instance=member.id, start=end, end=end))
+        event = KVPShards(request_id=rec.request_id, instance_id=member.kvp_group, master=plan.decode_instance,
+                          shards=shards)  # fmt: skip
+        self._emit(event, now)
 
     def _start_decoding(self, d: SimDecode, rec: RequestRecord, now: float) -> None:
         d.running.append(rec)
@@ -248,7 +271,7 @@ class DecodeSide(SimBase):
                 c.free(rid)
 
     def _leave_decode(self, d: SimDecode, rec: RequestRecord) -> None:
-        self._free_decode(rec)
         if rec in d.running:
             d.running.remove(rec)
-            self._add_kv(rec, -1)
+            self._add_kv(rec, -1)  # before the blocks go: a member its outputs scaled up to is forgotten then
+        self._free_decode(rec)

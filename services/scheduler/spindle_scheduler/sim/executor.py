@@ -102,6 +102,7 @@ class Simulator(PrefillSide, DecodeSide, Swaps):
         self._swapped: set[str] = set()  # preempted requests whose KV is in the kvstore
         self._split_masters: set[SimDecode] = set()  # masters whose queue head waits for blocks elsewhere
         self._tails: dict[str, SimDecode] = {}
+        self._scaled_up: dict[str, SimDecode] = {}
         self._remaining = 0
         self._ran = False
 

@@ -34,6 +34,7 @@ class RequestRecord:
     token_times: list[float] = field(default_factory=list)
     preemptions: int = 0  # times its decode was swapped out to the kvstore
     moves: int = 0  # times it was moved, parked, to another decode instance
+    scale_ups: int = 0  # KV-parallel: its outputs went to a member holding none of it (the tail had no room)
     scale_downs: int = 0  # KV-parallel shards of it merged into another holder (ScaleDownKVP)
 
     @property
@@ -132,6 +133,7 @@ class SimSummary:
     slo_attainment: float | None = None  # requests meeting the SLO / all requests (rejected and failed miss it)
     preemptions: int = 0  # decode swap-outs to the kvstore, all requests
     moves: int = 0  # parked requests moved to another decode instance, all requests
+    scale_ups: int = 0  # KV-parallel tails moved to a member holding none of the request, all requests
     scale_downs: int = 0  # KV-parallel shards merged into another holder, all requests
 
     def to_dict(self) -> dict:
@@ -186,5 +188,6 @@ def summarize(
         slo_attainment=attainment,
         preemptions=sum(r.preemptions for r in records),
         moves=sum(r.moves for r in records),
+        scale_ups=sum(r.scale_ups for r in records),
         scale_downs=sum(r.scale_downs for r in records),
     )

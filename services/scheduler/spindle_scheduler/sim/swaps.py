@@ -54,6 +54,18 @@ class Swaps(SimBase):
         if not decoding or plan is None or not isinstance(leaving, SimDecode) or not isinstance(receiver, SimDecode):
             self.core.scale_down_refused(a.request_id, "unknown", now)
             return
+        scaled_up = self._scaled_up.get(a.request_id) is leaving  # a tail its outputs went to at join
+        try:
+            if scaled_up and a.into != plan.decode_holders[-1].instance:
+                raise ValueError(f"{a.into} does not hold the shard before {a.instance}'s")
+            shards = (
+                plan.decode_shards
+                if scaled_up
+                else merged(plan.decode_shards, a.instance, a.into, plan.decode_instance)
+            )
+        except ValueError as e:
+            self.core.scale_down_refused(a.request_id, str(e), now)
+            return
         blocks = leaving.held.get(a.request_id, 0)
         if receiver.free_blocks < blocks:
             self.core.scale_down_refused(a.request_id, "no_room", now)
@@ -61,7 +73,8 @@ class Swaps(SimBase):
         self._add_kv(rec, -1)
         leaving.free(a.request_id)
         receiver.alloc(a.request_id, blocks)
-        shards = merged(plan.decode_shards, a.instance, a.into, plan.decode_instance)
+        if scaled_up:
+            del self._scaled_up[a.request_id]
         self.plans[a.request_id] = dataclasses.replace(plan, decode_shards=shards)
         self._tails.pop(a.request_id, None)
         self._add_kv(rec, +1)
