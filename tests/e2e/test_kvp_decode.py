@@ -9,8 +9,11 @@ withdrawn, and the other requests go on, exact."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import re
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -128,6 +131,63 @@ def _greedy_ignoring_eos(engine, ids: list[int], max_tokens: int) -> list[int]:
     return out
 
 
+def first_event(lines) -> dict:
+    """The stream's first event (the request is decoding by then), skipping SSE blank lines."""
+    line = next(lines)
+    while not line.startswith("data: "):
+        line = next(lines)
+    return json.loads(line.removeprefix("data: "))
+
+
+@dataclass
+class KillRun:
+    victim: str
+    on_victim: int  # short requests the scheduler had put on the victim
+    events: list  # the long stream's, the first included
+    elapsed: float  # from the SIGKILL to the long stream's end
+    results: list[list]  # each short request's events
+
+
+def kill_member_under_load(
+    stack, long_ids: list[int], short_ids: list[list[int]], body: dict, choose_victim: Callable[[dict], str]
+) -> KillRun:
+    """Stream the long request; once it decodes, start the short ones (48 tokens each) and, when both decode,
+    SIGKILL the member `choose_victim` picks from the members holding the long request's KV."""
+    with (
+        httpx.stream("POST", stack.base_url + "/completions", timeout=120, json={**body, "prompt": long_ids,
+                     "stream": True}) as resp,
+        cf.ThreadPoolExecutor(len(short_ids)) as pool,
+    ):  # fmt: skip
+        lines = resp.iter_lines()
+        first = first_event(lines)
+        assert wait_until(lambda: len(_holding(stack)) == 2, 30), instance_blocks(stack)
+        long_rid = next(iter(next(iter(_holding(stack).values()))))
+        victim = choose_victim(_holding(stack))  # only the long request runs yet
+        shorts = [pool.submit(_stream, stack, {**body, "max_tokens": 48, "prompt": ids}) for ids in short_ids]
+
+        def short_rids() -> dict[str, str]:  # short request id -> the member holding it
+            return {r: m for m, held in _holding(stack).items() for r in held if r != long_rid}
+
+        assert wait_until(lambda: len(short_rids()) == len(short_ids), 60), instance_blocks(stack)  # all decoding
+        on_victim = sum(m == victim for m in short_rids().values())  # the freest member takes them, usually
+        events, elapsed = kill_mid_stream(stack, victim, lines)
+        results = [f.result(timeout=120) for f in shorts]
+    return KillRun(victim, on_victim, [first, *events], elapsed, results)
+
+
+def short_outcomes(run: KillRun, short_ids: list[list[int]], reference_engine, tokenizer) -> list[bool]:
+    """Which short requests failed. Those not on the dead member finish exact; one on it fails, or finishes exact
+    where the leader placed it again (a reservation whose KV had not arrived)."""
+    exact = [
+        stream_text(got, chat=False) == tokenizer.decode(_greedy_ignoring_eos(reference_engine, ids, 48))
+        for got, ids in zip(run.results, short_ids, strict=True)
+    ]
+    failed = ["error" in got[-2] for got in run.results]
+    assert all(x != f for x, f in zip(exact, failed, strict=True)), (exact, failed, [got[-3:] for got in run.results])
+    assert sum(failed) <= run.on_victim, (failed, run.on_victim)
+    return failed
+
+
 def test_member_sigkill_fails_only_its_requests(kvp_stack, reference_engine, tokenizer):
     """Last in the module: it leaves the group with two members. A 700-token prompt is placed first, split over
     two members ([0, 500) and [500, 700)); the two short ones then go to the freest members (usually the third).
@@ -138,41 +198,16 @@ def test_member_sigkill_fails_only_its_requests(kvp_stack, reference_engine, tok
     long_ids, *short_ids = _prompts(tokenizer, [700, 7, 9])
     body = {"model": "smollm2", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
     short_body = {**body, "max_tokens": 48}
-    with (
-        httpx.stream("POST", kvp_stack.base_url + "/completions", timeout=60, json={**body, "prompt": long_ids,
-                     "stream": True}) as resp,
-        cf.ThreadPoolExecutor(2) as pool,
-    ):  # fmt: skip
-        lines = resp.iter_lines()
-        while not next(lines).startswith("data: "):
-            pass
-
-        assert wait_until(lambda: len(_holding(kvp_stack)) == 2, 30), instance_blocks(kvp_stack)
-        long_rid = next(iter(next(iter(_holding(kvp_stack).values()))))
-        holders = list(_holding(kvp_stack))  # only the long request runs yet
-        victim = next(m for m in holders if m != "decode-0")  # a follower holding part of the long request
-        shorts = [pool.submit(_stream, kvp_stack, {**short_body, "prompt": ids}) for ids in short_ids]
-
-        def short_rids() -> dict[str, str]:  # short request id -> the member holding it
-            return {r: m for m, held in _holding(kvp_stack).items() for r in held if r != long_rid}
-
-        assert wait_until(lambda: len(short_rids()) == 2, 60), instance_blocks(kvp_stack)  # both decoding
-        on_victim = sum(m == victim for m in short_rids().values())  # the freest member takes them, usually
-        events, elapsed = kill_mid_stream(kvp_stack, victim, lines)
-        results = [f.result(timeout=120) for f in shorts]
-    print(f"\n[kvp=3] error event {elapsed:.1f}s after a member's SIGKILL")
-    assert elapsed < 10
+    # a follower holding part of the long request
+    run = kill_member_under_load(
+        kvp_stack, long_ids, short_ids, body, lambda held: next(m for m in held if m != "decode-0")
+    )
+    victim, events = run.victim, run.events
+    print(f"\n[kvp=3] error event {run.elapsed:.1f}s after a member's SIGKILL")
+    assert run.elapsed < 10
     assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
     assert "KV-parallel member" in events[-2]["error"]["message"], events[-2]  # the leader's, not the scheduler's
-    exact = [
-        stream_text(got, chat=False) == tokenizer.decode(_greedy_ignoring_eos(reference_engine, ids, 48))
-        for got, ids in zip(results, short_ids, strict=True)
-    ]
-    failed = ["error" in got[-2] for got in results]
-    # those not on the dead member finish exact; one on it fails, or finishes exact where the leader placed it
-    # again (a reservation whose KV had not arrived)
-    assert all(x != f for x, f in zip(exact, failed, strict=True)), (exact, failed, [got[-3:] for got in results])
-    assert sum(failed) <= on_victim, (failed, on_victim)
+    failed = short_outcomes(run, short_ids, reference_engine, tokenizer)
     assert wait_until(lambda: _all_free(kvp_stack), 5), instance_blocks(kvp_stack)
     assert kvp_stack.processes["decode-0"].poll() is None, "the leader exited without its member"
     survivor = next(m for m in MEMBERS if m not in (victim, "decode-0"))

@@ -10,18 +10,24 @@ exact. The scheduler leaves the failing to the leader, which knows where each re
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import json
-import signal
-
 import httpx
 import pytest
 
 from .conftest import instance_blocks, start_stack, wait_until
 from .sse import stream_text
 from .test_failures import kill_mid_stream, read_events_from
-from .test_kvp_decode import MEMBER_TOKENS, MEMBERS, _all_free, _greedy_ignoring_eos, _holding, _instances, _prompts
-from .test_kvp_decode import _stream as stream
+from .test_kvp_decode import (
+    MEMBER_TOKENS,
+    MEMBERS,
+    _all_free,
+    _greedy_ignoring_eos,
+    _holding,
+    _instances,
+    _prompts,
+    first_event,
+    kill_member_under_load,
+    short_outcomes,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -38,20 +44,12 @@ def kvp_stack(tmp_path_factory):
         s.stop()
 
 
-def _first_event(lines) -> dict:
-    """The stream's first event (the request is decoding by then), skipping SSE blank lines."""
-    line = next(lines)
-    while not line.startswith("data: "):
-        line = next(lines)
-    return json.loads(line.removeprefix("data: "))
-
-
 def test_the_strategy_merges_a_short_tail_shard_and_the_tokens_stay_exact(kvp_stack, reference_engine, tokenizer):
     ids = _prompts(tokenizer, [310])[0]
     body = {"model": "smollm2", "prompt": ids, "max_tokens": 64, "ignore_eos": True, "temperature": 0}
     with httpx.stream("POST", kvp_stack.base_url + "/completions", timeout=120, json={**body, "stream": True}) as resp:
         lines = resp.iter_lines()
-        first = _first_event(lines)
+        first = first_event(lines)
         assert wait_until(lambda: _instances(kvp_stack)["decode-0"]["counters"]["kvp_scale_downs"] == 1, 30)
         merged = wait_until(lambda: len(_holding(kvp_stack)) == 1, 10)  # one member holds all of its KV now
         holding = _holding(kvp_stack)
@@ -67,37 +65,15 @@ def test_a_dead_member_without_a_part_of_the_long_request_leaves_it_exact(kvp_st
     long_ids, *short_ids = _prompts(tokenizer, [600, 7, 9])  # [0, 300) and [300, 600) on two members
     assert wait_until(lambda: _all_free(kvp_stack), 10), instance_blocks(kvp_stack)
     body = {"model": "smollm2", "max_tokens": 120, "ignore_eos": True, "temperature": 0}
-    short_body = {**body, "max_tokens": 48}
-    with (
-        httpx.stream("POST", kvp_stack.base_url + "/completions", timeout=120, json={**body, "prompt": long_ids,
-                     "stream": True}) as resp,
-        cf.ThreadPoolExecutor(2) as pool,
-    ):  # fmt: skip
-        lines = resp.iter_lines()
-        first = _first_event(lines)
-        assert wait_until(lambda: len(_holding(kvp_stack)) == 2, 30), instance_blocks(kvp_stack)
-        long_rid = next(iter(next(iter(_holding(kvp_stack).values()))))
-        victim = next(m for m in MEMBERS if m not in _holding(kvp_stack) and m != "decode-0")
-        shorts = [pool.submit(stream, kvp_stack, {**short_body, "prompt": ids}) for ids in short_ids]
-
-        def short_rids() -> dict[str, str]:  # short request id -> the member holding it
-            return {r: m for m, held in _holding(kvp_stack).items() for r in held if r != long_rid}
-
-        assert wait_until(lambda: len(short_rids()) == 2, 60), instance_blocks(kvp_stack)
-        on_victim = sum(m == victim for m in short_rids().values())  # the freest member takes them, usually
-        kvp_stack.processes[victim].send_signal(signal.SIGKILL)
-        events = [first, *read_events_from(lines)]
-        results = [f.result(timeout=120) for f in shorts]
-    print(f"\n[kvp=3] {on_victim} short requests on the killed member {victim}")
+    # a follower holding none of the long request
+    run = kill_member_under_load(
+        kvp_stack, long_ids, short_ids, body, lambda held: next(m for m in MEMBERS if m not in held and m != "decode-0")
+    )
+    victim, events, results = run.victim, run.events, run.results
+    print(f"\n[kvp=3] {run.on_victim} short requests on the killed member {victim}")
     assert events[-1] == "[DONE]" and not any("error" in e for e in events if isinstance(e, dict)), events[-3:]
     assert stream_text(events, chat=False) == tokenizer.decode(_greedy_ignoring_eos(reference_engine, long_ids, 120))
-    exact = [
-        stream_text(got, chat=False) == tokenizer.decode(_greedy_ignoring_eos(reference_engine, ids, 48))
-        for got, ids in zip(results, short_ids, strict=True)
-    ]
-    failed = ["error" in got[-2] for got in results]
-    assert all(x != f for x, f in zip(exact, failed, strict=True)), (exact, failed, [got[-2] for got in results])
-    assert sum(failed) <= on_victim, (failed, on_victim)
+    failed = short_outcomes(run, short_ids, reference_engine, tokenizer)
     assert all("KV-parallel member" in got[-2]["error"]["message"] for got, f in zip(results, failed, strict=True) if f)
     assert wait_until(lambda: _all_free(kvp_stack), 5), instance_blocks(kvp_stack)
     assert wait_until(lambda: victim not in _instances(kvp_stack), 10), list(_instances(kvp_stack))
@@ -116,7 +92,7 @@ def test_a_dead_leader_fails_its_requests_and_takes_the_group_down_cleanly(kvp_s
     body = {"model": "smollm2", "prompt": ids, "max_tokens": 400, "ignore_eos": True, "temperature": 0}
     with httpx.stream("POST", kvp_stack.base_url + "/completions", timeout=60, json={**body, "stream": True}) as resp:
         lines = resp.iter_lines()
-        _first_event(lines)
+        first_event(lines)
         assert wait_until(lambda: len(_holding(kvp_stack)) == 2, 30), instance_blocks(kvp_stack)
         events, elapsed = kill_mid_stream(kvp_stack, "decode-0", lines)
     print(f"\n[kvp=3] error event {elapsed:.1f}s after the leader's SIGKILL")

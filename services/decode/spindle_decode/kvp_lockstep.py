@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
 from nats.aio.msg import Msg
 
+from spindle_engine.kvp import KVRange
 from spindle_engine.kvp.lockstep import KVPLeaderEngine, leader_engine
 from spindle_protocol import subjects
 from spindle_protocol.messages import (
@@ -188,12 +189,12 @@ async def on_scale_down(inst: DecodeInstance, msg: ScaleDownKVP) -> ScaleDownRep
         return ScaleDownReply(accepted=False, reason=f"{msg.instance} or {msg.into} is not a member of {inst.id}")
     rid = msg.request_id
 
-    def apply(engine: KVPLeaderEngine) -> list[tuple[int, int, int]] | None:
+    def apply(engine: KVPLeaderEngine) -> tuple[KVRange, ...] | None:
         if rid not in engine.requests:
             return None
         if not engine.request_scale_down(rid, member, into):
-            return []
-        return [(r.member, r.start, r.end) for r in engine.member.plan.requests[rid].ranges]
+            return ()
+        return engine.member.plan.requests[rid].ranges
 
     try:
         ranges = await inst.call(apply)
@@ -203,10 +204,14 @@ async def on_scale_down(inst: DecodeInstance, msg: ScaleDownKVP) -> ScaleDownRep
         return ScaleDownReply(accepted=False, reason="unknown")
     if not ranges:
         return ScaleDownReply(accepted=False, reason="no_room")
-    shards = [KVShardSpec(instance=member_id(inst.id, m), start=a, end=b) for m, a, b in ranges]
     log.info("%s: %s leaves %s for %s at the scheduler's request (now %s)", inst.id, msg.instance, rid, msg.into,
              ranges)  # fmt: skip
-    return ScaleDownReply(accepted=True, shards=shards)
+    return ScaleDownReply(accepted=True, shards=shard_specs(inst, ranges))
+
+
+def shard_specs(inst: DecodeInstance, ranges: Iterable[KVRange]) -> list[KVShardSpec]:
+    """A request's ranges as the scheduler names them (members by their registry ids)."""
+    return [KVShardSpec(instance=member_id(inst.id, r.member), start=r.start, end=r.end) for r in ranges]
 
 
 def with_counters(stats: InstanceStats, engine: object) -> InstanceStats:
@@ -227,8 +232,7 @@ def with_counters(stats: InstanceStats, engine: object) -> InstanceStats:
 def report_placements(inst: DecodeInstance, engine: KVPLeaderEngine) -> None:
     """On the engine thread after a step: a `KVPShards` event per request placed, scaled up or scaled down."""
     for q in engine.placement_changes():
-        shards = [KVShardSpec(instance=member_id(inst.id, r.member), start=r.start, end=r.end) for r in q.ranges]
-        master = member_id(inst.id, q.master)
+        master, shards = member_id(inst.id, q.master), shard_specs(inst, q.ranges)
         event = KVPShards(request_id=q.request_id, instance_id=inst.id, master=master, shards=shards)
         inst.from_thread(inst.bus.publish(subjects.EVENTS, event))
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from spindle_protocol.messages import RequestSpec
+from spindle_protocol.messages import KVShardSpec, RequestSpec
 
 # How a chunk's tokens are split over an SP group: the names of spindle_engine.sp.SP_LAYOUTS (ring layouts, and
 # all-to-all for Ulysses attention), repeated here so the scheduler does not import torch.
@@ -117,6 +118,11 @@ def decode_tokens(spec: RequestSpec, holders: tuple[KVShard, ...]) -> dict[str, 
     out = {s.instance: s.end - s.start for s in holders}
     out[holders[-1].instance] += spec.sampling.max_tokens
     return out
+
+
+def shard_specs(shards: Iterable[KVShard]) -> list[KVShardSpec]:
+    """Shards as the wire carries them (PlaceKVP, KVPShards)."""
+    return [KVShardSpec(instance=s.instance, start=s.start, end=s.end) for s in shards]
 
 
 def whole_prompt(spec: RequestSpec, instances: tuple[str, ...], layout: str = "contiguous") -> tuple[PrefillChunk]:

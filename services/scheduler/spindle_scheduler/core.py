@@ -129,24 +129,24 @@ class SchedulerCore:
         if req is None:
             return
         self._arrived(req)
-        if (old := self.state.instances.get(req.decode_instance)) is not None:
-            old.mastering.discard(request_id)
-        req.decode_instance, req.moving = dst, False
+        self._set_master(req, dst)
+        req.moving = False
         if req.phase is not Phase.DECODE:  # `dst` may have pulled it in before this answer came back
             self._expect(req)
-        if (new := self.state.instances.get(dst)) is not None:
-            new.mastering.add(request_id)
+
+    def _set_master(self, req: RequestState, instance_id: str) -> None:
+        """`instance_id` leads the request's decode now (its `mastering` count follows)."""
+        if (old := self.state.instances.get(req.decode_instance)) is not None:
+            old.mastering.discard(req.request_id)
+        req.decode_instance = instance_id
+        if (new := self.state.instances.get(instance_id)) is not None:
+            new.mastering.add(req.request_id)
 
     def _kvp_placed(self, req: RequestState, event: KVPShards) -> None:
         """A KVP group's leader says where the request's KV is: the group may have placed it elsewhere than asked,
         and scale-ups and scale-downs change it. Its KV is in the group, counted by the members' own reports."""
         self._arrived(req)
-        if event.master != req.decode_instance:
-            if (old := self.state.instances.get(req.decode_instance)) is not None:
-                old.mastering.discard(req.request_id)
-            if (new := self.state.instances.get(event.master)) is not None:
-                new.mastering.add(req.request_id)
-            req.decode_instance = event.master
+        self._set_master(req, event.master)
         shards = tuple(KVShard(s.instance, s.start, s.end) for s in event.shards)
         if tuple(s.instance for s in shards) != req.decode_instances():
             log.info(

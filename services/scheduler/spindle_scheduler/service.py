@@ -20,7 +20,6 @@ from spindle_protocol.messages import (
     AdmitRequest,
     ClusterStatus,
     InstanceInfo,
-    KVShardSpec,
     MoveParked,
     MoveReply,
     PlaceKVP,
@@ -37,7 +36,7 @@ from spindle_protocol.messages import RunPrefill as RunPrefillMsg
 from spindle_protocol.registry import watch_registry
 from spindle_telemetry import extract, inject, setup, shutdown, tracer
 
-from .actions import Action, Admit, FailRequest, Preempt, Reject, RunPrefill, TransferKV
+from .actions import Action, Admit, FailRequest, Preempt, Reject, RunPrefill, TransferKV, shard_specs
 from .actions import ScaleDownKVP as ScaleDownAction
 from .core import SchedulerConfig, SchedulerCore
 from .latency import LatencyModel
@@ -175,8 +174,7 @@ class SchedulerService:
         )
         async with self._plan_lock:  # another admission's plan must not interleave with this one's commands
             if decode.kvp_group:  # a KV-parallel group: its leader learns the placement before any KV arrives
-                shards = [KVShardSpec(instance=s.instance, start=s.start, end=s.end) for s in a.decode_holders]
-                place = PlaceKVP(request_id=a.spec.request_id, shards=shards)
+                place = PlaceKVP(request_id=a.spec.request_id, shards=shard_specs(a.decode_holders))
                 await self.bus.publish(subjects.decode_place(decode.kvp_group), place)
             for instance in a.prefill_instances:
                 await self.bus.publish(subjects.prefill_run(instance), msg)

@@ -321,9 +321,10 @@ class KVPLeaderEngine:
             del self._reported[rid]
         changed = []
         for rid in self.requests:
-            q = self.member.plan.requests.get(rid)
-            key = None if q is None else (q.master, tuple((r.member, r.start) for r in q.ranges))
-            if key is not None and self._reported.get(rid) != key:
+            if (q := self.member.plan.requests.get(rid)) is None:
+                continue
+            key = (q.master, tuple((r.member, r.start) for r in q.ranges))
+            if self._reported.get(rid) != key:
                 self._reported[rid] = key
                 changed.append(q)
         return changed

@@ -4,8 +4,9 @@ continuous-batching steps (with a prefill chunk mixed in on colocated instances)
 
 from __future__ import annotations
 
-from spindle_protocol.messages import DecodeStarted, KVPShards, KVShardSpec, RequestFinished, TransferDone
+from spindle_protocol.messages import DecodeStarted, KVPShards, RequestFinished, TransferDone
 
+from ..actions import KVShard, shard_specs
 from .base import SimBase
 from .cluster import ChunkJob, SimColocated, SimDecode
 from .events import EventKind
@@ -135,8 +136,7 @@ class DecodeSide(SimBase):
         rec.scale_ups += 1
         plan = self.plans[rec.request_id]
         end = plan.decode_holders[-1].end
-        shards = [KVShardSpec(instance=h.instance, start=h.start, end=h.end) for h in plan.decode_holders]
-        shards.append(KVShardSpec(instance=member.id, start=end, end=end))
+        shards = shard_specs([*plan.decode_holders, KVShard(member.id, end, end)])
         event = KVPShards(request_id=rec.request_id, instance_id=member.kvp_group, master=plan.decode_instance,
                           shards=shards)  # fmt: skip
         self._emit(event, now)

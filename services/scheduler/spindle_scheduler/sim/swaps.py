@@ -58,11 +58,7 @@ class Swaps(SimBase):
         try:
             if scaled_up and a.into != plan.decode_holders[-1].instance:
                 raise ValueError(f"{a.into} does not hold the shard before {a.instance}'s")
-            shards = (
-                plan.decode_shards
-                if scaled_up
-                else merged(plan.decode_shards, a.instance, a.into, plan.decode_instance)
-            )
+            shards = None if scaled_up else merged(plan.decode_shards, a.instance, a.into, plan.decode_instance)
         except ValueError as e:
             self.core.scale_down_refused(a.request_id, str(e), now)
             return
@@ -73,9 +69,10 @@ class Swaps(SimBase):
         self._add_kv(rec, -1)
         leaving.free(a.request_id)
         receiver.alloc(a.request_id, blocks)
-        if scaled_up:
+        if shards is None:  # the scaled-up tail goes back: the plan's shards stay
             del self._scaled_up[a.request_id]
-        self.plans[a.request_id] = dataclasses.replace(plan, decode_shards=shards)
+        else:
+            self.plans[a.request_id] = dataclasses.replace(plan, decode_shards=shards)
         self._tails.pop(a.request_id, None)
         self._add_kv(rec, +1)
         rec.scale_downs += 1
