@@ -131,8 +131,8 @@ def _greedy_ignoring_eos(engine, ids: list[int], max_tokens: int) -> list[int]:
     return out
 
 
-def first_event(lines) -> dict:
-    """The stream's first event (the request is decoding by then), skipping SSE blank lines."""
+def next_event(lines) -> dict:
+    """The stream's next event, skipping SSE blank lines (the first comes from the prefill instance)."""
     line = next(lines)
     while not line.startswith("data: "):
         line = next(lines)
@@ -159,7 +159,7 @@ def kill_member_under_load(
         cf.ThreadPoolExecutor(len(short_ids)) as pool,
     ):  # fmt: skip
         lines = resp.iter_lines()
-        first = first_event(lines)
+        first = next_event(lines)
         assert wait_until(lambda: len(_holding(stack)) == 2, 30), instance_blocks(stack)
         long_rid = next(iter(next(iter(_holding(stack).values()))))
         victim = choose_victim(_holding(stack))  # only the long request runs yet

@@ -24,8 +24,8 @@ from .test_kvp_decode import (
     _holding,
     _instances,
     _prompts,
-    first_event,
     kill_member_under_load,
+    next_event,
     short_outcomes,
 )
 
@@ -49,7 +49,7 @@ def test_the_strategy_merges_a_short_tail_shard_and_the_tokens_stay_exact(kvp_st
     body = {"model": "smollm2", "prompt": ids, "max_tokens": 64, "ignore_eos": True, "temperature": 0}
     with httpx.stream("POST", kvp_stack.base_url + "/completions", timeout=120, json={**body, "stream": True}) as resp:
         lines = resp.iter_lines()
-        first = first_event(lines)
+        first = next_event(lines)
         assert wait_until(lambda: _instances(kvp_stack)["decode-0"]["counters"]["kvp_scale_downs"] == 1, 30)
         merged = wait_until(lambda: len(_holding(kvp_stack)) == 1, 10)  # one member holds all of its KV now
         holding = _holding(kvp_stack)
@@ -92,7 +92,8 @@ def test_a_dead_leader_fails_its_requests_and_takes_the_group_down_cleanly(kvp_s
     body = {"model": "smollm2", "prompt": ids, "max_tokens": 400, "ignore_eos": True, "temperature": 0}
     with httpx.stream("POST", kvp_stack.base_url + "/completions", timeout=60, json={**body, "stream": True}) as resp:
         lines = resp.iter_lines()
-        first_event(lines)
+        for _ in range(3):  # the first from the prefill instance, the next two from the group: it decodes
+            next_event(lines)
         assert wait_until(lambda: len(_holding(kvp_stack)) == 2, 30), instance_blocks(kvp_stack)
         events, elapsed = kill_mid_stream(kvp_stack, "decode-0", lines)
     print(f"\n[kvp=3] error event {elapsed:.1f}s after the leader's SIGKILL")
