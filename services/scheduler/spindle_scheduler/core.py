@@ -144,8 +144,9 @@ class SchedulerCore:
 
     def _kvp_placed(self, req: RequestState, event: KVPShards) -> None:
         """A KVP group's leader says where the request's KV is: the group may have placed it elsewhere than asked,
-        and scale-ups and scale-downs change it. Its KV is in the group, counted by the members' own reports."""
-        self._arrived(req)
+        and scale-ups and scale-downs change it. Its KV is in the group, counted by the members' own reports from their
+        next heartbeats on."""
+        self._arrived(req, landed=True)
         self._set_master(req, event.master)
         shards = tuple(KVShard(s.instance, s.start, s.end) for s in event.shards)
         if tuple(s.instance for s in shards) != req.decode_instances():
@@ -278,7 +279,7 @@ class SchedulerCore:
             case TransferDone(parked=parked):
                 req.parked_since = now if parked else None
             case DecodeStarted():
-                self._arrived(req)
+                self._arrived(req, landed=True)
                 req.phase = Phase.DECODE
                 req.parked_since = None
                 req.decoding_since = now
@@ -312,7 +313,11 @@ class SchedulerCore:
             if inst is not None and inst.role == "decode":
                 inst.incoming[req.request_id] = inst.blocks_for(req.decode_tokens()[iid])
 
-    def _arrived(self, req: RequestState) -> None:
+    def _arrived(self, req: RequestState, landed: bool = False) -> None:
+        """The request's decode blocks stop being virtual usage: it went away, or (`landed`) its KV is in place, and
+        they count as planned blocks until each instance's next heartbeat reports them."""
         for iid in req.decode_instances():
             if (inst := self.state.instances.get(iid)) is not None:
-                inst.incoming.pop(req.request_id, None)
+                blocks = inst.incoming.pop(req.request_id, 0)
+                if landed:
+                    inst.planned_blocks += blocks
