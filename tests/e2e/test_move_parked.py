@@ -29,8 +29,10 @@ def test_a_parked_request_moves_to_the_decode_instance_that_freed_up(tmp_path_fa
     )
     words = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 60, add_special_tokens=False)
     # A fills decode-0 for a while, B fills decode-1 briefly; C fits on neither when it arrives and parks
-    # behind A; once B is done, the scheduler moves C to decode-1 instead of letting it wait for A
-    prompts = {"a": words[:200], "b": words[200:400], "c": words[400:450]}
+    # behind A; once B is done, the scheduler moves C to decode-1 instead of letting it wait for A. B takes all
+    # 16 blocks from its prompt on, so decode-1 never looks freer than decode-0 (which A fills only as it
+    # decodes), whether the scheduler counts B's blocks as incoming, planned or reported by a heartbeat
+    prompts = {"a": words[:200], "b": words[200:448], "c": words[448:498]}
     max_tokens = {"a": 48, "b": 4, "c": 10}
 
     async def scenario() -> tuple[Watcher, dict[str, list[str]]]:
