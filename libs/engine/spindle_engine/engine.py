@@ -19,7 +19,7 @@ from .cpu_decode import CPUDecodeRunner, unsupported_reason
 from .cuda_graphs import DecodeGraphRunner, graph_mode
 from .kv_cache import BlockAllocator, KVCache
 from .model_runner import ModelRunner
-from .sampler import sample
+from .sampler import TokenLogprobs, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence, SequenceStatus, stop_reason
@@ -34,6 +34,7 @@ class StepOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
     kv_ready: bool = False  # a prefill-only request computed its prompt: export_kv, then release
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for logprobs
 
 
 @dataclass(frozen=True)
@@ -319,9 +320,10 @@ class Engine:
         for c in chunks:
             c.seq.num_computed_tokens += c.num_tokens
         seqs = [chunks[i].seq for i in rows]
-        tokens = sample(logits, [s.params for s in seqs], [s.step_generator() for s in seqs], self.generator)
+        sampled = sample(logits, seqs, self.generator, self.eos_token_ids)
         outputs = []
-        for seq, token in zip(seqs, tokens, strict=True):
+        for seq, token, lp in zip(seqs, sampled.tokens, sampled.logprobs, strict=True):
+            lps = None if lp is None else [lp]
             seq.token_ids.append(token)
             reason = self._stop_reason(seq, token)
             if reason is not None:
@@ -331,7 +333,7 @@ class Engine:
                 self.scheduler.detach(seq)
                 del self.requests[seq.request_id]
                 self.held[seq.request_id] = seq
-                outputs.append(StepOutput(seq.request_id, [token], False, None, kv_ready=True))
+                outputs.append(StepOutput(seq.request_id, [token], False, None, kv_ready=True, logprobs=lps))
                 continue
-            outputs.append(StepOutput(seq.request_id, [token], reason is not None, reason))
+            outputs.append(StepOutput(seq.request_id, [token], reason is not None, reason, logprobs=lps))
         return outputs

@@ -2,24 +2,48 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20  # most alternatives per position (OpenAI's top_logprobs limit, vLLM's default max_logprobs)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    `temperature=0` is greedy. `top_k <= 0` and `top_p == 1` disable those filters. `seed` makes one
-    request's sampling deterministic regardless of what it is batched with.
+    `temperature=0` is greedy. `top_k <= 0`, `top_p == 1` and `min_p == 0` disable those filters. `seed` makes
+    one request's sampling deterministic regardless of what it is batched with.
+
+    Logit processing, in this order, for every row (greedy rows too), as vLLM does it:
+    - `min_tokens`: while fewer outputs exist, EOS (unless `ignore_eos`) and `stop_token_ids` are banned;
+    - `logit_bias`: `(token id, bias)` pairs added to the logits (OpenAI: -100 bans, +100 forces);
+    - `repetition_penalty` (vLLM's, CTRL's): a token seen in the prompt or the output has its logit divided by
+      the penalty when positive and multiplied by it when negative;
+    - `frequency_penalty` / `presence_penalty` (OpenAI's): logit -= frequency * count in the output
+      + presence * (count > 0), over the output tokens only.
+    Then temperature, then the truncation filters `min_p` (drop tokens below `min_p` x the top probability),
+    `top_k`, `top_p`.
+
+    `logprobs`: None for none; N >= 0 for the sampled token's log-probability plus the N most likely
+    alternatives. They are `log_softmax(processed logits / temperature)` (temperature 1 when greedy): the
+    distribution after penalties, bias and temperature, before the truncation filters.
     """
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -30,12 +54,39 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int):
             raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        bias = tuple((int(t), float(b)) for t, b in self.logit_bias)
+        for t, b in bias:
+            if t < 0 or not -100 <= b <= 100:
+                raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {t}: {b}")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", bias)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any logit processor (min_tokens, bias, penalties) applies to this request."""
+        return bool(
+            self.min_tokens
+            or self.logit_bias
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+        )

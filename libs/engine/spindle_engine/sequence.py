@@ -30,6 +30,7 @@ class Sequence:
     arrival: int = 0  # admission order, for FCFS after preemption
 
     prefill_only: bool = False  # stop after the first token and keep the KV for a hand-off
+    penalty_state: object | None = None  # the sampler's token counts (sampler.PenaltyState), built on first use
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

@@ -13,15 +13,23 @@ ROLES = ("prefill", "decode", "kvstore")
 
 
 class Sampling(msgspec.Struct, frozen=True, kw_only=True):
-    """What the engine needs to sample and stop (stop *strings* stay in the gateway)."""
+    """What the engine needs to sample and stop (stop *strings* stay in the gateway). The fields mean what
+    `spindle_engine.SamplingParams`' do; `logit_bias` maps token ids to biases."""
 
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = {}
+    logprobs: int | None = None  # None: none; N: the sampled token's and the N most likely alternatives'
 
 
 class PromptRef(msgspec.Struct, frozen=True, kw_only=True):
@@ -317,6 +325,15 @@ class PreemptReply(msgspec.Struct, frozen=True, kw_only=True):
 # ---- worker -> gateway: the token stream ----
 
 
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One output position's log-probabilities: the sampled token's and the top alternatives', best first."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
 class StreamEvent(msgspec.Struct, frozen=True, kw_only=True):
     """Token ids `token_ids` are outputs `seq, seq+1, ...` of the request. The last event has `finished`.
 
@@ -332,6 +349,7 @@ class StreamEvent(msgspec.Struct, frozen=True, kw_only=True):
     error: str | None = None
     status: int = 200
     stats: dict[str, float] | None = None  # spindle-specific usage fields on the last event
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for logprobs
 
 
 # ---- workers -> scheduler: events ----

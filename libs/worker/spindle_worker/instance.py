@@ -23,6 +23,7 @@ from opentelemetry.trace import Span
 
 from spindle_engine import Engine, EngineConfig, SamplingParams, StepOutput
 from spindle_engine.engine_thread import EngineThread
+from spindle_engine.sampler import TokenLogprobs
 from spindle_protocol import subjects
 from spindle_protocol.bus import Bus
 from spindle_protocol.messages import (
@@ -35,6 +36,7 @@ from spindle_protocol.messages import (
     Sampling,
     StatsQuery,
     StreamEvent,
+    TokenLogprob,
 )
 from spindle_protocol.registry import run_heartbeat
 from spindle_telemetry import inject, setup, shutdown, tracer
@@ -52,10 +54,24 @@ def sampling_params(s: Sampling) -> SamplingParams:
         temperature=s.temperature,
         top_p=s.top_p,
         top_k=s.top_k,
+        min_p=s.min_p,
         seed=s.seed,
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
+        min_tokens=s.min_tokens,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        logit_bias=tuple(sorted(s.logit_bias.items())),
+        logprobs=s.logprobs,
     )
+
+
+def wire_logprobs(logprobs: list[TokenLogprobs] | None) -> list[TokenLogprob] | None:
+    """The engine's per-token logprobs as the token stream carries them."""
+    if logprobs is None:
+        return None
+    return [TokenLogprob(lp.token_id, lp.logprob, list(lp.top_ids), list(lp.top_logprobs)) for lp in logprobs]
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -240,7 +256,13 @@ class Instance:
     def is_aborted(self, request_id: str) -> bool:
         return request_id in self.aborted
 
-    async def publish_tokens(self, job: Job, token_ids: list[int], finish_reason: str | None = None) -> None:
+    async def publish_tokens(
+        self,
+        job: Job,
+        token_ids: list[int],
+        finish_reason: str | None = None,
+        logprobs: list[TokenLogprobs] | None = None,
+    ) -> None:
         seq = job.next_seq
         job.next_seq += len(token_ids)  # before awaiting, so concurrent publishers keep the numbering
         await self.bus.publish(
@@ -252,13 +274,16 @@ class Instance:
                 finished=finish_reason is not None,
                 finish_reason=finish_reason,
                 stats=job.stats if finish_reason is not None else None,
+                logprobs=wire_logprobs(logprobs),
             ),
         )
 
-    async def finish(self, job: Job, token_ids: list[int], finish_reason: str) -> None:
+    async def finish(
+        self, job: Job, token_ids: list[int], finish_reason: str, logprobs: list[TokenLogprobs] | None = None
+    ) -> None:
         if self.jobs.pop(job.request_id, None) is None:
             return
-        await self.publish_tokens(job, token_ids, finish_reason)
+        await self.publish_tokens(job, token_ids, finish_reason, logprobs)
         await self.bus.publish(
             subjects.EVENTS,
             RequestFinished(

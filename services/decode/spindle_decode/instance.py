@@ -449,9 +449,9 @@ class DecodeInstance(Instance):
                 continue
             if out.finished:
                 job.stats["decode_ms"] = (t1 - job.started) * 1e3
-                self.from_thread(self.finish(job, out.new_token_ids, out.finish_reason or "stop"))
+                self.from_thread(self.finish(job, out.new_token_ids, out.finish_reason or "stop", out.logprobs))
             else:
-                self.from_thread(self.publish_tokens(job, out.new_token_ids))
+                self.from_thread(self.publish_tokens(job, out.new_token_ids, logprobs=out.logprobs))
         if isinstance(self.engine, KVPLeaderEngine):
             kvp_lockstep.fail_dropped(self, self.engine)
             kvp_lockstep.report_placements(self, self.engine)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from spindle_engine import Engine
-from spindle_engine.sampler import sample
+from spindle_engine.sampler import Sampled, sample
 from spindle_engine.sequence import Sequence
 from spindle_engine.sp import ChunkReport, SPPrefill
 from spindle_protocol import subjects
@@ -98,7 +98,7 @@ async def run_sp_job(inst: PrefillInstance, job: PrefillJob) -> None:
             await inst.fail(job, 503, f"sequence-parallel prefill failed: {why}")
             return
 
-    def work(engine: Engine) -> tuple[int | None, torch.Tensor, list]:
+    def work(engine: Engine) -> tuple[Sampled | None, torch.Tensor, list]:
         sp = SPPrefill(engine.model, engine.cache, engine.allocator, rid, prompt, plan, member, ranks)
         for k in sp.chunk_indices:
             t0 = time.time()
@@ -106,17 +106,17 @@ async def run_sp_job(inst: PrefillInstance, job: PrefillJob) -> None:
             c = plan.chunks[k]
             inst.from_thread(_progress(inst, job, c.start, c.end, t0, time.time(), sp.reports[-1]))
             inst.from_thread(_tell_joiners(inst, cmd.chunks, rid, k))
-        first = None
+        sampled = None
         if logits is not None:
             seq = Sequence(rid, list(prompt), params)
-            first = sample(logits[None], [params], [seq.step_generator()], engine.generator)[0]
+            sampled = sample(logits[None], [seq], engine.generator, engine.eos_token_ids)
         kv = sp.held.export()  # [2, L, n, Hkv, D]
         sp.release()
-        return first, kv, sp.reports
+        return sampled, kv, sp.reports
 
     t0 = time.time()
     try:
-        first, kv, reports = await inst.call(work)
+        sampled, kv, reports = await inst.call(work)
     except Exception as e:  # gloo reports a dead peer as a closed or reset connection
         cause = str(e).split(". This is typically", 1)[0]
         cause = cause.split("] ", 1)[-1] if cause.startswith("[") else cause
@@ -128,8 +128,10 @@ async def run_sp_job(inst: PrefillInstance, job: PrefillJob) -> None:
         return  # aborted or failed meanwhile: the KV is dropped (its blocks are already free)
     job.stats["prefill_ms"] = (time.time() - t0) * 1e3
     job.span.set_attribute("spindle.sp_chunks", len(reports))
-    if first is not None:
-        await inst.publish_tokens(job, [first])
+    first = None
+    if sampled is not None:
+        first = sampled.tokens[0]
+        await inst.publish_tokens(job, [first], logprobs=[lp] if (lp := sampled.logprobs[0]) else None)
         seq = Sequence(rid, [*prompt, first], params, num_prompt_tokens=len(prompt))
         reason = inst.engine._stop_reason(seq, first)
         await inst.bus.publish(

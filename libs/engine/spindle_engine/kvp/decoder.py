@@ -29,13 +29,31 @@ from torch import Tensor
 from spindle_model import LlamaModel
 
 from ..kv_cache import BlockAllocator, KVCache, OutOfBlocksError
-from ..sampler import sample
-from ..sampling_params import SamplingParams
+from ..sampler import TokenLogprobs, sample
+from ..sampling_params import MAX_LOGPROBS, SamplingParams
 from ..sequence import Sequence, stop_reason
 from .context import KVP_TAG, MAX_MOVES, KVPAttentionContext, KVPStats, move_tag
 from .plan import KVPPlan, KVPRequest
 from .shard import KVShard
 from .wire import post, wait_peers
+
+LEADER_MEMBER = 0  # the member whose engine publishes the group's tokens (lockstep.leader_engine)
+LOGPROB_ROW = 3 + 2 * MAX_LOGPROBS  # token, logprob, n, n alternative ids and n logprobs (padded)
+
+
+def _pack_logprobs(lp: TokenLogprobs) -> Tensor:
+    n = len(lp.top_ids)
+    row = torch.zeros(LOGPROB_ROW, dtype=torch.float64)
+    row[:3] = torch.tensor([lp.token_id, lp.logprob, n], dtype=torch.float64)
+    row[3 : 3 + n] = torch.tensor(lp.top_ids, dtype=torch.float64)
+    row[3 + MAX_LOGPROBS : 3 + MAX_LOGPROBS + n] = torch.tensor(lp.top_logprobs, dtype=torch.float64)
+    return row
+
+
+def _unpack_logprobs(row: Tensor) -> TokenLogprobs:
+    token, logprob, n = int(row[0]), float(row[1]), int(row[2])
+    ids = tuple(int(t) for t in row[3 : 3 + n].tolist())
+    return TokenLogprobs(token, logprob, ids, tuple(row[3 + MAX_LOGPROBS : 3 + MAX_LOGPROBS + n].tolist()))
 
 
 @dataclass(frozen=True)
@@ -44,6 +62,7 @@ class KVPOutput:
     token: int
     finished: bool
     finish_reason: str | None
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +116,8 @@ class KVPMember:
         self.survive_loss = survive_loss  # a dead peer is skipped (lockstep.py); otherwise it raises KVPError
         self.lost: set[int] = set()  # members found dead (skipped from then on)
         self.last_tokens: list[tuple[str, int, bool]] = []  # every request's (id, token, finished) of the last step
+        self.logprob_requests: dict[str, int] = {}  # every request that wants logprobs -> how many alternatives
+        self.last_logprobs: dict[str, TokenLogprobs] = {}  # on the leader (member 0): the last step's, by request
         self.pending: list[_Move] = []  # scale-downs whose KV moves at the start of the next step
         self.moved: dict[str, tuple[int, int]] = {}  # the last step's scale-downs: request -> (leaver, receiver)
         self._token_bytes = KVCache.bytes_per_token(len(model.layers), cfg.num_kv_heads, cfg.head_dim, model.dtype)
@@ -115,6 +136,8 @@ class KVPMember:
         """Place `req`. A holder passes the KV of its range `[2, layers, n, Hkv, D]`; the master passes the
         request's tokens (prompt, then outputs so far; the KV of all but the last is placed)."""
         self.plan.add(req)
+        if params is not None and params.logprobs is not None:
+            self.logprob_requests[req.request_id] = params.logprobs
         try:
             mine = req.range_of(self.me)
             if mine is not None:
@@ -197,13 +220,13 @@ class KVPMember:
             positions = torch.tensor([r.num_tokens - 1 for r in ctx.batch])
             hidden = self.model(positions, ctx, input_ids=ids)
             logits = self.model.compute_logits(hidden)
-            tokens = sample(logits, [s.params for s in seqs], [s.step_generator() for s in seqs], self.generator)
-            for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
+            sampled = sample(logits, seqs, self.generator, self.eos_token_ids)
+            for i, (seq, token, lp) in enumerate(zip(seqs, sampled.tokens, sampled.logprobs, strict=True)):
                 if self.keep_logits:
                     self.logits[seq.request_id].append(logits[i].clone())
                 seq.token_ids.append(token)
                 reason = self._stop_reason(seq, token)
-                outputs.append(KVPOutput(seq.request_id, token, reason is not None, reason))
+                outputs.append(KVPOutput(seq.request_id, token, reason is not None, reason, lp))
             for r in ctx.batch:  # moving the other holders' KV to the master instead of sending q
                 remote = sum(x.num_tokens for x in r.ranges if x.member != self.me)
                 self.stats.kv_move_bytes += remote * self._token_bytes
@@ -261,6 +284,7 @@ class KVPMember:
                 works.append(post(lambda m=m: dist.isend(mine, self.ranks[m], tag=KVP_TAG), m, self._lost))
                 self.stats.control_bytes += mine.numel() * 8
         wait_peers(works, self.timeout_s, self._lost)
+        self._gather_logprobs(outputs)
         bufs = {m: b for m, b in bufs.items() if m not in self.lost}  # a lost master's tokens: none
         bufs[self.me] = mine
         for m in sorted(bufs):
@@ -270,7 +294,33 @@ class KVPMember:
             if done:
                 self._drop(rid)
 
+    def _gather_logprobs(self, outputs: list[KVPOutput]) -> None:
+        """The masters send the logprobs of their requests that asked for them to the leader (member 0), which
+        publishes every request's tokens; one float64 row per request (`_pack_logprobs`)."""
+        self.last_logprobs = {o.request_id: o.logprobs for o in outputs if o.logprobs is not None}
+        if self.me != LEADER_MEMBER:
+            rows = [_pack_logprobs(o.logprobs) for o in outputs if o.logprobs is not None]
+            if rows and LEADER_MEMBER not in self.lost:
+                buf = torch.stack(rows)  # [k, LOGPROB_ROW]
+                work = post(lambda: dist.isend(buf, self.ranks[LEADER_MEMBER], tag=KVP_TAG), LEADER_MEMBER, self._lost)
+                wait_peers([work], self.timeout_s, self._lost)
+                self.stats.control_bytes += buf.numel() * 8
+            return
+        wanted, bufs, works = {}, {}, []
+        for m in self.plan.members:
+            if m == self.me or m in self.lost:
+                continue
+            wanted[m] = [r.request_id for r in self.plan.mastered_by(m) if r.request_id in self.logprob_requests]
+            if wanted[m]:
+                buf = bufs[m] = torch.empty(len(wanted[m]), LOGPROB_ROW, dtype=torch.float64)
+                works.append(post(lambda m=m, buf=buf: dist.irecv(buf, self.ranks[m], tag=KVP_TAG), m, self._lost))
+        wait_peers(works, self.timeout_s, self._lost)
+        for m, buf in bufs.items():
+            if m not in self.lost:
+                self.last_logprobs.update(zip(wanted[m], map(_unpack_logprobs, buf), strict=True))
+
     def _drop(self, request_id: str) -> None:
+        self.logprob_requests.pop(request_id, None)
         self.plan.finish(request_id)
         self.shard.free(request_id)
         self.seqs.pop(request_id, None)

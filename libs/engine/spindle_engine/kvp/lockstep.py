@@ -442,7 +442,8 @@ class KVPLeaderEngine:
             if done:
                 del self.requests[rid]
                 self.planner.forget(rid)
-            outputs.append(StepOutput(rid, [token], done, reason))
+            lp = self.member.last_logprobs.get(rid)
+            outputs.append(StepOutput(rid, [token], done, reason, logprobs=None if lp is None else [lp]))
         return outputs
 
     def close(self) -> None:

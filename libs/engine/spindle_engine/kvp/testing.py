@@ -75,7 +75,7 @@ def group_worker(rank: int, world: int, model_dir: str, requests_json: str) -> d
         part = kv[:, :, mine.start : mine.end] if mine is not None else None
         params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, seed=r.seed, ignore_eos=True)
         prompt = Sequence(r.request_id, list(r.token_ids), params)  # the first token, sampled as the engine does
-        first = sample(logits[None], [params], [prompt.step_generator()], torch.Generator().manual_seed(0))[0]
+        first = sample(logits[None], [prompt], torch.Generator().manual_seed(0)).tokens[0]
         tokens = [*r.token_ids, first]
         dec.add_request(req, part, token_ids=tokens, num_prompt_tokens=len(r.token_ids), params=params)
     tokens: dict[str, list[int]] = {rid: [s.token_ids[-1]] for rid, s in dec.seqs.items()}
