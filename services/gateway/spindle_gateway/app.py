@@ -12,6 +12,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from spindle_protocol.messages import TokenLogprob
+
 from . import tracing
 from .errors import GatewayError, install_error_handlers
 from .inputs import Kind, prepare_chat, prepare_completion
@@ -81,24 +83,34 @@ def create_app(state: GatewayState) -> FastAPI:
         )
         generation = Generation(state, request_id, params, arrival, root)
         await generation.start()  # GatewayError (429, 503, ...) -> error JSON; the request has ended
-        builder = ResponseBuilder(kind, request_id, served, int(arrival), params.include_usage)
+        builder = ResponseBuilder(
+            kind, request_id, served, int(arrival), params.include_usage, state.token_text, params.echo
+        )
         if params.stream:
             return GenerationStream(sse_body(generation, builder, request), generation)
         return await collect(generation, builder, request)
 
     async def collect(generation: Generation, builder: ResponseBuilder, request: Request) -> Response:
         parts: list[str] = []
+        logprobs: list[TokenLogprob | None] | None = None
         async for delta in generation.deltas(request.is_disconnected):
             if delta.error is not None:
                 raise delta.error
             parts.append(delta.text)
+            if delta.logprobs is not None:
+                logprobs = (logprobs or []) + delta.logprobs
             if delta.finish_reason is not None:
                 assert delta.usage is not None
-                return _json(builder.response("".join(parts), delta.finish_reason, delta.usage, delta.stop_reason))
+                if generation.params.sampling.logprobs is not None:
+                    logprobs = logprobs or []
+                text = "".join(parts)
+                return _json(builder.response(text, delta.finish_reason, delta.usage, delta.stop_reason, logprobs))
         return Response(status_code=499)  # the client went away; nobody reads this
 
     async def sse_body(generation: Generation, builder: ResponseBuilder, request: Request) -> AsyncIterator[bytes]:
         role_sent = builder.kind != "chat"
+        if builder.echo:
+            yield builder.echo_chunk()
         async for delta in generation.deltas(request.is_disconnected):
             if delta.error is not None:
                 state.metrics.error(delta.error.status)
@@ -108,12 +120,12 @@ def create_app(state: GatewayState) -> FastAPI:
                 role_sent = True
                 yield builder.role_chunk()
             if delta.finish_reason is not None:
-                yield builder.delta_chunk(delta.text, delta.finish_reason, delta.stop_reason)
+                yield builder.delta_chunk(delta.text, delta.finish_reason, delta.stop_reason, delta.logprobs)
                 if builder.include_usage:
                     assert delta.usage is not None
                     yield builder.usage_chunk(delta.usage)
-            elif delta.text:
-                yield builder.delta_chunk(delta.text)
+            elif delta.text or delta.logprobs:
+                yield builder.delta_chunk(delta.text, logprobs=delta.logprobs)
         if generation.terminal != "aborted":
             yield DONE
 

@@ -6,8 +6,8 @@ Everything here is local (tokenizer and limits): an invalid request never reache
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from spindle_model import Tokenizer
 from spindle_protocol.messages import Sampling
@@ -24,6 +24,7 @@ from .schemas import (
 )
 
 Kind = Literal["chat", "completion"]
+MAX_LOGPROBS = 20  # alternatives per position (OpenAI's top_logprobs limit; the engine's too)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
 _THREAD_TOKENIZE_CHARS = 8192  # longer texts are tokenized off the event loop
 
@@ -33,6 +34,8 @@ class Limits:
     max_model_len: int
     vocab_size: int
     max_stop_strings: int
+    default_max_tokens: int | None = None  # a request without max_tokens gets at most this many (None: the context)
+    generation_defaults: dict[str, Any] = field(default_factory=dict)  # the model's generation_config.json
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class GenerationParams:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    echo: str | None = None  # completions with `echo`: the prompt's text, sent before the completion
 
 
 async def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -68,7 +72,11 @@ def _max_tokens(requested: int | None, prompt_len: int, limits: Limits, kind: Ki
                 f"{prompt_len} tokens, which leaves no room for a completion. Please reduce the length of the prompt.",
                 "messages" if kind == "chat" else "prompt",
             )
-        return min(room, COMPLETION_DEFAULT_MAX_TOKENS) if kind == "completion" else room
+        if kind == "completion":
+            default = COMPLETION_DEFAULT_MAX_TOKENS
+        else:  # the server's --default-max-tokens, else the model's max_new_tokens, else all the room (vLLM's)
+            default = limits.default_max_tokens or limits.generation_defaults.get("max_new_tokens")
+        return min(room, default) if default else room
     if prompt_len + requested > limits.max_model_len:
         raise bad_request(
             f"This model's maximum context length is {limits.max_model_len} tokens. However, you requested "
@@ -88,19 +96,42 @@ def _finish(
     limits: Limits,
     common: dict,
     stops: tuple[str, ...],
+    logprobs: int | None,
+    echo: str | None = None,
 ) -> GenerationParams:
     if not ids:
         raise bad_request("the prompt is empty", "messages" if kind == "chat" else "prompt")
     stop_ids = _check_ids(list(req.stop_token_ids or []), limits.vocab_size, "stop_token_ids")
-    sampling = Sampling(
-        max_tokens=_max_tokens(requested, len(ids), limits, kind, param), stop_token_ids=stop_ids, **common
-    )
+    max_tokens = _max_tokens(requested, len(ids), limits, kind, param)
+    if common["min_tokens"] > max_tokens:
+        raise bad_request(f"min_tokens ({common['min_tokens']}) must not exceed {param} ({max_tokens})", "min_tokens")
+    sampling = Sampling(max_tokens=max_tokens, stop_token_ids=stop_ids, logprobs=logprobs, **common)
     include_usage = bool(req.stream and req.stream_options is not None and req.stream_options.include_usage)
-    return GenerationParams(kind, ids, sampling, stops, bool(req.stream), include_usage)
+    return GenerationParams(kind, ids, sampling, stops, bool(req.stream), include_usage, echo)
+
+
+def _chat_logprobs(req: ChatCompletionRequest) -> int | None:
+    """OpenAI chat: `logprobs: true` for the sampled tokens' logprobs, `top_logprobs: N` for N alternatives."""
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", "top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def _completion_logprobs(req: CompletionRequest) -> int | None:
+    """OpenAI completions: `logprobs: N` for the sampled token's and the N most likely tokens' logprobs."""
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", "logprobs")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo with logprobs needs the prompt's logprobs, which are not computed", "echo")
+    return req.logprobs
 
 
 async def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits) -> GenerationParams:
-    common = check_common(req)
+    common = check_common(req, limits.vocab_size, limits.generation_defaults)
+    logprobs = _chat_logprobs(req)
     stops = stop_strings(req.stop, limits.max_stop_strings)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = check_max_tokens(
@@ -112,11 +143,12 @@ async def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits:
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
     ids = await _encode(tokenizer, text, False)  # the template writes BOS and special tokens itself
-    return _finish("chat", req, ids, requested, param, limits, common, stops)
+    return _finish("chat", req, ids, requested, param, limits, common, stops, logprobs)
 
 
 async def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer, limits: Limits) -> GenerationParams:
-    common = check_common(req)
+    common = check_common(req, limits.vocab_size, limits.generation_defaults)
+    logprobs = _completion_logprobs(req)
     stops = stop_strings(req.stop, limits.max_stop_strings)
     requested = check_max_tokens(req.max_tokens, "max_tokens")
     prompt = req.prompt
@@ -126,6 +158,8 @@ async def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer, limit
         prompt = prompt[0]
     if isinstance(prompt, str):
         ids = await _encode(tokenizer, check_text(prompt, "prompt"), True)
+        echo = prompt if req.echo else None
     else:
         ids = _check_ids(list(prompt), limits.vocab_size, "prompt")
-    return _finish("completion", req, ids, requested, "max_tokens", limits, common, stops)
+        echo = tokenizer.decode(ids) if req.echo else None
+    return _finish("completion", req, ids, requested, "max_tokens", limits, common, stops, logprobs, echo)

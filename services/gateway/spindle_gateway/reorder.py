@@ -7,12 +7,13 @@ complete when a `finished` event arrived and every token before its end was rece
 
 from __future__ import annotations
 
-from spindle_protocol.messages import StreamEvent
+from spindle_protocol.messages import StreamEvent, TokenLogprob
 
 
 class TokenReorderer:
     def __init__(self) -> None:
-        self._pending: dict[int, int] = {}
+        self._pending: dict[int, tuple[int, TokenLogprob | None]] = {}
+        self.logprobs: list[TokenLogprob | None] = []  # of every token handed out, by position
         self.next_seq = 0  # tokens before this have been handed out
         self.total: int | None = None  # known once the finished event arrived
         self.finish_reason: str | None = None
@@ -27,13 +28,17 @@ class TokenReorderer:
             self.finish_reason = event.finish_reason or "stop"
             self.stats = event.stats
             self._pending = {p: t for p, t in self._pending.items() if p < self.total}
+        logprobs = event.logprobs if event.logprobs and len(event.logprobs) == len(event.token_ids) else None
         for i, token in enumerate(event.token_ids):
             pos = event.seq + i
             if pos >= self.next_seq and (self.total is None or pos < self.total):
-                self._pending.setdefault(pos, token)  # a repeat of a position keeps the first copy
+                # a repeat of a position keeps the first copy
+                self._pending.setdefault(pos, (token, logprobs[i] if logprobs else None))
         out = []
         while self.next_seq in self._pending:
-            out.append(self._pending.pop(self.next_seq))
+            token, logprob = self._pending.pop(self.next_seq)
+            out.append(token)
+            self.logprobs.append(logprob)
             self.next_seq += 1
         return out
 

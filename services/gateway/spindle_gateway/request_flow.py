@@ -25,7 +25,7 @@ from opentelemetry import trace
 
 from spindle_protocol import prompts, subjects
 from spindle_protocol.codec import ProtocolError
-from spindle_protocol.messages import Abort, AdmitReply, AdmitRequest, Prompt, RequestSpec, StreamEvent
+from spindle_protocol.messages import Abort, AdmitReply, AdmitRequest, Prompt, RequestSpec, StreamEvent, TokenLogprob
 
 from .errors import GatewayError
 from .inputs import GenerationParams
@@ -51,6 +51,7 @@ class Delta:
     stop_reason: str | int | None = None
     usage: dict[str, Any] | None = None
     error: GatewayError | None = None
+    logprobs: list[TokenLogprob | None] | None = None  # of the tokens behind `text`, when the request asked
 
 
 class _Disconnected(Exception):
@@ -203,25 +204,36 @@ class Generation:
             else:
                 self.state.metrics.itl.observe(now - self._last_token_at)
             self._last_token_at = now
+        consumed = self._text.completion_tokens
         text = self._text.add(new)
+        logprobs = None
+        if self.params.sampling.logprobs is not None:
+            logprobs = self._reorder.logprobs[consumed : self._text.completion_tokens]
         if self._text.stopped is None and self._reorder.complete:
             text += self._text.finish()
         if self._text.stopped is not None:
             # Workers may still be generating (stop strings are the gateway's): abort frees them.
             self._end("finished", finish_reason="stop", abort=not self._reorder.complete, reason="stop string")
-            return self._final(text, len(new), "stop", self._text.stopped)
+            return self._final(text, len(new), "stop", self._text.stopped, logprobs)
         if self._reorder.complete:
             reason = self._reorder.finish_reason or "stop"
             stop_reason = None
             if reason == "stop" and self._text.last_token in self.params.sampling.stop_token_ids:
                 stop_reason = self._text.last_token
             self._end("finished", finish_reason=reason)
-            return self._final(text, len(new), reason, stop_reason)
-        return Delta(text, len(new)) if new else None
+            return self._final(text, len(new), reason, stop_reason, logprobs)
+        return Delta(text, len(new), logprobs=logprobs) if new else None
 
-    def _final(self, text: str, new_tokens: int, reason: str, stop_reason: str | int | None) -> Delta:
+    def _final(
+        self,
+        text: str,
+        new_tokens: int,
+        reason: str,
+        stop_reason: str | int | None,
+        logprobs: list[TokenLogprob | None] | None,
+    ) -> Delta:
         u = usage(len(self.params.prompt_ids), self._text.completion_tokens, self._reorder.stats)
-        return Delta(text, new_tokens, reason, stop_reason, u)
+        return Delta(text, new_tokens, reason, stop_reason, u, logprobs=logprobs)
 
     # ---- the terminal state ----
 

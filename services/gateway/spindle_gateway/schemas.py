@@ -44,6 +44,7 @@ class _GenerateRequest(_Base):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -51,15 +52,37 @@ class _GenerateRequest(_Base):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False
+    min_tokens: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # Known OpenAI / vLLM fields that Spindle does not implement yet: refused with a 400 naming them when set
+    # (a 200 that silently ignores them would be wrong). Fields nobody names are ignored, as OpenAI does.
+    best_of: int | None = None
+    prompt_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    use_beam_search: bool | None = None
 
 
 class ChatCompletionRequest(_GenerateRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 class CompletionRequest(_GenerateRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
 
 
 def _reject_constant(name: str) -> float:
@@ -129,27 +152,89 @@ def stop_strings(stop: str | list[str] | None, limit: int) -> tuple[str, ...]:
     return tuple(dict.fromkeys(stops))
 
 
-def check_common(req: _GenerateRequest) -> dict[str, Any]:
-    """Range checks of the sampling fields; returns them with vLLM's defaults filled in."""
+_UNSUPPORTED = {  # field -> why, for fields refused when set to anything but their neutral value
+    "best_of": "best_of > 1 is not supported",
+    "prompt_logprobs": "prompt_logprobs is not supported (no prompt log-probabilities are computed)",
+    "response_format": "response_format is not supported yet",
+    "guided_json": "guided decoding is not supported yet",
+    "guided_regex": "guided decoding is not supported yet",
+    "guided_choice": "guided decoding is not supported yet",
+    "guided_grammar": "guided decoding is not supported yet",
+    "use_beam_search": "beam search is not supported",
+    "tools": "tools are not supported yet",
+    "suffix": "suffix is not supported (the model has no fill-in-the-middle template)",
+}
+_NEUTRAL: dict[str, tuple[Any, ...]] = {"best_of": (None, 1), "use_beam_search": (None, False), "tools": (None, [])}
+
+
+def refuse_unsupported(req: BaseModel) -> None:
+    for name, why in _UNSUPPORTED.items():
+        value = getattr(req, name, None)
+        if value not in _NEUTRAL.get(name, (None,)):
+            if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
+                continue  # the default: plain text
+            raise bad_request(f"{why}; remove `{name}` from the request", name)
+    choice = getattr(req, "tool_choice", None)
+    if choice not in (None, "none", "auto"):
+        why = "tool_choice other than 'none' or 'auto' needs tools, which are not supported yet"
+        raise bad_request(why, "tool_choice")
+
+
+def _in_range(value: float | None, default: float, lo: float, hi: float, name: str, lo_open: bool = False) -> float:
+    v = default if value is None else value
+    if not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
+        raise bad_request(f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v}", name)
+    return float(v)
+
+
+def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    """OpenAI's `{"token id": bias}` -> {id: bias}, ids in the vocabulary and biases in [-100, 100]."""
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if not 0 <= token < vocab_size:
+            raise bad_request(f"logit_bias names token {token}, not a token id of this model", "logit_bias")
+        if not (math.isfinite(value) and -100 <= value <= 100):
+            raise bad_request(f"logit_bias values must be in [-100, 100], got {value} for {token}", "logit_bias")
+        out[token] = float(value)
+    return out
+
+
+def check_common(req: _GenerateRequest, vocab_size: int, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Range checks of the sampling fields; returns them with defaults filled in: the model's generation config
+    (`defaults`: temperature, top_p, top_k, min_p, repetition_penalty) where it has them, else vLLM's."""
+    refuse_unsupported(req)
+    d = defaults or {}
     if req.n is not None and req.n != 1:
         raise bad_request(f"n must be 1 (only one choice per request is supported), got {req.n}", "n")
-    temperature = 1.0 if req.temperature is None else req.temperature
-    if not math.isfinite(temperature) or temperature < 0:
-        raise bad_request(f"temperature must be >= 0, got {temperature}", "temperature")
-    top_p = 1.0 if req.top_p is None else req.top_p
-    if not (math.isfinite(top_p) and 0 < top_p <= 1):
-        raise bad_request(f"top_p must be in (0, 1], got {top_p}", "top_p")
-    top_k = -1 if req.top_k in (None, 0) else req.top_k
+    temperature = _in_range(req.temperature, d.get("temperature", 1.0), 0, math.inf, "temperature")
+    top_p = _in_range(req.top_p, d.get("top_p", 1.0), 0, 1, "top_p", lo_open=True)
+    top_k = d.get("top_k", -1) if req.top_k is None else req.top_k
+    top_k = -1 if top_k == 0 else top_k
     if top_k < -1:
         raise bad_request(f"top_k must be -1 (disabled) or positive, got {top_k}", "top_k")
     if req.seed is not None and not SEED_MIN <= req.seed <= SEED_MAX:
         raise bad_request(f"seed must fit in 64 bits, got {req.seed}", "seed")
+    min_tokens = req.min_tokens or 0
+    if min_tokens < 0:
+        raise bad_request(f"min_tokens must be >= 0, got {min_tokens}", "min_tokens")
     return {
-        "temperature": float(temperature),
-        "top_p": float(top_p),
+        "temperature": temperature,
+        "top_p": top_p,
         "top_k": int(top_k),
+        "min_p": _in_range(req.min_p, d.get("min_p", 0.0), 0, 1, "min_p"),
         "seed": req.seed,
         "ignore_eos": bool(req.ignore_eos),
+        "min_tokens": int(min_tokens),
+        "presence_penalty": _in_range(req.presence_penalty, 0.0, -2, 2, "presence_penalty"),
+        "frequency_penalty": _in_range(req.frequency_penalty, 0.0, -2, 2, "frequency_penalty"),
+        "repetition_penalty": _in_range(
+            req.repetition_penalty, d.get("repetition_penalty", 1.0), 0, math.inf, "repetition_penalty", lo_open=True
+        ),
+        "logit_bias": logit_bias(req.logit_bias, vocab_size),
     }
 
 

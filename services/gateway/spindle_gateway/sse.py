@@ -7,11 +7,16 @@ Chat stream: a role chunk (`{"role": "assistant", "content": ""}`) once the firs
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
 
+from spindle_protocol.messages import TokenLogprob
+
 from .inputs import Kind
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a banned token's logprob is reported as this (vLLM does the same)
 
 DONE = b"data: [DONE]\n\n"
 _encode = msgspec.json.Encoder().encode
@@ -33,16 +38,70 @@ def usage(prompt_tokens: int, completion_tokens: int, stats: dict[str, float] | 
     return out
 
 
-class ResponseBuilder:
-    """Builds one request's response objects (non-stream) or chunks (stream)."""
+def _lp(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
 
-    def __init__(self, kind: Kind, request_id: str, model: str, created: int, include_usage: bool = False) -> None:
+
+class ResponseBuilder:
+    """Builds one request's response objects (non-stream) or chunks (stream).
+
+    `token_text(id)` is one token's text, for logprobs: OpenAI's `token` (and `bytes`, its UTF-8) per position.
+    A token that is part of a multi-byte character shows the replacement character there, as in vLLM."""
+
+    def __init__(
+        self,
+        kind: Kind,
+        request_id: str,
+        model: str,
+        created: int,
+        include_usage: bool = False,
+        token_text: Callable[[int], str] | None = None,
+        echo: str | None = None,
+    ) -> None:
         self.kind = kind
         self.id = request_id
         self.model = model
         self.created = created
         self.include_usage = include_usage
+        self.token_text = token_text or str
+        self.echo = echo
+        self._offset = len(echo or "")  # completions' text_offset of the next token
         self._chunk_object = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+    def logprobs(self, entries: Sequence[TokenLogprob | None] | None) -> dict[str, Any] | None:
+        """OpenAI's `logprobs` object of a choice for these positions (None when the request asked for none)."""
+        if entries is None:
+            return None
+        known = [e for e in entries if e is not None]
+        if self.kind == "chat":
+            return {"content": [self._chat_entry(e) for e in known]}
+        tokens = [self.token_text(e.token_id) for e in known]
+        offsets = []
+        for t in tokens:
+            offsets.append(self._offset)
+            self._offset += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [_lp(e.logprob) for e in known],
+            "top_logprobs": [
+                {self.token_text(e.token_id): _lp(e.logprob)}
+                | {self.token_text(t): _lp(v) for t, v in zip(e.top_ids, e.top_logprobs, strict=True)}
+                for e in known
+            ],
+            "text_offset": offsets,
+        }
+
+    def _chat_entry(self, e: TokenLogprob) -> dict[str, Any]:
+        text = self.token_text(e.token_id)
+        return {
+            "token": text,
+            "logprob": _lp(e.logprob),
+            "bytes": list(text.encode()),
+            "top_logprobs": [
+                {"token": (alt := self.token_text(t)), "logprob": _lp(v), "bytes": list(alt.encode())}
+                for t, v in zip(e.top_ids, e.top_logprobs, strict=True)
+            ],
+        }
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         out = {
@@ -64,13 +123,19 @@ class ResponseBuilder:
             )
         )
 
-    def delta_chunk(self, text: str, finish_reason: str | None = None, stop_reason: str | int | None = None) -> bytes:
+    def delta_chunk(
+        self,
+        text: str,
+        finish_reason: str | None = None,
+        stop_reason: str | int | None = None,
+        logprobs: Sequence[TokenLogprob | None] | None = None,
+    ) -> bytes:
         choice: dict[str, Any] = {"index": 0}
         if self.kind == "chat":
             choice["delta"] = {"content": text} if text or finish_reason is None else {}
         else:
             choice["text"] = text
-        choice["logprobs"] = None
+        choice["logprobs"] = self.logprobs(logprobs)
         choice["finish_reason"] = finish_reason
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason
@@ -88,16 +153,26 @@ class ResponseBuilder:
             }
         )
 
+    def echo_chunk(self) -> bytes:
+        """Completions with `echo`, streamed: the prompt's text comes first, in a chunk of its own."""
+        assert self.kind == "completion" and self.echo is not None
+        return sse(self._chunk({"index": 0, "text": self.echo, "logprobs": None, "finish_reason": None}))
+
     def response(
-        self, text: str, finish_reason: str, usage_: dict[str, Any], stop_reason: str | int | None = None
+        self,
+        text: str,
+        finish_reason: str,
+        usage_: dict[str, Any],
+        stop_reason: str | int | None = None,
+        logprobs: Sequence[TokenLogprob | None] | None = None,
     ) -> dict[str, Any]:
         """The whole non-streaming response object."""
         choice: dict[str, Any] = {"index": 0}
         if self.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = text
-        choice["logprobs"] = None
+            choice["text"] = (self.echo or "") + text
+        choice["logprobs"] = self.logprobs(logprobs)
         choice["finish_reason"] = finish_reason
         choice["stop_reason"] = stop_reason
         obj = "chat.completion" if self.kind == "chat" else "text_completion"

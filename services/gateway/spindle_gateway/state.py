@@ -23,6 +23,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("spindle.gateway")
 
 
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+
+
+def generation_defaults(tokenizer: Tokenizer) -> dict[str, Any]:
+    """The sampling defaults of the model's generation_config.json (vLLM's `--generation-config auto`): what a
+    request that omits temperature, top_p, top_k, min_p or repetition_penalty gets, and max_new_tokens as the
+    default max_tokens of chat requests."""
+    config = getattr(tokenizer, "generation_defaults", None) or {}
+    return {k: config[k] for k in SAMPLING_DEFAULTS if config.get(k) is not None}
+
+
 class GatewayState:
     def __init__(self, config: GatewayConfig, tokenizer: Tokenizer, bus: Bus) -> None:
         self.config = config
@@ -34,6 +45,8 @@ class GatewayState:
         self.created = int(time.time())
         self.live: dict[str, Generation] = {}
         self._tasks: set[asyncio.Task] = set()
+        self._token_texts: dict[int, str] = {}
+        self.generation_defaults = generation_defaults(tokenizer)
 
     @property
     def max_model_len(self) -> int:
@@ -44,7 +57,20 @@ class GatewayState:
         return self.config.max_model_len
 
     def limits(self) -> Limits:
-        return Limits(self.max_model_len, self.config.vocab_size, self.config.max_stop_strings)
+        return Limits(
+            self.max_model_len,
+            self.config.vocab_size,
+            self.config.max_stop_strings,
+            self.config.default_max_tokens,
+            self.generation_defaults,
+        )
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens included (logprobs name each position's token)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run a cleanup coroutine outside the calling task (which may be being cancelled); kept until done."""

@@ -1,0 +1,159 @@
+"""Sampling parameters, logprobs and echo at the gateway: what reaches the cluster, what comes back in OpenAI's
+shapes, and what is refused. The real gateway over a real nats-server, with the SCRIPTED NATS PEER as workers."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from spindle_protocol.messages import RequestSpec, StreamEvent, TokenLogprob
+
+from .scripted_peer import ANSWER, MODEL, ScriptedPeer
+from .test_gateway import CHAT, COMPLETION, assert_error, parse_sse, post
+
+
+def test_sampling_fields_reach_the_cluster(gateway_url: str, peer: ScriptedPeer) -> None:
+    body = {
+        **CHAT,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.25,
+        "repetition_penalty": 1.3,
+        "logit_bias": {"42": -100, "7": 2.5},
+        "min_tokens": 3,
+        "min_p": 0.05,
+        "max_tokens": 20,
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
+    assert post(gateway_url, "/v1/chat/completions", body).status_code == 200
+    assert post(gateway_url, "/v1/completions", {**COMPLETION, "logprobs": 2}).status_code == 200
+    assert post(gateway_url, "/v1/chat/completions", {**CHAT, "logprobs": True}).status_code == 200
+    assert post(gateway_url, "/v1/chat/completions", CHAT).status_code == 200
+    chat, completion, chat_plain_logprobs, chat_none = (a.sampling for a in peer.admits)
+    assert (chat.presence_penalty, chat.frequency_penalty, chat.repetition_penalty) == (0.5, -0.25, 1.3)
+    assert chat.logit_bias == {42: -100.0, 7: 2.5}
+    assert (chat.min_tokens, chat.min_p, chat.logprobs) == (3, 0.05, 3)
+    assert completion.logprobs == 2 and chat_plain_logprobs.logprobs == 0 and chat_none.logprobs is None
+    assert (chat_none.presence_penalty, chat_none.repetition_penalty, chat_none.logit_bias) == (0.0, 1.0, {})
+
+
+REFUSED: list[tuple[str, str, dict[str, Any], str]] = [
+    ("presence_penalty > 2", "/v1/chat/completions", {**CHAT, "presence_penalty": 2.5}, "presence_penalty"),
+    ("frequency_penalty < -2", "/v1/completions", {**COMPLETION, "frequency_penalty": -3}, "frequency_penalty"),
+    ("repetition_penalty 0", "/v1/completions", {**COMPLETION, "repetition_penalty": 0}, "repetition_penalty"),
+    ("logit_bias key a word", "/v1/chat/completions", {**CHAT, "logit_bias": {"abc": 1}}, "logit_bias"),
+    ("logit_bias out of vocab", "/v1/chat/completions", {**CHAT, "logit_bias": {"49152": 1}}, "logit_bias"),
+    ("logit_bias 200", "/v1/chat/completions", {**CHAT, "logit_bias": {"5": 200}}, "logit_bias"),
+    ("min_p > 1", "/v1/completions", {**COMPLETION, "min_p": 1.5}, "min_p"),
+    ("min_tokens > max_tokens", "/v1/completions", {**COMPLETION, "min_tokens": 20, "max_tokens": 5}, "min_tokens"),
+    ("top_logprobs alone", "/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ("top_logprobs 21", "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("completion logprobs 21", "/v1/completions", {**COMPLETION, "logprobs": 21}, "logprobs"),
+    ("echo with logprobs", "/v1/completions", {**COMPLETION, "echo": True, "logprobs": 1}, "echo"),
+    ("best_of 2", "/v1/completions", {**COMPLETION, "best_of": 2}, "best_of"),
+    ("prompt_logprobs", "/v1/completions", {**COMPLETION, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ("suffix", "/v1/completions", {**COMPLETION, "suffix": "end"}, "suffix"),
+    ("beam search", "/v1/completions", {**COMPLETION, "use_beam_search": True}, "use_beam_search"),
+    ("tool_choice required", "/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [c[1:] for c in REFUSED], ids=[c[0] for c in REFUSED])
+def test_values_out_of_range_and_unsupported_fields_are_400_naming_the_field(
+    gateway_url: str, peer: ScriptedPeer, path: str, body: dict[str, Any], param: str
+) -> None:
+    err = assert_error(post(gateway_url, path, body), 400)
+    assert err["param"] == param and param in err["message"]
+    assert peer.admits == []
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(gateway_url: str, peer: ScriptedPeer) -> None:
+    neutral = {"best_of": 1, "use_beam_search": False, "response_format": {"type": "text"}, "tool_choice": "none"}
+    assert post(gateway_url, "/v1/chat/completions", {**CHAT, **neutral}).status_code == 200
+
+
+def _logprob_script(peer: ScriptedPeer, top: int, banned_at: int | None = None):
+    """The answer's tokens with made-up logprobs: position i has logprob -0.1 * (i + 1), its alternatives the
+    next `top` token ids with lower logprobs; position `banned_at` has -inf (a banned token, as with min_tokens)."""
+    tokens = peer.answer_tokens()
+
+    def entry(i: int, t: int) -> TokenLogprob:
+        lp = -math.inf if i == banned_at else -0.1 * (i + 1)
+        return TokenLogprob(t, lp, [t + k for k in range(top)], [-0.1 * (i + 1) - k for k in range(top)])
+
+    def script(spec: RequestSpec) -> list[StreamEvent]:
+        return [
+            StreamEvent(
+                request_id=spec.request_id,
+                seq=i,
+                token_ids=[t],
+                finished=i == len(tokens) - 1,
+                finish_reason="stop" if i == len(tokens) - 1 else None,
+                logprobs=[entry(i, t)],
+            )
+            for i, t in enumerate(tokens)
+        ]
+
+    return tokens, entry, script
+
+
+def test_chat_logprobs_in_openai_shape_streamed_and_not(gateway_url: str, peer: ScriptedPeer, tokenizer) -> None:
+    tokens, entry, peer.script = _logprob_script(peer, top=2, banned_at=1)
+    body = {**CHAT, "logprobs": True, "top_logprobs": 2}
+    whole = post(gateway_url, "/v1/chat/completions", body).json()["choices"][0]
+    chunks = parse_sse(post(gateway_url, "/v1/chat/completions", {**body, "stream": True}).text)[:-1]
+    streamed = [c for ch in chunks for c in ((ch["choices"][0].get("logprobs") or {}).get("content") or [])]
+    assert whole["logprobs"]["content"] == streamed
+    content = whole["logprobs"]["content"]
+    assert len(content) == len(tokens)  # the EOS position too: it was sampled
+    for i, (t, got) in enumerate(zip(tokens, content, strict=True)):
+        want = entry(i, t)
+        text = tokenizer.decode([t], skip_special_tokens=False)
+        assert got["token"] == text and got["bytes"] == list(text.encode())
+        assert got["logprob"] == (-9999.0 if i == 1 else pytest.approx(want.logprob))
+        assert [a["logprob"] for a in got["top_logprobs"]] == pytest.approx(want.top_logprobs)
+        assert [a["token"] for a in got["top_logprobs"]] == [
+            tokenizer.decode([a], skip_special_tokens=False) for a in want.top_ids
+        ]
+    assert "".join(c["token"] for c in content[:-1]) == ANSWER
+
+
+def test_completion_logprobs_in_openai_shape(gateway_url: str, peer: ScriptedPeer, tokenizer) -> None:
+    tokens, entry, peer.script = _logprob_script(peer, top=1)
+    body = {**COMPLETION, "logprobs": 1, "max_tokens": 50}
+    lp = post(gateway_url, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    texts = [tokenizer.decode([t], skip_special_tokens=False) for t in tokens]
+    assert lp["tokens"] == texts
+    assert lp["token_logprobs"] == pytest.approx([entry(i, t).logprob for i, t in enumerate(tokens)])
+    assert lp["text_offset"] == [sum(len(x) for x in texts[:i]) for i in range(len(texts))]
+    for i, (t, top) in enumerate(zip(tokens, lp["top_logprobs"], strict=True)):
+        assert top[texts[i]] == pytest.approx(entry(i, t).logprob)  # the sampled token, plus the alternative
+    chunks = parse_sse(post(gateway_url, "/v1/completions", {**body, "stream": True}).text)[:-1]
+    streamed = [x for ch in chunks for x in ((ch["choices"][0].get("logprobs") or {}).get("tokens") or [])]
+    assert streamed == texts
+
+
+def test_no_logprobs_asked_means_null(gateway_url: str, peer: ScriptedPeer) -> None:
+    _, _, peer.script = _logprob_script(peer, top=0)  # even if a worker sent some
+    assert post(gateway_url, "/v1/chat/completions", CHAT).json()["choices"][0]["logprobs"] is None
+
+
+def test_echo_returns_the_prompt_before_the_completion(gateway_url: str, peer: ScriptedPeer, tokenizer) -> None:
+    body = {**COMPLETION, "echo": True}
+    assert post(gateway_url, "/v1/completions", body).json()["choices"][0]["text"] == COMPLETION["prompt"] + ANSWER
+    chunks = parse_sse(post(gateway_url, "/v1/completions", {**body, "stream": True}).text)[:-1]
+    assert chunks[0]["choices"][0]["text"] == COMPLETION["prompt"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == COMPLETION["prompt"] + ANSWER
+    ids = tokenizer.encode("Hello there", add_special_tokens=False)
+    echoed = post(gateway_url, "/v1/completions", {"model": MODEL, "prompt": ids, "echo": True}).json()
+    assert echoed["choices"][0]["text"] == "Hello there" + ANSWER
+
+
+def test_default_max_tokens_is_configurable(harness: Any, peer: ScriptedPeer) -> None:
+    gw = harness.start_gateway(default_max_tokens=50)
+    assert post(gw.url, "/v1/chat/completions", CHAT).status_code == 200
+    assert post(gw.url, "/v1/chat/completions", {**CHAT, "max_tokens": 70}).status_code == 200
+    assert post(gw.url, "/v1/completions", COMPLETION).status_code == 200
+    assert [a.sampling.max_tokens for a in peer.admits] == [50, 70, 16]
