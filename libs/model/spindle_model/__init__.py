@@ -1,4 +1,9 @@
-"""Llama-family model for Spindle: config, layers, tensor/pipeline-parallel shards, loaders, tokenizer."""
+"""Llama-family model for Spindle: config, layers, tensor/pipeline-parallel shards, loaders, tokenizer.
+
+The tokenizer lives in spindle_tokenizer (no torch), re-exported here.
+"""
+
+from spindle_tokenizer import IncrementalDetokenizer, Tokenizer
 
 from .config import ModelConfig, RopeScaling
 from .gguf_blocks import attach_gguf_blocks
@@ -6,7 +11,6 @@ from .gguf_convert import convert_gguf
 from .llama import AttentionContext, CausalAttention, LlamaModel
 from .parallel import TPShard, shard_range
 from .sources import ModelSource, resolve_model
-from .tokenizer import IncrementalDetokenizer, Tokenizer
 from .weights import load_state_dict
 
 __all__ = [

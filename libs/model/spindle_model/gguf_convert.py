@@ -20,13 +20,15 @@ import numpy as np
 from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
+from spindle_tokenizer.locate import CONVERTER_VERSION as CONVERTER_VERSION
+
 if TYPE_CHECKING:  # gguf is imported where a conversion runs: loading HF directories never needs it
     from gguf import GGUFReader
 
 logger = logging.getLogger("spindle.model")
 
-# Bump whenever the converter's output changes, so that cached conversions are redone.
-CONVERTER_VERSION = 1
+# CONVERTER_VERSION (imported above: it is part of the cache path): bump it whenever this converter's output
+# changes, so that cached conversions are redone.
 
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",

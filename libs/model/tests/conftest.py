@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from gguf import GGUFReader
 
+from spindle_model import Tokenizer
 from spindle_model.sources import ModelSource, known_model_gguf, resolve_model
-from spindle_model.tokenizer import Tokenizer
 
 # Never reach for the hub, whatever a test does. spindle_model imports transformers lazily, so this still runs first.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -16,6 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from spindle_model import sources
 from spindle_model.sources import gguf_cache_key, known_model_names, resolve_model
 from spindle_model.weights import load_state_dict
+from spindle_tokenizer import locate
 
 
 def _no_conversion(*args: object, **kwargs: object) -> None:
@@ -57,7 +58,7 @@ def test_cache_key_tracks_file_and_converter(tmp_path: Path, monkeypatch: pytest
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
     key_touched = gguf_cache_key(f)
     assert key_touched != key
-    monkeypatch.setattr(sources, "CONVERTER_VERSION", sources.CONVERTER_VERSION + 1)
+    monkeypatch.setattr(locate, "CONVERTER_VERSION", locate.CONVERTER_VERSION + 1)
     assert gguf_cache_key(f) != key_touched
 
 

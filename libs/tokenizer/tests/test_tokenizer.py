@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from spindle_model.sources import ModelSource
-from spindle_model.tokenizer import IncrementalDetokenizer, Tokenizer
+from spindle_tokenizer import IncrementalDetokenizer, Tokenizer
 
 MULTIBYTE = "naïve café — 東京 🎉"
 TEXTS = [
@@ -56,9 +55,9 @@ def test_chat_template(smollm2_tokenizer: Tokenizer) -> None:
         tok.render_chat([])
 
 
-def test_no_chat_template(smollm2_source: ModelSource, tmp_path: Path) -> None:
+def test_no_chat_template(smollm2_dir: Path, tmp_path: Path) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
-        shutil.copy(smollm2_source.path / name, tmp_path / name)
+        shutil.copy(smollm2_dir / name, tmp_path / name)
     tok = Tokenizer(tmp_path)
     assert not tok.has_chat_template
     assert tok.decode(tok.encode(MULTIBYTE)) == MULTIBYTE
