@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from .conftest import engine_greedy, instance_blocks, start_stack, wait_until
+from .sampling_check import assert_stream_matches, engine_reference, penalised_body, stream_completion
 from .sse import read_events, stream_text
 from .test_failures import kill_mid_stream
 
@@ -102,6 +103,16 @@ def test_split_prompt_scales_up_and_equals_the_engine(kvp_stack, reference_engin
     # the leader told the scheduler of the scale-up (KVPShards): its view holds the third member too
     log = (Path(kvp_stack.config.log_dir) / "scheduler.log").read_text()
     assert re.search(r"its KV is on 3 members now: \[\('decode-0[^)]*, 0, 500\)", log), log[-3000:]
+    assert wait_until(lambda: _all_free(kvp_stack), 5), instance_blocks(kvp_stack)
+
+
+def test_penalties_and_logprobs_over_a_split_request_equal_the_engine(kvp_stack, reference_engine, tokenizer):
+    """A 1000-token prompt split over two members: the master samples with the penalties over the whole history,
+    and its logprobs reach the group's leader, which publishes them."""
+    ids = _prompts(tokenizer, [1000])[0]
+    body = penalised_body(ids, max_tokens=16, banned=tokenizer.encode(" the", add_special_tokens=False)[0])
+    tokens, logprobs = engine_reference(reference_engine, body)
+    assert_stream_matches(stream_completion(kvp_stack.base_url, body), tokenizer, tokens, logprobs)
     assert wait_until(lambda: _all_free(kvp_stack), 5), instance_blocks(kvp_stack)
 
 

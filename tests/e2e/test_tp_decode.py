@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from .conftest import engine_greedy, instance_blocks, start_stack, wait_until
+from .sampling_check import assert_stream_matches, engine_reference, penalised_body, stream_completion
 from .sse import read_events, stream_text
 from .test_failures import kill_mid_stream
 from .test_sp_grow import _grow_profile
@@ -75,6 +76,15 @@ def test_seeded_sampling_equals_the_engine(tp_stack, reference_engine, tokenizer
         for o in reference_engine.step():
             ref += o.new_token_ids
     assert stream_text(events, chat=False) == tokenizer.decode(ref)
+
+
+def test_penalties_and_logprobs_equal_the_engine(tp_stack, reference_engine, tokenizer):
+    """Penalties, logit_bias, min_tokens and logprobs on the TP-2 leader, after an SP-1 and an SP-2 prefill."""
+    banned = tokenizer.encode(" the", add_special_tokens=False)[0]
+    for ids in _prompts(tokenizer, [300, 700]):
+        body = penalised_body(ids, max_tokens=16, banned=banned)
+        tokens, logprobs = engine_reference(reference_engine, body)
+        assert_stream_matches(stream_completion(tp_stack.base_url, body), tokenizer, tokens, logprobs)
 
 
 def _tp_counters(stack) -> dict[str, int]:

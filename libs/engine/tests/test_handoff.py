@@ -51,6 +51,19 @@ def tiny():
     [
         SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
         SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True),
+        SamplingParams(  # the penalties count the first token, sampled on the prefill side
+            max_tokens=10,
+            temperature=0.9,
+            min_p=0.05,
+            seed=7,
+            presence_penalty=1.5,
+            frequency_penalty=0.5,
+            repetition_penalty=1.4,
+            logit_bias=((5, 3.0),),
+            min_tokens=4,
+            logprobs=3,
+        ),
+        SamplingParams(max_tokens=10, temperature=0.0, repetition_penalty=2.0, frequency_penalty=1.0, logprobs=0),
     ],
 )
 def test_handoff_matches_single_engine(tiny, params):

@@ -283,18 +283,16 @@ def test_group_engine_gives_the_single_engine_tokens(tiny_dir, tmp_path):
     from spindle_model.testing import run_gloo
 
     greedy = {"max_tokens": 14, "temperature": 0, "ignore_eos": True}
+    # logprobs and penalties on requests mastered by followers (long: 1, short: 2) and by the leader (seeded)
+    long = {**greedy, "max_tokens": 20, "logprobs": 2, "presence_penalty": 0.5}
+    short = {**greedy, "max_tokens": 8, "logprobs": 0, "repetition_penalty": 1.2}
+    seeded = {"max_tokens": 6, "temperature": 0.8, "seed": 5, "ignore_eos": True, "frequency_penalty": 0.3}
     script = [
-        {"step": 0, "op": "resume", "id": "long", "prompt": _ids(40, 1), "params": {**greedy, "max_tokens": 20}},
-        {"step": 1, "op": "resume", "id": "short", "prompt": _ids(9, 2), "params": {**greedy, "max_tokens": 8}},
+        {"step": 0, "op": "resume", "id": "long", "prompt": _ids(40, 1), "params": long},
+        {"step": 1, "op": "resume", "id": "short", "prompt": _ids(9, 2), "params": short},
         {"step": 1, "op": "resume", "id": "gone", "prompt": _ids(5, 4), "params": greedy},
         {"step": 3, "op": "abort", "id": "gone"},
-        {
-            "step": 3,
-            "op": "resume",
-            "id": "seeded",
-            "prompt": _ids(6, 3),
-            "params": {"max_tokens": 6, "temperature": 0.8, "seed": 5, "ignore_eos": True},
-        },
+        {"step": 3, "op": "resume", "id": "seeded", "prompt": _ids(6, 3), "params": {**seeded, "logprobs": 1}},
     ]
     config = {"model": tiny_dir, "block_size": 4, "kv_cache_tokens": 32, "max_model_len": 128}
     results = run_gloo(group_engine_worker, 3, tmp_path, json.dumps(config), 21, json.dumps(script), timeout=120)
@@ -305,11 +303,15 @@ def test_group_engine_gives_the_single_engine_tokens(tiny_dir, tmp_path):
         if e["op"] == "resume" and e["id"] != "gone":
             engine.add_request(e["id"], e["prompt"], SamplingParams(**e["params"]))
     ref: dict[str, list[int]] = {}
+    ref_logprobs: dict[str, list[float]] = {}
     while engine.has_unfinished():
         for o in engine.step():
             ref.setdefault(o.request_id, []).extend(o.new_token_ids)
+            ref_logprobs.setdefault(o.request_id, []).extend(lp.logprob for lp in o.logprobs or [])
     assert len(got.pop("gone")) < 14
     assert got == ref
+    for rid in ("long", "short", "seeded"):  # the first token was sampled by the prefill: its logprob is not here
+        torch.testing.assert_close(leader[f"logprobs:{rid}"].tolist(), ref_logprobs[rid][1:], rtol=0, atol=1e-4)
     assert len(set(ref["long"])) > 1
     # long: [0, 21) on 0 and [21, 40) on 1, mastered by 1; short on 2 mastered by 2; gone and seeded on 2
     # mastered by 0 (which holds none of them); long's tail fills member 1 and moves to 2 at step 13

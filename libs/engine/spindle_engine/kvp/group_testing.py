@@ -50,10 +50,12 @@ def play(
     script: list[dict],
     failed: dict[str, str] | None = None,
     placements: dict[str, list[list[int]]] | None = None,
+    logprobs: dict[str, list[float]] | None = None,
 ) -> dict[str, list[int]]:
     """Apply `script` entries ({"step": k, "op": resume|abort, ...}) before step k; run until done. Requests the
     group fails go to `failed` (id -> message); what `placement_changes` reports after each step to `placements`
-    (id -> [master, member, start, end, member, start, end, ...] per report)."""
+    (id -> [master, member, start, end, member, start, end, ...] per report); the sampled tokens' logprobs of the
+    requests that asked for them to `logprobs` (id -> one per decode step)."""
     tokens: dict[str, list[int]] = {}
     step = 0
     last = max(e["step"] for e in script)
@@ -74,6 +76,8 @@ def play(
             return tokens
         for out in leader.step():
             tokens[out.request_id] += out.new_token_ids
+            if logprobs is not None and out.logprobs:
+                logprobs.setdefault(out.request_id, []).extend(lp.logprob for lp in out.logprobs)
         for q in leader.placement_changes():
             if placements is not None:
                 ranges = [x for r in q.ranges for x in (r.member, r.start, r.end)]
@@ -101,9 +105,11 @@ def group_engine_worker(
     leader.connect()
     ref_config = EngineConfig(model=config.model, block_size=config.block_size, kv_cache_tokens=4096)
     placements: dict[str, list[list[int]]] = {}
-    tokens = play(leader, ref_config, json.loads(script_json), placements=placements)
+    logprobs: dict[str, list[float]] = {}
+    tokens = play(leader, ref_config, json.loads(script_json), placements=placements, logprobs=logprobs)
     leader.step()  # one more exchange: the followers report their blocks after the last finishes
     out = {f"tokens:{rid}": torch.tensor(t) for rid, t in tokens.items()}
+    out |= {f"logprobs:{rid}": torch.tensor(v, dtype=torch.float64) for rid, v in logprobs.items()}
     out |= {f"reports:{rid}": torch.tensor([len(r)]) for rid, r in placements.items()}
     out |= {f"placement:{rid}": torch.tensor(r[-1]) for rid, r in placements.items()}
     out["blocks_used"] = torch.tensor([member.blocks_used, leader.allocator.num_used])

@@ -1,0 +1,69 @@
+"""Sampling parameters and logprobs through the real stack (2 prefill + 1 decode instances) with the official
+`openai` client: penalties, logit_bias, min_tokens, min_p and seeded sampling give the single engine's tokens,
+and the logprobs, streamed and not, equal the engine's (the first token's come from the prefill instance)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from .conftest import instance_blocks, wait_until
+from .sampling_check import LOGPROB_TOL, assert_stream_matches, engine_reference, penalised_body, stream_completion
+
+pytestmark = pytest.mark.slow
+
+STORY = "Once upon a time in a land far away, there lived a curious fox who loved to"
+
+
+def test_penalised_sampling_and_logprobs_equal_the_engine(stack, reference_engine, tokenizer):
+    prompt = tokenizer.encode(STORY, add_special_tokens=False)
+    body = penalised_body(prompt, max_tokens=24, banned=tokenizer.encode(" the", add_special_tokens=False)[0])
+    tokens, logprobs = engine_reference(reference_engine, body)
+    assert body["logit_bias"] and int(next(iter(body["logit_bias"]))) not in tokens
+    assert_stream_matches(stream_completion(stack.base_url, body), tokenizer, tokens, logprobs)
+
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused")
+    extra = {k: body[k] for k in ("top_k", "min_p", "repetition_penalty", "min_tokens")}
+    whole = client.completions.create(
+        model="smollm2",
+        prompt=prompt,
+        max_tokens=body["max_tokens"],
+        temperature=body["temperature"],
+        seed=body["seed"],
+        presence_penalty=body["presence_penalty"],
+        frequency_penalty=body["frequency_penalty"],
+        logit_bias=body["logit_bias"],
+        logprobs=body["logprobs"],
+        extra_body=extra,
+    )
+    choice = whole.choices[0]
+    assert choice.text == tokenizer.decode(tokens)
+    assert choice.logprobs.token_logprobs == pytest.approx([lp.logprob for lp in logprobs], abs=LOGPROB_TOL)
+    assert wait_until(lambda: not any(instance_blocks(stack).values()), 5), instance_blocks(stack)
+
+
+def test_chat_logprobs_with_the_openai_client_streamed_and_not(stack, reference_engine, tokenizer):
+    from spindle_engine import SamplingParams
+
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused")
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    kw = {"model": "smollm2", "messages": messages, "max_tokens": 10, "temperature": 0, "logprobs": True}
+    whole = client.chat.completions.create(**kw, top_logprobs=2)
+    streamed = client.chat.completions.create(**kw, top_logprobs=2, stream=True)
+    content = whole.choices[0].logprobs.content
+    chunks = [ch.choices[0] for ch in streamed if ch.choices]
+    streamed_content = [c for ch in chunks if ch.logprobs for c in ch.logprobs.content]
+    assert [c.token for c in content] == [c.token for c in streamed_content]
+    assert [c.logprob for c in content] == pytest.approx([c.logprob for c in streamed_content], abs=1e-6)
+
+    ids = tokenizer.encode(tokenizer.render_chat(messages), add_special_tokens=False)
+    reference_engine.add_request("ref-chat-lp", ids, SamplingParams(max_tokens=10, temperature=0, logprobs=2))
+    ref = []
+    while reference_engine.has_unfinished():
+        ref += [lp for o in reference_engine.step() if o.request_id == "ref-chat-lp" for lp in o.logprobs or []]
+    assert [c.token for c in content] == [tokenizer.decode([lp.token_id], skip_special_tokens=False) for lp in ref]
+    assert [c.logprob for c in content] == pytest.approx([lp.logprob for lp in ref], abs=LOGPROB_TOL)
+    for c, lp in zip(content, ref, strict=True):
+        assert len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+        assert c.top_logprobs[0].logprob == pytest.approx(lp.top_logprobs[0], abs=LOGPROB_TOL)
+    assert "".join(c.token for c in content).startswith("The capital of France is Paris")
