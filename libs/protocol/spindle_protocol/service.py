@@ -15,6 +15,10 @@ import sys
 from collections.abc import Awaitable, Callable
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+# `spindle up` gives its gateway a random token in this variable; the gateway sends it back in this header of
+# /health, so that the launcher's readiness check never takes another server on the same port for its own.
+STACK_TOKEN_ENV = "SPINDLE_STACK_TOKEN"
+STACK_TOKEN_HEADER = "x-spindle-stack"
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:

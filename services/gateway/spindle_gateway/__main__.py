@@ -1,7 +1,9 @@
 """`python -m spindle_gateway`: the OpenAI-compatible HTTP front of a Spindle cluster.
 
-It loads only the tokenizer, connects to NATS and serves HTTP with uvicorn. SIGTERM/SIGINT (or the death of
-`--parent-pid`) stop it: streams in flight get a terminal error event, their requests are aborted everywhere.
+It loads only the tokenizer (spindle_tokenizer: no torch), connects to NATS and serves HTTP with uvicorn.
+SIGTERM/SIGINT (or the death of `--parent-pid`) stop it: streams in flight get a terminal error event, their
+requests are aborted everywhere. With SPINDLE_STACK_TOKEN set (`spindle up` sets it), /health answers carry it in
+the `x-spindle-stack` header.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -80,29 +83,31 @@ def _server(app: Any, args: argparse.Namespace) -> Any:
 
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
-    from spindle_model import Tokenizer, resolve_model
     from spindle_protocol.bus import Bus
+    from spindle_protocol.service import STACK_TOKEN_ENV
 
     from . import tracing
     from .app import create_app
     from .config import GatewayConfig
+    from .model_files import load_model_files
+    from .stack_token import with_stack_token
     from .state import GatewayState
 
     tracing.setup("spindle-gateway", args.otlp_endpoint)
-    source = await asyncio.to_thread(resolve_model, args.model)
-    tokenizer = await asyncio.to_thread(Tokenizer, source.path)
+    model = await asyncio.to_thread(load_model_files, args.model)
+    tokenizer = model.tokenizer
     config = GatewayConfig(
         served_model_name=args.served_model_name or args.model,
         model=args.model,
-        max_model_len=args.max_model_len or source.config.max_position_embeddings,
-        vocab_size=max(source.config.vocab_size, tokenizer.vocab_size),
+        max_model_len=args.max_model_len or model.max_position_embeddings,
+        vocab_size=model.vocab_size,
         request_timeout=args.request_timeout,
         max_stop_strings=args.max_stop_strings,
         admit_timeout=args.admit_timeout,
     )
     bus = await Bus.connect(args.nats_url, "spindle-gateway", inject=tracing.inject_hook())
     state = GatewayState(config, tokenizer, bus)
-    server = _server(create_app(state), args)
+    server = _server(with_stack_token(create_app(state), os.environ.get(STACK_TOKEN_ENV)), args)
     serving = asyncio.create_task(server.serve())
     stopping = asyncio.create_task(stop.wait())
     try:

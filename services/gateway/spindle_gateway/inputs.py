@@ -9,8 +9,8 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from spindle_model import Tokenizer
 from spindle_protocol.messages import Sampling
+from spindle_tokenizer import Tokenizer
 
 from .errors import bad_request
 from .schemas import (

@@ -8,8 +8,8 @@ import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
-from spindle_model import Tokenizer
 from spindle_protocol.bus import Bus
+from spindle_tokenizer import Tokenizer
 
 from . import tracing
 from .cluster import ClusterView

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from spindle_model import IncrementalDetokenizer, Tokenizer
+from spindle_tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class StopStringMatcher:
