@@ -59,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="seconds to wait for the scheduler's admission reply before answering 503 (default %(default)s)",
     )
+    g.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=None,
+        help="larger request bodies are answered 413 before they are read (default: 16 bytes per token of "
+        "--max-model-len, at least 4 MiB: room for a prompt that fills the context)",
+    )
     return parser
 
 
@@ -104,6 +111,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         request_timeout=args.request_timeout,
         max_stop_strings=args.max_stop_strings,
         admit_timeout=args.admit_timeout,
+        max_body_bytes=args.max_body_bytes,
     )
     bus = await Bus.connect(args.nats_url, "spindle-gateway", inject=tracing.inject_hook())
     state = GatewayState(config, tokenizer, bus)

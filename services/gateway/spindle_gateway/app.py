@@ -1,4 +1,5 @@
-"""The gateway's HTTP routes: OpenAI-compatible completions (stream and not), models, health, metrics."""
+"""The gateway's HTTP routes: OpenAI-compatible completions (stream and not), models, (de)tokenize, health,
+metrics. Every GET route answers HEAD too; every request body passes the size limit (body_limit.py) first."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from starlette.types import Receive, Scope, Send
 
 from spindle_protocol.messages import TokenLogprob
 
-from . import tracing
+from . import tokenize_api, tracing
+from .body_limit import BodySizeLimit
 from .errors import GatewayError, install_error_handlers
 from .inputs import Kind, prepare_chat, prepare_completion
 from .metrics import CONTENT_TYPE
@@ -50,6 +52,7 @@ def create_app(state: GatewayState) -> FastAPI:
     app = FastAPI(title="Spindle gateway", version="0.1.0", summary="OpenAI-compatible API of a Spindle cluster")
     app.state.gateway = state
     install_error_handlers(app, on_error=state.metrics.error)
+    app.add_middleware(BodySizeLimit, limit=state.config.body_limit, on_reject=state.metrics.error)
     served = state.config.served_model_name
 
     def check_model(model: str | None) -> None:
@@ -137,9 +140,8 @@ def create_app(state: GatewayState) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await generate(request, "completion")
 
-    @app.get("/v1/models")
-    async def models() -> Response:
-        card = {
+    def model_card() -> dict[str, Any]:
+        return {
             "id": served,
             "object": "model",
             "created": state.created,
@@ -148,9 +150,31 @@ def create_app(state: GatewayState) -> FastAPI:
             "parent": None,
             "max_model_len": state.max_model_len,
         }
-        return _json({"object": "list", "data": [card]})
 
-    @app.get("/health")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
+    async def models() -> Response:
+        return _json({"object": "list", "data": [model_card()]})
+
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
+    async def model(model_id: str) -> Response:
+        check_model(model_id)
+        return _json(model_card())
+
+    async def tokenize(request: Request) -> Response:
+        req = tokenize_api.parse_tokenize(await request.body())
+        check_model(req.model)
+        return _json(await tokenize_api.tokenize(req, state.tokenizer, state.max_model_len))
+
+    async def detokenize(request: Request) -> Response:
+        req = parse_body(await request.body(), tokenize_api.DetokenizeRequest)
+        check_model(req.model)
+        return _json(await tokenize_api.detokenize(req, state.tokenizer, state.config.vocab_size))
+
+    for prefix in ("", "/v1"):
+        app.add_api_route(prefix + "/tokenize", tokenize, methods=["POST"])
+        app.add_api_route(prefix + "/detokenize", detokenize, methods=["POST"])
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         ok, reason = await state.cluster.health()
         state.metrics.update_cluster(None if state.cluster.error else state.cluster.cached)
@@ -158,12 +182,12 @@ def create_app(state: GatewayState) -> FastAPI:
             return GatewayError(503, f"unhealthy: {reason}").response()
         return _json({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics() -> Response:
         state.metrics.update_cluster(await state.cluster.status())
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/spindle/instances")
+    @app.api_route("/v1/spindle/instances", methods=["GET", "HEAD"])
     async def instances() -> Response:
         """Exact per-instance state (blocks held per request), asked of every live instance."""
         try:

@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 log = logging.getLogger("spindle.gateway")
 
@@ -35,7 +36,8 @@ def error_type(status: int) -> str:
 
 
 class GatewayError(Exception):
-    """A request that ends in an HTTP error; `retry_after` (seconds) becomes a Retry-After header."""
+    """A request that ends in an HTTP error; `retry_after` (seconds) becomes a Retry-After header, `headers` are
+    sent as they are (e.g. a 405's Allow)."""
 
     def __init__(
         self,
@@ -45,6 +47,7 @@ class GatewayError(Exception):
         param: str | None = None,
         type_: str | None = None,
         retry_after: float | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         # Messages may quote client input; a lone surrogate in it must not break the JSON encoder.
         message = message.encode("utf-8", "backslashreplace").decode("utf-8")
@@ -54,12 +57,13 @@ class GatewayError(Exception):
         self.param = param
         self.type = type_ or error_type(self.status)
         self.retry_after = retry_after
+        self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
 
     def response(self) -> Response:
-        headers = {}
+        headers = dict(self.headers)
         if self.retry_after is not None:
             headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
         return Response(
@@ -84,6 +88,17 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
+def allowed_methods(request: Request) -> list[str]:
+    """The methods some route of the app serves at this request's path (what a 405's Allow header lists)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        route_methods = getattr(route, "methods", None)
+        if route_methods and route.matches(request.scope)[0] is not Match.NONE:
+            methods |= set(route_methods)
+    order = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+    return sorted(methods, key=lambda m: (order.index(m) if m in order else len(order), m))
+
+
 def install_error_handlers(app: FastAPI, on_error: Any = None) -> None:
     """Route every failure to the OpenAI error shape. `on_error(status)` is told about each (for metrics)."""
 
@@ -102,8 +117,16 @@ def install_error_handlers(app: FastAPI, on_error: Any = None) -> None:
         return respond(bad_request(message, param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        return respond(GatewayError(exc.status_code, str(exc.detail)))
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        headers = dict(exc.headers or {})
+        message = str(exc.detail)
+        if exc.status_code == 405:
+            allow = allowed_methods(request)
+            headers["Allow"] = ", ".join(allow)
+            message = f"method {request.method} is not allowed for {request.url.path}; allowed: {headers['Allow']}"
+        elif exc.status_code == 404 and message == "Not Found":  # the router's: no route has this path
+            message = f"no route {request.method} {request.url.path}"
+        return respond(GatewayError(exc.status_code, message, headers=headers))
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception) -> Response:

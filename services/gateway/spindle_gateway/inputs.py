@@ -5,13 +5,13 @@ Everything here is local (tokenizer and limits): an invalid request never reache
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from spindle_protocol.messages import Sampling
 from spindle_tokenizer import Tokenizer
 
+from . import tokenization
 from .errors import bad_request
 from .schemas import (
     ChatCompletionRequest,
@@ -26,7 +26,6 @@ from .schemas import (
 Kind = Literal["chat", "completion"]
 MAX_LOGPROBS = 20  # alternatives per position (OpenAI's top_logprobs limit; the engine's too)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
-_THREAD_TOKENIZE_CHARS = 8192  # longer texts are tokenized off the event loop
 
 
 @dataclass(frozen=True)
@@ -49,10 +48,17 @@ class GenerationParams:
     echo: str | None = None  # completions with `echo`: the prompt's text, sent before the completion
 
 
-async def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    if len(text) > _THREAD_TOKENIZE_CHARS:
-        return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
-    return tokenizer.encode(text, add_special_tokens)
+async def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool, limit: int, param: str) -> list[int]:
+    """The prompt's token ids; a text known to reach `limit` tokens is refused without tokenizing it (so a
+    multi-megabyte prompt costs no tokenizer time), long ones are tokenized off the event loop (tokenization.py)."""
+    try:
+        return await tokenization.encode(tokenizer, text, add_special_tokens, limit)
+    except tokenization.PromptTooLong as e:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens. However, your prompt has at least "
+            f"{e.at_least} tokens ({e.chars} characters). Please reduce the length of the prompt.",
+            param,
+        ) from None
 
 
 def _check_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
@@ -142,7 +148,7 @@ async def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits:
         text = tokenizer.render_chat(messages)
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
-    ids = await _encode(tokenizer, text, False)  # the template writes BOS and special tokens itself
+    ids = await _encode(tokenizer, text, False, limits.max_model_len, "messages")  # the template adds BOS
     return _finish("chat", req, ids, requested, param, limits, common, stops, logprobs)
 
 
@@ -157,7 +163,7 @@ async def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer, limit
             raise bad_request(f"only one prompt per request is supported, got {len(prompt)}", "prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        ids = await _encode(tokenizer, check_text(prompt, "prompt"), True)
+        ids = await _encode(tokenizer, check_text(prompt, "prompt"), True, limits.max_model_len, "prompt")
         echo = prompt if req.echo else None
     else:
         ids = _check_ids(list(prompt), limits.vocab_size, "prompt")

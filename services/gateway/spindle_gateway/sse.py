@@ -26,16 +26,31 @@ def sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + _encode(obj) + b"\n\n"
 
 
+# `usage.spindle`: these keys on every response, whatever the workers reported (the keys they write in their jobs'
+# `stats`; a key they add must be added here). Times and kv_bytes are null when the instance that sent the last
+# event did not measure them (transfer_ms of a request that ended on its prefill instance); the counts are 0 when
+# the stats do not mention them. All are null when no stats came (a stop string ended the request first).
+SPINDLE_USAGE_KEYS = ("prefill_ms", "transfer_ms", "resume_ms", "decode_ms", "kv_bytes", "parked", "preemptions")
+_SPINDLE_COUNTS = frozenset({"parked", "preemptions"})
+_SPINDLE_INTEGERS = frozenset({"kv_bytes", "parked", "preemptions"})
+
+
+def spindle_usage(stats: dict[str, float] | None) -> dict[str, float | int | None]:
+    out: dict[str, float | int | None] = {}
+    for key in SPINDLE_USAGE_KEYS:
+        value = None if stats is None else stats.get(key, 0 if key in _SPINDLE_COUNTS else None)
+        out[key] = int(value) if value is not None and key in _SPINDLE_INTEGERS else value
+    return out
+
+
 def usage(prompt_tokens: int, completion_tokens: int, stats: dict[str, float] | None = None) -> dict[str, Any]:
     """OpenAI usage; Spindle's per-request measurements (from the last StreamEvent) ride along under `spindle`."""
-    out: dict[str, Any] = {
+    return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "spindle": spindle_usage(stats),
     }
-    if stats:
-        out["spindle"] = dict(stats)
-    return out
 
 
 def _lp(value: float) -> float:

@@ -11,7 +11,7 @@ from spindle_gateway.errors import GatewayError
 from spindle_gateway.inputs import Limits, prepare_chat, prepare_completion
 from spindle_gateway.reorder import TokenReorderer
 from spindle_gateway.schemas import ChatCompletionRequest, CompletionRequest, parse_body
-from spindle_gateway.sse import DONE, ResponseBuilder, error_event, usage
+from spindle_gateway.sse import DONE, SPINDLE_USAGE_KEYS, ResponseBuilder, error_event, usage
 from spindle_gateway.stops import StopStringMatcher, TextAssembler
 from spindle_model import Tokenizer
 from spindle_protocol.messages import StreamEvent
@@ -219,8 +219,10 @@ def test_chat_chunks() -> None:
     assert decode_sse(b.delta_chunk("Hi"))["choices"][0]["delta"] == {"content": "Hi"}
     last = decode_sse(b.delta_chunk("", "stop", "\n"))["choices"][0]
     assert last["delta"] == {} and last["finish_reason"] == "stop" and last["stop_reason"] == "\n"
-    u = usage(3, 2, {"queue_ms": 1.0})
-    assert u == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "spindle": {"queue_ms": 1.0}}
+    u = usage(3, 2, {"decode_ms": 1.0, "kv_bytes": 64.0, "unknown_ms": 5.0})
+    spindle = dict.fromkeys(SPINDLE_USAGE_KEYS) | {"decode_ms": 1.0, "kv_bytes": 64, "parked": 0, "preemptions": 0}
+    assert u == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "spindle": spindle}
+    assert usage(1, 1)["spindle"] == dict.fromkeys(SPINDLE_USAGE_KEYS)
     assert decode_sse(b.usage_chunk(u)) == {
         "id": "chatcmpl-1",
         "object": "chat.completion.chunk",
