@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 
 from .plan import DTYPES, Runtime, StackConfig, build_plan, check_decode_tp
-from .stack import Stack, StackError, StackInterrupted
+from .stack import Stack, StackError, StackInterrupted, check_ports
 from .supervisor import describe_exit
 
 
@@ -165,6 +165,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         config = config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    if not args.dry_run:
+        try:
+            check_ports(config)  # first: a taken port fails within a second, before any model is read
+        except StackError as e:
+            _say(f"failed to start: {e}")
+            sys.exit(1)
+    try:
         check_decode_tp(config)
     except ValueError as e:
         parser.error(str(e))

@@ -13,6 +13,8 @@ import re
 import sys
 from dataclasses import dataclass, field
 
+from spindle_protocol.service import STACK_TOKEN_ENV
+
 DTYPES = ("float32", "bfloat16", "float16")
 ROLES = ("kvstore", "scheduler", "prefill", "decode", "gateway")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -135,6 +137,7 @@ class Runtime:
     dist_init: str  # torch.distributed rendezvous of rank 0 (the kvstore)
     port: int  # the gateway's port (StackConfig.port resolved)
     parent_pid: int = 0  # children exit when it dies; 0 = no watch
+    stack_token: str = ""  # the gateway returns it on /health (SPINDLE_STACK_TOKEN); "" = none
 
     def __post_init__(self) -> None:
         _port(self.port, "runtime port", allow_zero=False)
@@ -185,9 +188,9 @@ def build_plan(config: StackConfig, runtime: Runtime, python: str = sys.executab
     env = {"PYTHONUNBUFFERED": "1", **config.env}
     specs: list[ServiceSpec] = []
 
-    def add(name: str, role: str, flags: list[str]) -> None:
+    def add(name: str, role: str, flags: list[str], more_env: dict[str, str] | None = None) -> None:
         argv = (python, "-m", f"spindle_{role}", *flags, *common, *config.extra_args.get(role, ()))
-        specs.append(ServiceSpec(name, argv, dict(env)))
+        specs.append(ServiceSpec(name, argv, {**env, **(more_env or {})}))
 
     kvstore = worker("kvstore-0", 0)
     if config.kvstore_memory_gb is not None:
@@ -223,7 +226,8 @@ def build_plan(config: StackConfig, runtime: Runtime, python: str = sys.executab
                 flags += ["--parent-pid", str(runtime.parent_pid)]
             argv = (python, "-m", "spindle_decode.tp_follower", *flags)
             specs.append(ServiceSpec(f"decode-{i}-tp{j}", argv, dict(env)))
-    add("gateway", "gateway", ["--host", config.host, "--port", str(runtime.port), "--model", config.model])
+    token = {STACK_TOKEN_ENV: runtime.stack_token} if runtime.stack_token else {}
+    add("gateway", "gateway", ["--host", config.host, "--port", str(runtime.port), "--model", config.model], token)
     return specs
 
 

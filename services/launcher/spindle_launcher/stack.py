@@ -4,24 +4,34 @@
         httpx.get(stack.url + "/health"); OpenAI(base_url=stack.base_url)
         stack.processes["decode-0"].kill()
 
+Before anything starts, start() checks that the stack's fixed ports can be bound (a taken port fails at once,
+naming it) and converts a GGUF model that has not been converted on this machine yet (once, with a progress bar,
+instead of in every service at once). The gateway gets a random stack token and returns it on /health: readiness
+accepts only that answer, never another server that happens to listen on the port.
+
 Call start() from a long-lived thread (the death signal of the children is tied to the forking thread).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
+import secrets
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 
 from spindle_protocol import Bus, ClusterStatus, StatusQuery, subjects
 from spindle_protocol.nats_server import NatsServer, start_nats_server
+from spindle_protocol.service import STACK_TOKEN_HEADER
 
 from .plan import Runtime, ServiceSpec, StackConfig, build_plan, check_decode_tp
 from .supervisor import Supervisor, describe_exit
@@ -45,6 +55,50 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def check_port(host: str, port: int, hint: str) -> None:
+    """StackError unless `port` can be bound on `host` now (SO_REUSEADDR, as uvicorn and nats-server bind: a
+    socket left in TIME_WAIT by an earlier run does not count as taken, a listening one does)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(address)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise StackError(f"port {port} on {host} is already in use ({hint})") from e
+        raise StackError(f"cannot listen on {host} port {port}: {e.strerror or e}") from e
+
+
+def check_ports(config: StackConfig) -> None:
+    """StackError naming the first fixed port of the stack that cannot be bound: the gateway's HTTP port (unless
+    0, any free port) and nats-server's client port when it is given."""
+    if config.port:
+        check_port(config.host, config.port, "another server? choose --port")
+    if config.nats_port is not None:
+        check_port("127.0.0.1", config.nats_port, "another nats-server? choose --nats-port, or leave it out")
+
+
+def gateway_health(url: str, token: str) -> str | None:
+    """None when GET `url`/health is 200 from the gateway holding `token` (any gateway when `token` is empty),
+    else what is wrong."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            status, answered = r.status, r.headers.get(STACK_TOKEN_HEADER)
+    except urllib.error.HTTPError as e:
+        status, answered = e.code, e.headers.get(STACK_TOKEN_HEADER)
+    except (urllib.error.URLError, OSError):
+        return "not listening"
+    if token and answered != token:
+        return "another server answers there, not this stack's gateway"
+    return None if status == 200 else f"/health {status}"
+
+
+# Converts (or finds) the model in a child process: the launcher itself never loads torch.
+_PREPARE_MODEL = "import sys; from spindle_model import resolve_model; resolve_model(sys.argv[1], progress=True)"
+
+
 def _client_host(host: str) -> str:
     """Where to reach a server bound to `host` from this machine."""
     if host in ("0.0.0.0", ""):
@@ -61,10 +115,14 @@ class Stack:
         *,
         echo: Callable[[str], None] | None = None,
         plan: Callable[[StackConfig, Runtime], list[ServiceSpec]] = build_plan,
+        prepare_model: bool = True,
     ) -> None:
+        """`prepare_model`: convert the model, if needed, before starting anything (stand-in plans that load no
+        model pass False)."""
         self.config = config
         self._echo = echo or log.info
         self._plan = plan
+        self._prepare_model = prepare_model
         self._supervisor = Supervisor(config.log_dir)
         self._nats: NatsServer | None = None
         self._stop_requested = threading.Event()
@@ -102,6 +160,9 @@ class Stack:
     # ---- lifecycle ----
 
     def start(self) -> Stack:
+        check_ports(self.config)  # StackError at once, before any model is touched
+        if self._prepare_model:
+            self._prepare()
         check_decode_tp(self.config)  # ValueError before anything starts
         try:
             nats_port = self.config.nats_port if self.config.nats_port is not None else -1
@@ -113,6 +174,7 @@ class Stack:
                 dist_init=f"tcp://127.0.0.1:{free_port()}",
                 port=self.config.port or free_port(),
                 parent_pid=os.getpid(),
+                stack_token=secrets.token_hex(16),
             )
             self.specs = self._plan(self.config, self.runtime)
             for spec in self.specs:
@@ -167,6 +229,35 @@ class Stack:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    # ---- the model, converted once before the services start ----
+
+    def _prepare(self) -> None:
+        from spindle_tokenizer import locate_model
+
+        env = {**os.environ, **self.config.env}
+        cache = env.get("SPINDLE_CACHE_DIR")
+        try:
+            location = locate_model(self.config.model, cache_dir=Path(cache) if cache else None)
+        except ValueError as e:
+            raise StackError(str(e)) from e
+        if location.ready:
+            return
+        self._echo(f"converting {location.gguf} into {location.path} (once per machine)")
+        start = time.monotonic()
+        argv = [sys.executable, "-c", _PREPARE_MODEL, self.config.model]
+        proc = subprocess.Popen(argv, env=env, preexec_fn=self._supervisor.preexec())  # its progress bar: stderr
+        try:
+            while proc.poll() is None:
+                if self._stop_requested.wait(0.1):
+                    raise StackInterrupted("stopped while converting the model")
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait()
+        if proc.returncode != 0:
+            raise StackError(f"converting the model failed ({describe_exit(proc.returncode)})")
+        self._echo(f"model {self.config.model} ready in {time.monotonic() - start:.1f} s")
+
     # ---- readiness ----
 
     def _run_async(self, coro: object) -> None:
@@ -196,14 +287,8 @@ class Stack:
         return StackError(f"{name} {describe_exit(code)} before the stack was ready{hint}")
 
     def _health(self) -> str | None:
-        """None when GET /health is 200, else what it said."""
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                return None if r.status == 200 else f"/health {r.status}"
-        except urllib.error.HTTPError as e:
-            return f"/health {e.code}"
-        except (urllib.error.URLError, OSError):
-            return "not listening"
+        assert self.runtime is not None
+        return gateway_health(self.url, self.runtime.stack_token)
 
     async def _status(self, bus: Bus) -> tuple[list[str], str | None]:
         """(instances not yet live, what is wrong with the scheduler or None when it answered)."""

@@ -1,7 +1,7 @@
 """Stand-ins for the real services, to test process management without models.
 
 python stand_ins.py scheduler NATS_URL ID,ID,...     # answers STATUS listing those instances as live
-python stand_ins.py gateway PORT                     # GET /health -> 200
+python stand_ins.py gateway PORT                     # GET /health -> 200 (+ the stack token)
 python stand_ins.py launcher [spindle up flags]      # `spindle up` with stand_in_plan; prints PIDS {json}
 """
 
@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import http.server
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 from spindle_launcher.plan import Runtime, ServiceSpec, StackConfig
+from spindle_protocol.service import STACK_TOKEN_ENV, STACK_TOKEN_HEADER
 
 HERE = str(Path(__file__).resolve())
 SLEEPER = (sys.executable, "-c", "import time; time.sleep(1e9)")  # a plain sleeper
@@ -26,7 +28,8 @@ def stand_in_plan(config: StackConfig, runtime: Runtime, *, live: list[str] | No
     env = {"PYTHONUNBUFFERED": "1"}
     specs = [ServiceSpec(name, SLEEPER, env) for name in config.instance_ids()]
     specs.append(ServiceSpec("scheduler", (sys.executable, HERE, "scheduler", runtime.nats_url, ",".join(ids)), env))
-    specs.append(ServiceSpec("gateway", (sys.executable, HERE, "gateway", str(runtime.port)), env))
+    gateway_env = {**env, STACK_TOKEN_ENV: runtime.stack_token} if runtime.stack_token else env
+    specs.append(ServiceSpec("gateway", (sys.executable, HERE, "gateway", str(runtime.port)), gateway_env))
     return specs
 
 
@@ -75,8 +78,12 @@ async def scheduler(nats_url: str, ids: list[str]) -> None:
 
 
 class Health(http.server.BaseHTTPRequestHandler):
+    """GET /health -> 200, with the stack token of SPINDLE_STACK_TOKEN when set (as the real gateway)."""
+
     def do_GET(self) -> None:
         self.send_response(200 if self.path == "/health" else 404)
+        if self.path == "/health" and os.environ.get(STACK_TOKEN_ENV):
+            self.send_header(STACK_TOKEN_HEADER, os.environ[STACK_TOKEN_ENV])
         self.end_headers()
 
     def log_message(self, *args: object) -> None:
@@ -92,7 +99,8 @@ def launcher(argv: list[str]) -> None:
             print("PIDS " + json.dumps({n: p.pid for n, p in self.processes.items()}), flush=True)
             return super().wait(poll_s)
 
-    stack = PrintingStack(config_from_args(build_parser().parse_args(["up", *argv])), echo=_say, plan=stand_in_plan)
+    config = config_from_args(build_parser().parse_args(["up", *argv]))
+    stack = PrintingStack(config, echo=_say, plan=stand_in_plan, prepare_model=False)
     stop_on_signals(stack)
     sys.exit(serve(stack))
 

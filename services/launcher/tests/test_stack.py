@@ -21,7 +21,10 @@ STAND_INS = str(Path(__file__).with_name("stand_ins.py"))
 def test_stack_ready_then_child_death(stand_ins: ModuleType) -> None:
     lines: list[str] = []
     stack = Stack(
-        StackConfig(prefill=2, decode=1, port=0, ready_timeout=30), echo=lines.append, plan=stand_ins.stand_in_plan
+        StackConfig(prefill=2, decode=1, port=0, ready_timeout=30),
+        echo=lines.append,
+        plan=stand_ins.stand_in_plan,
+        prepare_model=False,
     )
     with stack:
         assert set(stack.processes) == {
@@ -45,7 +48,7 @@ def test_stack_ready_then_child_death(stand_ins: ModuleType) -> None:
 
 def test_not_ready_names_what_is_missing(stand_ins: ModuleType) -> None:
     plan = functools.partial(stand_ins.stand_in_plan, live=["kvstore-0", "prefill-0"])
-    stack = Stack(StackConfig(prefill=1, decode=1, port=0, ready_timeout=2), plan=plan)
+    stack = Stack(StackConfig(prefill=1, decode=1, port=0, ready_timeout=2), plan=plan, prepare_model=False)
     with pytest.raises(StackError, match="not ready after 2 s: waiting for decode-0"):
         stack.start()
     assert all(p.poll() is not None for p in stack.processes.values())
@@ -56,7 +59,7 @@ def test_child_death_during_start(stand_ins: ModuleType, tmp_path: Path) -> None
         specs = stand_ins.stand_in_plan(config, runtime)
         return [*specs, type(specs[0])("crasher", (sys.executable, "-c", "raise SystemExit(7)"), {})]
 
-    stack = Stack(StackConfig(prefill=1, decode=1, port=0, log_dir=str(tmp_path)), plan=plan)
+    stack = Stack(StackConfig(prefill=1, decode=1, port=0, log_dir=str(tmp_path)), plan=plan, prepare_model=False)
     with pytest.raises(StackError, match=r"crasher exit code 7 before the stack was ready \(log: .*crasher.log\)"):
         stack.start()
     assert all(p.poll() is not None for p in stack.processes.values())
@@ -125,7 +128,8 @@ def test_a_kvp_followers_exit_does_not_stop_the_stack(stand_ins: ModuleType) -> 
         return [*specs, ServiceSpec("decode-0-kvp1", stand_ins.SLEEPER, {}, survivable=True)]
 
     lines: list[str] = []
-    stack = Stack(StackConfig(prefill=1, decode=1, port=0, ready_timeout=30), echo=lines.append, plan=plan)
+    config = StackConfig(prefill=1, decode=1, port=0, ready_timeout=30)
+    stack = Stack(config, echo=lines.append, plan=plan, prepare_model=False)
     with stack:
         stack.processes["decode-0-kvp1"].kill()
         stack.processes["decode-0-kvp1"].wait()
