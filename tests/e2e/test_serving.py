@@ -9,6 +9,8 @@ import httpx
 import openai
 import pytest
 
+from spindle_gateway.sse import SPINDLE_USAGE_KEYS
+
 from .conftest import MAX_MODEL_LEN, engine_greedy, instance_blocks, wait_until
 from .sse import read_events, stream_text
 
@@ -74,6 +76,27 @@ def test_openai_client_unchanged(stack):
     assert "".join(c.choices[0].text for c in streamed if c.choices) == comp.choices[0].text
     models = client.models.list()
     assert [m.id for m in models.data] == ["smollm2"]
+
+
+def test_tokenize_usage_and_body_limit_on_the_stack(stack, tokenizer):
+    tok = httpx.post(stack.base_url + "/tokenize", json={"model": "smollm2", "messages": PARIS}, timeout=30).json()
+    assert tok["tokens"] == tokenizer.apply_chat_template(PARIS) and tok["max_model_len"] == MAX_MODEL_LEN
+    detok = httpx.post(stack.base_url + "/detokenize", json={"tokens": tok["tokens"]}, timeout=30).json()
+    assert detok["prompt"] == tokenizer.decode(tok["tokens"], skip_special_tokens=False)
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused")
+    assert client.models.retrieve("smollm2").id == "smollm2"
+
+    decoded = _chat(stack, stream=False).json()["usage"]  # prefill, KV hand-off, decode
+    first_only = _chat(stack, stream=False, max_tokens=1).json()["usage"]  # ends on the prefill instance
+    assert decoded["prompt_tokens"] == first_only["prompt_tokens"] == tok["count"]
+    assert tuple(decoded["spindle"]) == tuple(first_only["spindle"]) == SPINDLE_USAGE_KEYS
+    d, p = decoded["spindle"], first_only["spindle"]
+    assert d["transfer_ms"] > 0 and d["kv_bytes"] > 0 and d["decode_ms"] > 0 and d["parked"] == d["preemptions"] == 0
+    assert p["prefill_ms"] > 0 and p["transfer_ms"] is None and p["decode_ms"] is None
+
+    huge = b'{"model": "smollm2", "prompt": "' + b"x" * (8 << 20) + b'"}'
+    r = httpx.post(stack.base_url + "/completions", content=huge, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
 
 
 def test_16_concurrent_streams_match_the_engine(stack, reference_engine, tokenizer):
