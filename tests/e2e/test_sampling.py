@@ -67,3 +67,53 @@ def test_chat_logprobs_with_the_openai_client_streamed_and_not(stack, reference_
         assert len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
         assert c.top_logprobs[0].logprob == pytest.approx(lp.top_logprobs[0], abs=LOGPROB_TOL)
     assert "".join(c.token for c in content).startswith("The capital of France is Paris")
+
+
+def test_n_choices_share_one_prefill_and_each_equals_the_engine(stack, reference_engine, tokenizer):
+    """n = 3: one prefill, the KV handed off once; the decode instance gives each choice its own copy and each
+    samples from its own seed (choice_seed): each choice equals the single engine run as one request."""
+    from spindle_engine import SamplingParams
+    from spindle_engine.sampling_params import choice_seed
+
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused")
+    prompt = tokenizer.encode(STORY, add_special_tokens=False)
+    resp = client.completions.create(
+        model="smollm2", prompt=prompt, n=3, max_tokens=12, temperature=0.9, seed=77, extra_body={"ignore_eos": True}
+    )
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    for i in range(3):
+        params = SamplingParams(max_tokens=12, temperature=0.9, seed=choice_seed(77, i), ignore_eos=True)
+        reference_engine.add_request(f"ref-n-{i}", prompt, params)
+    ref: dict[str, list[int]] = {}
+    while reference_engine.has_unfinished():
+        for o in reference_engine.step():
+            ref.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert [c.text for c in resp.choices] == [tokenizer.decode(ref[f"ref-n-{i}"]) for i in range(3)]
+    assert len({c.text for c in resp.choices}) > 1
+    assert resp.usage.completion_tokens == 36
+    assert wait_until(lambda: not any(instance_blocks(stack).values()), 5), instance_blocks(stack)
+
+    streamed = client.completions.create(
+        model="smollm2", prompt=prompt, n=3, max_tokens=12, temperature=0.9, seed=77, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    texts = ["", "", ""]
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in resp.choices]
+
+
+def test_closing_an_n_choice_stream_frees_every_choice(stack, tokenizer):
+    import httpx
+
+    body = {"model": "smollm2", "prompt": STORY, "n": 4, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", stack.base_url + "/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        seen = 0
+        for line in lines:
+            seen += line.startswith("data: ")
+            if seen >= 12:
+                break
+    assert wait_until(lambda: not any(instance_blocks(stack).values()), 5), instance_blocks(stack)

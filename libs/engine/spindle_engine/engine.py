@@ -22,7 +22,7 @@ from .model_runner import ModelRunner
 from .sampler import TokenLogprobs, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
-from .sequence import Sequence, SequenceStatus, stop_reason
+from .sequence import CHOICE_SEP, Sequence, SequenceStatus, choice_id, split_choice, stop_reason
 
 log = logging.getLogger("spindle.engine")
 
@@ -35,6 +35,7 @@ class StepOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
     kv_ready: bool = False  # a prefill-only request computed its prompt: export_kv, then release
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for logprobs
+    choice: int = 0  # which of an n > 1 request's choices (each finishes on its own)
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,12 @@ class Engine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prefill_only: bool = False
     ) -> None:
-        """Queue a request. With `prefill_only`, it stops after its first token and keeps its KV (`kv_ready`)."""
+        """Queue a request. With `prefill_only`, it stops after its first token and keeps its KV (`kv_ready`).
+
+        A request of `n > 1` choices is prefilled here (`prefill_only`) and decoded by an engine that resumes it
+        (`resume` forks the choices from the one prompt KV); this engine alone does not fork it."""
+        if params.n > 1 and not prefill_only:
+            raise ValueError("n > 1 needs a decode engine (Engine.resume); add one request per choice instead")
         self._check_new_id(request_id)
         self.validate_prompt(prompt_token_ids)
         seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=prefill_only)
@@ -188,24 +194,35 @@ class Engine:
         """Shape of the KV tensor that `import_kv` takes for `num_tokens` tokens."""
         return (2, len(self.model.layers), num_tokens, self.model.num_local_kv_heads, self.model_config.head_dim)
 
-    def reserve(self, request_id: str, num_tokens: int) -> bool:
-        """Reserve blocks for `num_tokens` incoming tokens of KV; False when they are not free now."""
-        self._check_new_id(request_id)
+    def reserve(self, request_id: str, num_tokens: int, choices: int = 1) -> bool:
+        """Reserve blocks for `num_tokens` incoming tokens of KV, once per choice (every choice of an n > 1
+        request gets its own copy of the prompt's KV); False when they are not free now."""
+        ids = [choice_id(request_id, i) for i in range(choices)]
+        for sid in ids:
+            self._check_new_id(sid)
         if not 0 < num_tokens < self.max_model_len:
             raise ValueError(f"cannot reserve {num_tokens} tokens (context is {self.max_model_len})")
-        table: list[int] = []
-        if not self.allocator.can_allocate(num_tokens + 1, table):  # +1: the first decode step's token
+        per_choice = self.allocator.blocks_needed(num_tokens + 1, [])  # +1: the first decode step's token
+        if per_choice * choices > self.allocator.num_free:
             return False
-        self.allocator.allocate(request_id, num_tokens, table)
-        self.reserved[request_id] = table
+        for sid in ids:
+            table: list[int] = []
+            self.allocator.allocate(sid, num_tokens, table)
+            self.reserved[sid] = table
         return True
 
     def cancel_reservation(self, request_id: str) -> bool:
-        table = self.reserved.pop(request_id, None)
-        if table is None:
-            return False
-        self.allocator.free(request_id, table)
-        return True
+        done = False
+        for sid in self._sequence_ids(request_id, self.reserved):
+            self.allocator.free(sid, self.reserved.pop(sid))
+            done = True
+        return done
+
+    @staticmethod
+    def _sequence_ids(request_id: str, where: dict) -> list[str]:
+        """The ids in `where` of a request's choices: the request's own, then "request#i" for choice i."""
+        prefix = request_id + CHOICE_SEP
+        return [sid for sid in where if sid == request_id or (sid.startswith(prefix) and sid[len(prefix) :].isdigit())]
 
     def add_prefilled(
         self, request_id: str, prompt_token_ids: list[int], first_token: int, kv: torch.Tensor, params: SamplingParams
@@ -235,6 +252,9 @@ class Engine:
             raise ValueError(f"the reservation of {request_id!r} is too small for {n} tokens")
         self.validate_prompt(token_ids[:num_prompt_tokens])
         self.validate_prompt(token_ids)  # the outputs are token ids in the vocabulary too
+        if params.n > 1:
+            self._fork(request_id, token_ids[:num_prompt_tokens], kv, params)
+            return
         del self.reserved[request_id]
         self.cache.scatter(table, kv)
         seq = Sequence(request_id, list(token_ids), params, num_prompt_tokens=num_prompt_tokens)
@@ -242,6 +262,25 @@ class Engine:
         seq.block_table = table
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+
+    def _fork(self, request_id: str, prompt: list[int], kv: torch.Tensor, params: SamplingParams) -> None:
+        """Every choice of an n > 1 request decodes from the one prompt KV: each gets a copy of it in its own
+        reserved blocks and recomputes the prompt's last token for its own first output (one token of work per
+        choice; the first token the prefill sampled is not used)."""
+        if kv.shape[2] != len(prompt):
+            raise ValueError(f"a request with n = {params.n} resumes from its prompt's KV, not mid-decode")
+        ids = [choice_id(request_id, i) for i in range(params.n)]
+        missing = [sid for sid in ids if sid not in self.reserved]
+        if missing:
+            raise ValueError(f"request {request_id!r} has no reservation for choices {missing}")
+        for i, sid in enumerate(ids):
+            table = self.reserved.pop(sid)
+            self.cache.scatter(table, kv[:, :, : len(prompt) - 1])
+            seq = Sequence(sid, list(prompt), params.for_choice(i))
+            seq.num_computed_tokens = len(prompt) - 1
+            seq.block_table = table
+            self.requests[sid] = seq
+            self.scheduler.add(seq)
 
     # ---- preemption to outside the engine (the kvstore) ----
 
@@ -255,6 +294,8 @@ class Engine:
         seq = self.requests.get(request_id)
         if seq is None or seq.prefill_only:
             raise ValueError(f"request {request_id!r} is not decoding here")
+        if len(self._sequence_ids(request_id, self.requests)) > 1:
+            raise ValueError(f"request {request_id!r} decodes several choices (n > 1); it is not preempted")
         if seq.num_tokens <= seq.num_prompt_tokens or seq.num_computed_tokens != seq.num_tokens - 1:
             raise ValueError(f"request {request_id!r} is not decoding (its KV is not complete)")
         kv = self.cache.gather(seq.block_table, seq.num_computed_tokens)
@@ -279,12 +320,15 @@ class Engine:
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
-        """End a request now and free its blocks (queued, running, held or reserved). False if unknown."""
-        seq = self.requests.pop(request_id, None)
-        if seq is not None:
-            self.scheduler.finish(seq, "abort")
-            return True
-        return self.release(request_id) or self.cancel_reservation(request_id)
+        """End a request now and free its blocks (queued, running, held or reserved; every choice). False if
+        unknown."""
+        found = False
+        for sid in self._sequence_ids(request_id, self.requests):
+            self.scheduler.finish(self.requests.pop(sid), "abort")
+            found = True
+        released = self.release(request_id)
+        cancelled = self.cancel_reservation(request_id)
+        return found or released or cancelled
 
     def blocks_held(self) -> dict[str, int]:
         """Blocks per request id, from the allocator (so KV held for SP prefill counts too), plus 0 for
@@ -326,6 +370,8 @@ class Engine:
             lps = None if lp is None else [lp]
             seq.token_ids.append(token)
             reason = self._stop_reason(seq, token)
+            if seq.prefill_only and seq.params.n > 1:
+                reason = None  # its choices are sampled where it decodes: never ends at this token
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 del self.requests[seq.request_id]
@@ -335,5 +381,6 @@ class Engine:
                 self.held[seq.request_id] = seq
                 outputs.append(StepOutput(seq.request_id, [token], False, None, kv_ready=True, logprobs=lps))
                 continue
-            outputs.append(StepOutput(seq.request_id, [token], reason is not None, reason, logprobs=lps))
+            rid, choice = split_choice(seq.request_id)
+            outputs.append(StepOutput(rid, [token], reason is not None, reason, logprobs=lps, choice=choice))
         return outputs

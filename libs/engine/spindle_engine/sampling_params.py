@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 MAX_LOGPROBS = 20  # most alternatives per position (OpenAI's top_logprobs limit, vLLM's default max_logprobs)
+MAX_CHOICES = 128  # most choices per request (n)
+
+
+def choice_seed(seed: int | None, i: int) -> int | None:
+    """Choice 0 keeps the request's seed (n=1 is unchanged); choice i > 0 gets another, spread by the 64-bit
+    golden ratio, so the choices of a seeded request differ but are each reproducible."""
+    if seed is None or i == 0:
+        return seed
+    return (seed + i * 0x9E3779B97F4A7C15) % 2**64
 
 
 @dataclass(frozen=True)
@@ -24,6 +33,9 @@ class SamplingParams:
       + presence * (count > 0), over the output tokens only.
     Then temperature, then the truncation filters `min_p` (drop tokens below `min_p` x the top probability),
     `top_k`, `top_p`.
+
+    `n`: independent choices from one prompt. A decode engine that resumes such a request from its prompt's KV
+    (`Engine.resume`) decodes every choice from that one KV (choice i's seed is `choice_seed(seed, i)`).
 
     `logprobs`: None for none; N >= 0 for the sampled token's log-probability plus the N most likely
     alternatives. They are `log_softmax(processed logits / temperature)` (temperature 1 when greedy): the
@@ -44,6 +56,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -73,8 +86,14 @@ class SamplingParams:
                 raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {t}: {b}")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_CHOICES:
+            raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}], got {self.n!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", bias)
+
+    def for_choice(self, i: int) -> SamplingParams:
+        """The parameters of choice `i` of an `n`-choice request: one choice, its own seed."""
+        return replace(self, n=1, seed=choice_seed(self.seed, i))
 
     @property
     def greedy(self) -> bool:

@@ -9,6 +9,18 @@ import torch
 
 from .sampling_params import SamplingParams
 
+CHOICE_SEP = "#"  # choice i > 0 of request r is the sequence "r#i" (request ids never contain it)
+
+
+def choice_id(request_id: str, choice: int) -> str:
+    return request_id if choice == 0 else f"{request_id}{CHOICE_SEP}{choice}"
+
+
+def split_choice(sequence_id: str) -> tuple[str, int]:
+    """A sequence id -> (request id, choice index)."""
+    request_id, sep, choice = sequence_id.rpartition(CHOICE_SEP)
+    return (request_id, int(choice)) if sep and choice.isdigit() else (sequence_id, 0)
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"

@@ -97,3 +97,49 @@ def test_reserve_refuses_when_full_and_abort_frees_everything(tiny):
     assert prefill.abort("p")
     assert not prefill.abort("p")
     assert prefill.allocator.num_used == 0
+
+
+def test_n_choices_decode_from_one_prompt_kv_and_equal_single_choice_requests(tiny):
+    """n = 3: the prefill computes the prompt once; the decode engine copies its KV into each choice's blocks and
+    each choice samples its own first token (choice i seeded by choice_seed). Each choice equals the single engine
+    run as one request with that seed, every block is freed, and an abort ends every choice."""
+    from spindle_engine.sampling_params import choice_seed
+
+    g = torch.Generator().manual_seed(9)
+    prompt = torch.randint(3, 301, (37,), generator=g).tolist()
+    params = SamplingParams(max_tokens=8, temperature=0.9, seed=11, ignore_eos=True, presence_penalty=0.5, n=3)
+    prefill, decode = _engine(tiny), _engine(tiny, kv_cache_tokens=512)
+    prefill.add_request("r", prompt, params, prefill_only=True)
+    (out,) = prefill.step()
+    assert out.kv_ready
+    kv = prefill.export_kv("r")
+    prefill.release("r")
+    assert decode.reserve("r", len(prompt), choices=3)
+    assert decode.allocator.blocks_by_owner() == {"r": 3, "r#1": 3, "r#2": 3}
+    decode.add_prefilled("r", prompt, out.new_token_ids[0], kv, params)
+    got: dict[int, list[int]] = {}
+    while decode.has_unfinished():
+        for o in decode.step():
+            assert o.request_id == "r"
+            got.setdefault(o.choice, []).extend(o.new_token_ids)
+    assert decode.allocator.num_used == 0
+    single = _engine(tiny)
+    for i in range(3):
+        single.add_request(f"c{i}", prompt, SamplingParams(**{**_kw(params), "n": 1, "seed": choice_seed(11, i)}))
+    ref = _drain(single)
+    assert got == {i: ref[f"c{i}"] for i in range(3)}
+    assert len({tuple(v) for v in got.values()}) > 1  # the choices differ
+
+    assert decode.reserve("a", len(prompt), choices=2)
+    decode.add_prefilled("a", prompt, out.new_token_ids[0], kv, SamplingParams(max_tokens=8, n=2))
+    decode.step()
+    assert decode.abort("a") and decode.allocator.num_used == 0 and not decode.has_unfinished()
+    assert not decode.reserve("b", 300, choices=3)  # 3 x 20 blocks do not fit in 32
+    with pytest.raises(ValueError, match="n > 1"):
+        decode.add_request("x", prompt, params)
+
+
+def _kw(params: SamplingParams) -> dict:
+    import dataclasses
+
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}

@@ -30,6 +30,7 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = {}
     logprobs: int | None = None  # None: none; N: the sampled token's and the N most likely alternatives'
+    n: int = 1  # choices from the one prompt: every decode output and stream event names its choice (`index`)
 
 
 class PromptRef(msgspec.Struct, frozen=True, kw_only=True):
@@ -335,7 +336,8 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
 
 
 class StreamEvent(msgspec.Struct, frozen=True, kw_only=True):
-    """Token ids `token_ids` are outputs `seq, seq+1, ...` of the request. The last event has `finished`.
+    """Token ids `token_ids` are outputs `seq, seq+1, ...` of the request's choice `index` (0 unless n > 1).
+    The last event of each choice has `finished`.
 
     An error event (`error` set) is terminal; `status` is the HTTP-style code (503 worker lost, 504
     deadline, 500 internal).
@@ -344,6 +346,7 @@ class StreamEvent(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     seq: int
     token_ids: list[int] = []
+    index: int = 0  # the choice (n > 1); `seq`, `finished` and `finish_reason` are that choice's
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None

@@ -64,6 +64,7 @@ def sampling_params(s: Sampling) -> SamplingParams:
         repetition_penalty=s.repetition_penalty,
         logit_bias=tuple(sorted(s.logit_bias.items())),
         logprobs=s.logprobs,
+        n=s.n,
     )
 
 
@@ -129,8 +130,14 @@ class Job:
     spec: RequestSpec
     span: Span
     started: float = field(default_factory=time.time)
-    next_seq: int = 0  # sequence number of the next output token this instance publishes
+    next_seq: int = 0  # sequence number of the next output token this instance publishes (of choice 0)
     stats: dict[str, float] = field(default_factory=dict)
+    choice_seq: dict[int, int] = field(default_factory=dict)  # n > 1: choice i > 0 -> its next sequence number
+    choices_done: set[int] = field(default_factory=set)  # n > 1: the choices that finished
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.next_seq + sum(self.choice_seq.values())
 
     @property
     def request_id(self) -> str:
@@ -262,13 +269,22 @@ class Instance:
         token_ids: list[int],
         finish_reason: str | None = None,
         logprobs: list[TokenLogprobs] | None = None,
+        choice: int = 0,
     ) -> None:
-        seq = job.next_seq
-        job.next_seq += len(token_ids)  # before awaiting, so concurrent publishers keep the numbering
+        """Output tokens of `choice` (n > 1 requests have several), numbered per choice; `finish_reason` ends
+        that choice's stream."""
+        # numbered before awaiting, so concurrent publishers keep the numbering
+        if choice == 0:
+            seq = job.next_seq
+            job.next_seq += len(token_ids)
+        else:
+            seq = job.choice_seq.get(choice, 0)
+            job.choice_seq[choice] = seq + len(token_ids)
         await self.bus.publish(
             subjects.stream(job.request_id),
             StreamEvent(
                 request_id=job.request_id,
+                index=choice,
                 seq=seq,
                 token_ids=token_ids,
                 finished=finish_reason is not None,
@@ -279,18 +295,29 @@ class Instance:
         )
 
     async def finish(
-        self, job: Job, token_ids: list[int], finish_reason: str, logprobs: list[TokenLogprobs] | None = None
+        self,
+        job: Job,
+        token_ids: list[int],
+        finish_reason: str,
+        logprobs: list[TokenLogprobs] | None = None,
+        choice: int = 0,
     ) -> None:
-        if self.jobs.pop(job.request_id, None) is None:
+        """The last tokens of `choice`; the request ends when its last choice does."""
+        if self.jobs.get(job.request_id) is not job:
             return
-        await self.publish_tokens(job, token_ids, finish_reason, logprobs)
+        job.choices_done.add(choice)
+        if len(job.choices_done) < job.spec.sampling.n:
+            await self.publish_tokens(job, token_ids, finish_reason, logprobs, choice)
+            return
+        del self.jobs[job.request_id]
+        await self.publish_tokens(job, token_ids, finish_reason, logprobs, choice)
         await self.bus.publish(
             subjects.EVENTS,
             RequestFinished(
                 request_id=job.request_id,
                 instance_id=self.id,
                 finish_reason=finish_reason,
-                num_output_tokens=job.next_seq,
+                num_output_tokens=job.num_output_tokens,
             ),
         )
         job.span.set_attribute("spindle.finish_reason", finish_reason)

@@ -165,14 +165,17 @@ class DecodeInstance(Instance):
             return kvp_lockstep.registry_entries(self)
         return super().registry_entries()
 
-    async def reserve_blocks(self, request_id: str, num_tokens: int, max_tokens: int) -> bool:
-        """Reserve a request's KV blocks on the engine (a KVP group: at the scheduler's placement, if it sent one,
-        its outputs' growth counted)."""
+    async def reserve_blocks(self, spec: RequestSpec, num_tokens: int) -> bool:
+        """Reserve a request's KV blocks on the engine, once per choice (a KVP group: at the scheduler's placement,
+        if it sent one, its outputs' growth counted; one choice only)."""
+        request_id, max_tokens, n = spec.request_id, spec.sampling.max_tokens, spec.sampling.n
         if isinstance(self.engine, KVPLeaderEngine):
+            if n > 1:
+                raise ValueError(f"n = {n}: a KV-parallel decode group decodes one choice per request")
             shards = self.kvp_shards.get(request_id)
             ok = await self.call(lambda e: e.reserve(request_id, num_tokens, shards, max_tokens))
         else:
-            ok = await self.call(lambda e: e.reserve(request_id, num_tokens))
+            ok = await self.call(lambda e: e.reserve(request_id, num_tokens, n))
         if ok:
             self.kvp_shards.pop(request_id, None)
         return ok
@@ -223,7 +226,8 @@ class DecodeInstance(Instance):
         span = self.tracer.start_span("decode", context=extract(headers))
         span.set_attribute("spindle.request_id", spec.request_id)
         span.set_attribute("spindle.instance", self.id)
-        job = DecodeJob(spec, span, next_seq=1)  # output 0 came from the prefill instance
+        # output 0 came from the prefill instance, unless every choice (n > 1) samples its first output here
+        job = DecodeJob(spec, span, next_seq=1 if spec.sampling.n == 1 else 0)
         self.jobs[spec.request_id] = job
         return job
 
@@ -240,7 +244,7 @@ class DecodeInstance(Instance):
         try:
             if msg.kv != self._expected_header(n):
                 return ReserveReply(accepted=False, reason=f"bad_header: expected {self._expected_header(n)}")
-            ok = await self.reserve_blocks(rid, n, spec.sampling.max_tokens)
+            ok = await self.reserve_blocks(spec, n)
         except ValueError as e:
             return ReserveReply(accepted=False, reason=str(e))
         if not ok:
@@ -387,7 +391,7 @@ class DecodeInstance(Instance):
                 self.parked.pop(rid, None)
                 continue
             try:
-                ok = await self.reserve_blocks(rid, n, job.spec.sampling.max_tokens)
+                ok = await self.reserve_blocks(job.spec, n)
             except ValueError as e:
                 self.parked.pop(rid, None)
                 await self.fail(job, 400, str(e))
@@ -449,9 +453,10 @@ class DecodeInstance(Instance):
                 continue
             if out.finished:
                 job.stats["decode_ms"] = (t1 - job.started) * 1e3
-                self.from_thread(self.finish(job, out.new_token_ids, out.finish_reason or "stop", out.logprobs))
+                reason = out.finish_reason or "stop"
+                self.from_thread(self.finish(job, out.new_token_ids, reason, out.logprobs, out.choice))
             else:
-                self.from_thread(self.publish_tokens(job, out.new_token_ids, logprobs=out.logprobs))
+                self.from_thread(self.publish_tokens(job, out.new_token_ids, None, out.logprobs, out.choice))
         if isinstance(self.engine, KVPLeaderEngine):
             kvp_lockstep.fail_dropped(self, self.engine)
             kvp_lockstep.report_placements(self, self.engine)

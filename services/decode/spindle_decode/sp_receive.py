@@ -118,7 +118,7 @@ async def _decide(inst: DecodeInstance, entry: PartsInFlight, msg: ReserveKV, ra
     for anything else (the request then fails: its holders fail it)."""
     rid, n = msg.request.request_id, msg.request.prompt.num_tokens
     try:
-        ok = await inst.reserve_blocks(rid, n, msg.request.sampling.max_tokens)
+        ok = await inst.reserve_blocks(msg.request, n)
     except ValueError as e:
         inst.sp_parts.pop(rid, None)
         inst.aborted[rid] = time.time()

@@ -13,8 +13,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from spindle_protocol.messages import TokenLogprob
-
 from . import tokenize_api, tracing
 from .body_limit import BodySizeLimit
 from .errors import GatewayError, install_error_handlers
@@ -22,7 +20,7 @@ from .inputs import Kind, prepare_chat, prepare_completion
 from .metrics import CONTENT_TYPE
 from .request_flow import Generation
 from .schemas import ChatCompletionRequest, CompletionRequest, parse_body
-from .sse import DONE, ResponseBuilder, error_event
+from .sse import DONE, ChoiceOutput, ResponseBuilder, error_event
 from .state import GatewayState
 
 _encode = msgspec.json.Encoder().encode
@@ -94,41 +92,43 @@ def create_app(state: GatewayState) -> FastAPI:
         return await collect(generation, builder, request)
 
     async def collect(generation: Generation, builder: ResponseBuilder, request: Request) -> Response:
-        parts: list[str] = []
-        logprobs: list[TokenLogprob | None] | None = None
+        want_logprobs = generation.params.sampling.logprobs is not None
+        choices = [ChoiceOutput(logprobs=[] if want_logprobs else None) for _ in range(generation.params.sampling.n)]
         async for delta in generation.deltas(request.is_disconnected):
             if delta.error is not None:
                 raise delta.error
-            parts.append(delta.text)
-            if delta.logprobs is not None:
-                logprobs = (logprobs or []) + delta.logprobs
+            choice = choices[delta.index]
+            choice.text += delta.text
+            if choice.logprobs is not None and delta.logprobs:
+                choice.logprobs += delta.logprobs
             if delta.finish_reason is not None:
+                choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+            if delta.last:
                 assert delta.usage is not None
-                if generation.params.sampling.logprobs is not None:
-                    logprobs = logprobs or []
-                text = "".join(parts)
-                return _json(builder.response(text, delta.finish_reason, delta.usage, delta.stop_reason, logprobs))
+                return _json(builder.response(choices, delta.usage))
         return Response(status_code=499)  # the client went away; nobody reads this
 
     async def sse_body(generation: Generation, builder: ResponseBuilder, request: Request) -> AsyncIterator[bytes]:
-        role_sent = builder.kind != "chat"
+        role_sent: set[int] = set() if builder.kind == "chat" else set(range(generation.params.sampling.n))
         if builder.echo:
-            yield builder.echo_chunk()
+            for i in range(generation.params.sampling.n):
+                yield builder.echo_chunk(i)
         async for delta in generation.deltas(request.is_disconnected):
             if delta.error is not None:
                 state.metrics.error(delta.error.status)
                 yield error_event(delta.error.body())
                 break
-            if not role_sent and (delta.new_tokens or delta.finish_reason is not None):
-                role_sent = True
-                yield builder.role_chunk()
+            i = delta.index
+            if i not in role_sent and (delta.new_tokens or delta.finish_reason is not None):
+                role_sent.add(i)
+                yield builder.role_chunk(i)
             if delta.finish_reason is not None:
-                yield builder.delta_chunk(delta.text, delta.finish_reason, delta.stop_reason, delta.logprobs)
-                if builder.include_usage:
-                    assert delta.usage is not None
-                    yield builder.usage_chunk(delta.usage)
+                yield builder.delta_chunk(delta.text, delta.finish_reason, delta.stop_reason, delta.logprobs, i)
             elif delta.text or delta.logprobs:
-                yield builder.delta_chunk(delta.text, logprobs=delta.logprobs)
+                yield builder.delta_chunk(delta.text, logprobs=delta.logprobs, index=i)
+            if delta.last and builder.include_usage:
+                assert delta.usage is not None
+                yield builder.usage_chunk(delta.usage)
         if generation.terminal != "aborted":
             yield DONE
 

@@ -43,7 +43,8 @@ Disconnected = Callable[[], Awaitable[bool]]
 
 @dataclass
 class Delta:
-    """New output text; the last delta of a request has `finish_reason` (and `usage`) or `error`."""
+    """New output text of choice `index`; its last delta has `finish_reason`. The request's last delta has `usage`
+    (it is the last choice's last) or `error`."""
 
     text: str = ""
     new_tokens: int = 0
@@ -52,6 +53,20 @@ class Delta:
     usage: dict[str, Any] | None = None
     error: GatewayError | None = None
     logprobs: list[TokenLogprob | None] | None = None  # of the tokens behind `text`, when the request asked
+    index: int = 0
+
+    @property
+    def last(self) -> bool:
+        return self.usage is not None or self.error is not None
+
+
+@dataclass
+class _Choice:
+    """One choice's tokens (reassembled from its events) and text (detokenized, cut at stop strings)."""
+
+    reorder: TokenReorderer
+    text: TextAssembler
+    done: bool = False
 
 
 class _Disconnected(Exception):
@@ -72,8 +87,9 @@ class Generation:
         self._queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
         self._sub: Any = None
         self._prompt: Prompt | None = None
-        self._reorder = TokenReorderer()
-        self._text = TextAssembler(state.tokenizer, params.stop)
+        self._choices = [
+            _Choice(TokenReorderer(), TextAssembler(state.tokenizer, params.stop)) for _ in range(params.sampling.n)
+        ]
         self._root = root
         self._stream_span: trace.Span | None = None
         self._last_token_at: float | None = None
@@ -196,7 +212,10 @@ class Generation:
             err = GatewayError(status, event.error)
             self._end("error", error=err, abort=True, reason="error")
             return Delta(error=err)
-        new = self._reorder.push(event)
+        if not 0 <= event.index < len(self._choices) or self._choices[event.index].done:
+            return None
+        choice = self._choices[event.index]
+        new = choice.reorder.push(event)
         if new:
             now = time.monotonic()
             if self._last_token_at is None:
@@ -204,36 +223,35 @@ class Generation:
             else:
                 self.state.metrics.itl.observe(now - self._last_token_at)
             self._last_token_at = now
-        consumed = self._text.completion_tokens
-        text = self._text.add(new)
+        consumed = choice.text.completion_tokens
+        text = choice.text.add(new)
         logprobs = None
         if self.params.sampling.logprobs is not None:
-            logprobs = self._reorder.logprobs[consumed : self._text.completion_tokens]
-        if self._text.stopped is None and self._reorder.complete:
-            text += self._text.finish()
-        if self._text.stopped is not None:
-            # Workers may still be generating (stop strings are the gateway's): abort frees them.
-            self._end("finished", finish_reason="stop", abort=not self._reorder.complete, reason="stop string")
-            return self._final(text, len(new), "stop", self._text.stopped, logprobs)
-        if self._reorder.complete:
-            reason = self._reorder.finish_reason or "stop"
-            stop_reason = None
-            if reason == "stop" and self._text.last_token in self.params.sampling.stop_token_ids:
-                stop_reason = self._text.last_token
-            self._end("finished", finish_reason=reason)
-            return self._final(text, len(new), reason, stop_reason, logprobs)
-        return Delta(text, len(new), logprobs=logprobs) if new else None
+            logprobs = choice.reorder.logprobs[consumed : choice.text.completion_tokens]
+        if choice.text.stopped is None and choice.reorder.complete:
+            text += choice.text.finish()
+        delta = Delta(text, len(new), logprobs=logprobs, index=event.index)
+        if choice.text.stopped is not None:
+            delta.finish_reason, delta.stop_reason = "stop", choice.text.stopped
+        elif choice.reorder.complete:
+            delta.finish_reason = choice.reorder.finish_reason or "stop"
+            if delta.finish_reason == "stop" and choice.text.last_token in self.params.sampling.stop_token_ids:
+                delta.stop_reason = choice.text.last_token
+        if delta.finish_reason is None:
+            return delta if new else None
+        choice.done = True
+        if all(c.done for c in self._choices):
+            # Workers may still be generating a choice a stop string ended (stop strings are the gateway's): the
+            # abort frees them.
+            complete = all(c.reorder.complete for c in self._choices)
+            self._end("finished", finish_reason=delta.finish_reason, abort=not complete, reason="stop string")
+            stats = next((c.reorder.stats for c in self._choices if c.reorder.stats), None)
+            delta.usage = usage(len(self.params.prompt_ids), self.completion_tokens, stats)
+        return delta
 
-    def _final(
-        self,
-        text: str,
-        new_tokens: int,
-        reason: str,
-        stop_reason: str | int | None,
-        logprobs: list[TokenLogprob | None] | None,
-    ) -> Delta:
-        u = usage(len(self.params.prompt_ids), self._text.completion_tokens, self._reorder.stats)
-        return Delta(text, new_tokens, reason, stop_reason, u, logprobs=logprobs)
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.text.completion_tokens for c in self._choices)
 
     # ---- the terminal state ----
 
@@ -262,13 +280,13 @@ class Generation:
         state, m = self.state, self.state.metrics
         m.in_flight.dec()
         m.e2e.observe(time.monotonic() - self._t0)
-        m.generation_tokens.inc(self._text.completion_tokens)
+        m.generation_tokens.inc(self.completion_tokens)
         if finish_reason is not None:
             m.success(finish_reason)
         state.live.pop(self.id, None)
         root = self._root
         root.set_attribute("spindle.terminal", kind)
-        root.set_attribute("spindle.completion_tokens", self._text.completion_tokens)
+        root.set_attribute("spindle.completion_tokens", self.completion_tokens)
         if finish_reason is not None:
             root.set_attribute("spindle.finish_reason", finish_reason)
         if error is not None:

@@ -18,6 +18,7 @@ from .errors import bad_request, validation_message
 M = TypeVar("M", bound=BaseModel)
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what msgpack carries
+MAX_CHOICES = 128  # n: choices per request (each decodes in its own copy of the prompt's KV)
 
 
 class _Base(BaseModel):
@@ -208,8 +209,9 @@ def check_common(req: _GenerateRequest, vocab_size: int, defaults: dict[str, Any
     (`defaults`: temperature, top_p, top_k, min_p, repetition_penalty) where it has them, else vLLM's."""
     refuse_unsupported(req)
     d = defaults or {}
-    if req.n is not None and req.n != 1:
-        raise bad_request(f"n must be 1 (only one choice per request is supported), got {req.n}", "n")
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"n must be in [1, {MAX_CHOICES}], got {n}", "n")
     temperature = _in_range(req.temperature, d.get("temperature", 1.0), 0, math.inf, "temperature")
     top_p = _in_range(req.top_p, d.get("top_p", 1.0), 0, 1, "top_p", lo_open=True)
     top_k = d.get("top_k", -1) if req.top_k is None else req.top_k
@@ -235,6 +237,7 @@ def check_common(req: _GenerateRequest, vocab_size: int, defaults: dict[str, Any
             req.repetition_penalty, d.get("repetition_penalty", 1.0), 0, math.inf, "repetition_penalty", lo_open=True
         ),
         "logit_bias": logit_bias(req.logit_bias, vocab_size),
+        "n": n,
     }
 
 

@@ -8,6 +8,7 @@ Chat stream: a role chunk (`{"role": "assistant", "content": ""}`) once the firs
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -57,6 +58,16 @@ def _lp(value: float) -> float:
     return max(value, LOGPROB_FLOOR)
 
 
+@dataclass
+class ChoiceOutput:
+    """One choice of a non-streaming response, as it accumulates."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob | None] | None = None
+
+
 class ResponseBuilder:
     """Builds one request's response objects (non-stream) or chunks (stream).
 
@@ -80,21 +91,23 @@ class ResponseBuilder:
         self.include_usage = include_usage
         self.token_text = token_text or str
         self.echo = echo
-        self._offset = len(echo or "")  # completions' text_offset of the next token
+        self._offsets: dict[int, int] = {}  # completions' text_offset of each choice's next token
         self._chunk_object = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
-    def logprobs(self, entries: Sequence[TokenLogprob | None] | None) -> dict[str, Any] | None:
-        """OpenAI's `logprobs` object of a choice for these positions (None when the request asked for none)."""
+    def logprobs(self, entries: Sequence[TokenLogprob | None] | None, index: int = 0) -> dict[str, Any] | None:
+        """OpenAI's `logprobs` object of choice `index` for these positions (None when the request asked for
+        none)."""
         if entries is None:
             return None
         known = [e for e in entries if e is not None]
         if self.kind == "chat":
             return {"content": [self._chat_entry(e) for e in known]}
         tokens = [self.token_text(e.token_id) for e in known]
-        offsets = []
+        offsets, offset = [], self._offsets.get(index, len(self.echo or ""))
         for t in tokens:
-            offsets.append(self._offset)
-            self._offset += len(t)
+            offsets.append(offset)
+            offset += len(t)
+        self._offsets[index] = offset
         return {
             "tokens": tokens,
             "token_logprobs": [_lp(e.logprob) for e in known],
@@ -130,11 +143,11 @@ class ResponseBuilder:
             out["usage"] = None  # OpenAI: null on every choice chunk when usage comes in a chunk of its own
         return out
 
-    def role_chunk(self) -> bytes:
+    def role_chunk(self, index: int = 0) -> bytes:
         assert self.kind == "chat"
         return sse(
             self._chunk(
-                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             )
         )
 
@@ -144,13 +157,14 @@ class ResponseBuilder:
         finish_reason: str | None = None,
         stop_reason: str | int | None = None,
         logprobs: Sequence[TokenLogprob | None] | None = None,
+        index: int = 0,
     ) -> bytes:
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": index}
         if self.kind == "chat":
             choice["delta"] = {"content": text} if text or finish_reason is None else {}
         else:
             choice["text"] = text
-        choice["logprobs"] = self.logprobs(logprobs)
+        choice["logprobs"] = self.logprobs(logprobs, index)
         choice["finish_reason"] = finish_reason
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason
@@ -168,35 +182,31 @@ class ResponseBuilder:
             }
         )
 
-    def echo_chunk(self) -> bytes:
+    def echo_chunk(self, index: int = 0) -> bytes:
         """Completions with `echo`, streamed: the prompt's text comes first, in a chunk of its own."""
         assert self.kind == "completion" and self.echo is not None
-        return sse(self._chunk({"index": 0, "text": self.echo, "logprobs": None, "finish_reason": None}))
+        return sse(self._chunk({"index": index, "text": self.echo, "logprobs": None, "finish_reason": None}))
 
-    def response(
-        self,
-        text: str,
-        finish_reason: str,
-        usage_: dict[str, Any],
-        stop_reason: str | int | None = None,
-        logprobs: Sequence[TokenLogprob | None] | None = None,
-    ) -> dict[str, Any]:
+    def response(self, choices: Sequence[ChoiceOutput], usage_: dict[str, Any]) -> dict[str, Any]:
         """The whole non-streaming response object."""
-        choice: dict[str, Any] = {"index": 0}
-        if self.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = (self.echo or "") + text
-        choice["logprobs"] = self.logprobs(logprobs)
-        choice["finish_reason"] = finish_reason
-        choice["stop_reason"] = stop_reason
+        out = []
+        for index, c in enumerate(choices):
+            choice: dict[str, Any] = {"index": index}
+            if self.kind == "chat":
+                choice["message"] = {"role": "assistant", "content": c.text}
+            else:
+                choice["text"] = (self.echo or "") + c.text
+            choice["logprobs"] = self.logprobs(c.logprobs, index)
+            choice["finish_reason"] = c.finish_reason
+            choice["stop_reason"] = c.stop_reason
+            out.append(choice)
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return {
             "id": self.id,
             "object": obj,
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
+            "choices": out,
             "usage": usage_,
         }
 

@@ -157,3 +157,63 @@ def test_default_max_tokens_is_configurable(harness: Any, peer: ScriptedPeer) ->
     assert post(gw.url, "/v1/chat/completions", {**CHAT, "max_tokens": 70}).status_code == 200
     assert post(gw.url, "/v1/completions", COMPLETION).status_code == 200
     assert [a.sampling.max_tokens for a in peer.admits] == [50, 70, 16]
+
+
+def _choices_script(peer: ScriptedPeer, n: int, tokenizer):
+    """n choices, interleaved event by event: choice i answers `ANSWER` with " (i)" appended before EOS."""
+
+    def tokens(i: int) -> list[int]:
+        return [*tokenizer.encode(f"{ANSWER} ({i})", add_special_tokens=False), 2]
+
+    def script(spec: RequestSpec) -> list[StreamEvent]:
+        per = [tokens(i) for i in range(n)]
+        events = []
+        for pos in range(max(map(len, per))):
+            for i, ids in enumerate(per):
+                if pos < len(ids):
+                    last = pos == len(ids) - 1
+                    events.append(
+                        StreamEvent(
+                            request_id=spec.request_id,
+                            index=i,
+                            seq=pos,
+                            token_ids=[ids[pos]],
+                            finished=last,
+                            finish_reason="stop" if last else None,
+                        )
+                    )
+        return events
+
+    return tokens, script
+
+
+def test_n_choices_streamed_and_not(gateway_url: str, peer: ScriptedPeer, tokenizer) -> None:
+    tokens, peer.script = _choices_script(peer, 3, tokenizer)
+    whole = post(gateway_url, "/v1/chat/completions", {**CHAT, "n": 3}).json()
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2]
+    assert [c["message"]["content"] for c in whole["choices"]] == [f"{ANSWER} ({i})" for i in range(3)]
+    assert whole["usage"]["completion_tokens"] == sum(len(tokens(i)) for i in range(3))
+    assert peer.admits[0].sampling.n == 3
+
+    body = {**CHAT, "n": 3, "stream": True, "stream_options": {"include_usage": True}}
+    events = parse_sse(post(gateway_url, "/v1/chat/completions", body).text)
+    assert events[-1] == "[DONE]" and events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] > 0
+    texts = {i: "" for i in range(3)}
+    roles, finishes = [], []
+    for e in events[:-2]:
+        (c,) = e["choices"]
+        if c["delta"].get("role"):
+            roles.append(c["index"])
+        texts[c["index"]] += c["delta"].get("content") or ""
+        if c["finish_reason"]:
+            finishes.append(c["index"])
+    assert sorted(roles) == [0, 1, 2] and sorted(finishes) == [0, 1, 2]
+    assert texts == {i: f"{ANSWER} ({i})" for i in range(3)}
+
+
+def test_a_stop_string_ends_only_its_choice(gateway_url: str, peer: ScriptedPeer, tokenizer) -> None:
+    _, peer.script = _choices_script(peer, 2, tokenizer)
+    body = {**COMPLETION, "n": 2, "stop": ["(1)"], "max_tokens": 50}
+    choices = post(gateway_url, "/v1/completions", body).json()["choices"]
+    assert [c["text"] for c in choices] == [f"{ANSWER} (0)", f"{ANSWER} "]
+    assert [c["stop_reason"] for c in choices] == [None, "(1)"]

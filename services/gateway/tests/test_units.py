@@ -11,7 +11,7 @@ from spindle_gateway.errors import GatewayError
 from spindle_gateway.inputs import Limits, prepare_chat, prepare_completion
 from spindle_gateway.reorder import TokenReorderer
 from spindle_gateway.schemas import ChatCompletionRequest, CompletionRequest, parse_body
-from spindle_gateway.sse import DONE, SPINDLE_USAGE_KEYS, ResponseBuilder, error_event, usage
+from spindle_gateway.sse import DONE, SPINDLE_USAGE_KEYS, ChoiceOutput, ResponseBuilder, error_event, usage
 from spindle_gateway.stops import StopStringMatcher, TextAssembler
 from spindle_model import Tokenizer
 from spindle_protocol.messages import StreamEvent
@@ -90,7 +90,7 @@ def test_completion_prompt_forms(tokenizer: Tokenizer) -> None:
     ("body", "match"),
     [
         ({"messages": []}, "non-empty"),
-        ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n must be 1"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 129}, "n must be in"),
         ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature"),
         ({"messages": [{"role": "user", "content": "x"}], "top_p": 1.01}, "top_p"),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens must be at least 1"),
@@ -239,9 +239,9 @@ def test_completion_chunks_and_response() -> None:
     c = decode_sse(b.delta_chunk("x", "length"))
     assert c["object"] == "text_completion" and "usage" not in c
     assert c["choices"] == [{"index": 0, "text": "x", "logprobs": None, "finish_reason": "length", "stop_reason": None}]
-    r = b.response("hello", "stop", usage(1, 1))
+    r = b.response([ChoiceOutput("hello", "stop")], usage(1, 1))
     assert r["object"] == "text_completion" and r["choices"][0]["text"] == "hello"
-    r = ResponseBuilder("chat", "c", "m", 5).response("hi", "stop", usage(1, 1))
+    r = ResponseBuilder("chat", "c", "m", 5).response([ChoiceOutput("hi", "stop")], usage(1, 1))
     assert r["object"] == "chat.completion" and r["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
 
 

@@ -144,7 +144,8 @@ class PrefillInstance(Instance):
         await self.finish(job, out.new_token_ids, out.finish_reason or "stop", out.logprobs)
 
     async def _first_token(self, job: PrefillJob, first_token: int, logprobs: list[TokenLogprobs] | None) -> None:
-        if self.jobs.get(job.request_id) is job:
+        """Stream the first token; with n > 1 choices the decode instance samples every choice's first token."""
+        if self.jobs.get(job.request_id) is job and job.spec.sampling.n == 1:
             await self.publish_tokens(job, [first_token], logprobs=logprobs)
 
     async def _prefilled(self, job: PrefillJob, first_token: int, kv: torch.Tensor) -> None:

@@ -131,9 +131,11 @@ async def run_sp_job(inst: PrefillInstance, job: PrefillJob) -> None:
     first = None
     if sampled is not None:
         first = sampled.tokens[0]
-        await inst.publish_tokens(job, [first], logprobs=[lp] if (lp := sampled.logprobs[0]) else None)
-        seq = Sequence(rid, [*prompt, first], params, num_prompt_tokens=len(prompt))
-        reason = inst.engine._stop_reason(seq, first)
+        reason = None
+        if params.n == 1:  # with n > 1 the decode instance samples every choice's first token
+            await inst.publish_tokens(job, [first], logprobs=[lp] if (lp := sampled.logprobs[0]) else None)
+            seq = Sequence(rid, [*prompt, first], params, num_prompt_tokens=len(prompt))
+            reason = inst.engine._stop_reason(seq, first)
         await inst.bus.publish(
             subjects.EVENTS,
             PrefillDone(request_id=rid, instance_id=inst.id, seconds=time.time() - job.started, finished=bool(reason)),

@@ -114,9 +114,9 @@ class RunPrefill:
 
 def decode_tokens(spec: RequestSpec, holders: tuple[KVShard, ...]) -> dict[str, int]:
     """Tokens each decode instance holds for a request once it decodes: its shard, and on the tail (the last
-    holder) every output token too."""
-    out = {s.instance: s.end - s.start for s in holders}
-    out[holders[-1].instance] += spec.sampling.max_tokens
+    holder) every output token too; each of n > 1 choices holds a copy of the prompt's KV (one holder then)."""
+    out = {s.instance: (s.end - s.start) * spec.sampling.n for s in holders}
+    out[holders[-1].instance] += spec.sampling.max_tokens * spec.sampling.n
     return out
 
 

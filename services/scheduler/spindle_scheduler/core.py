@@ -214,7 +214,11 @@ class SchedulerCore:
             ]
         actions = self.strategy.plan(spec, self.state, now)
         plans = {a.spec.request_id: a for a in actions if isinstance(a, RunPrefill)}
-        if (plan := plans.get(rid)) is not None and (gap := self._capacity_gap(plan)):
+        if (plan := plans.get(rid)) is not None and spec.sampling.n > 1 and self._kv_parallel(plan):
+            self.state.work_done(plan.prefill_instances, rid)
+            return [Reject(rid, 400, f"n = {spec.sampling.n}: this cluster decodes on KV-parallel groups, which "
+                           "decode one choice per request; send n = 1")]  # fmt: skip
+        if plan is not None and (gap := self._capacity_gap(plan)):
             self.state.work_done(plan.prefill_instances, rid)
             return [Reject(rid, 400, f"{gap}; it needs a plan that splits its KV (SP prefill, kvp_tokens)")]
         for a in actions:
@@ -235,6 +239,10 @@ class SchedulerCore:
             elif isinstance(a, FailRequest):  # a strategy may give up on a request it just admitted
                 self._forget(a.request_id)
         return actions
+
+    def _kv_parallel(self, plan: RunPrefill) -> bool:
+        inst = self.state.instances.get(plan.decode_instance)
+        return len(plan.decode_holders) > 1 or (inst is not None and bool(inst.info.kvp_group))
 
     def _capacity_gap(self, plan: RunPrefill) -> str:
         """Why an instance of `plan` could never hold its share of the request's KV ("" when all can)."""

@@ -313,3 +313,20 @@ def test_a_split_requests_outputs_scale_up_to_another_member_when_its_tail_has_n
         assert [(s.start, s.end) for s in report.shards] == [(0, 1000), (1000, 2000), (2000, 2000)]
         assert len({s.instance for s in report.shards}) == 3
         assert result.summary().scale_downs == 0  # merging the new tail back needs 13 blocks its neighbour lacks
+
+
+def test_n_choices_are_refused_on_a_kvp_group_and_count_n_copies_elsewhere():
+    core = SchedulerCore(create_strategy("single"), SchedulerConfig(dead_after_s=1e9))
+    for rank, (iid, role, group) in enumerate([("p", "prefill", ""), ("d0", "decode", "d0"), ("d1", "decode", "d0")]):
+        core.on_heartbeat(instance_info(iid, role, rank, total=1000, max_model_len=16000, kvp_group=group))
+    spec = request_spec("n3", 300, 20)
+    three = msgspec.structs.replace(spec, sampling=msgspec.structs.replace(spec.sampling, n=3))
+    (reject,) = core.admit(three, 0.0)
+    assert reject.status == 400 and "n = 3" in reject.reason and not core.state.requests
+    assert all(not i.planned for i in core.state.instances.values())
+
+    plain = SchedulerCore(create_strategy("single"), SchedulerConfig(dead_after_s=1e9))
+    for rank, (iid, role) in enumerate([("p", "prefill"), ("d", "decode")]):
+        plain.on_heartbeat(instance_info(iid, role, rank, total=1000, max_model_len=16000))
+    plain.admit(three, 0.0)
+    assert plain.state.instances["d"].incoming == {"n3": 3 * 20}  # 3 x (300 + 20 tokens) = 3 x 20 blocks

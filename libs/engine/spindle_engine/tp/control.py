@@ -43,6 +43,7 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add"):
 class Reserve(msgspec.Struct, frozen=True, tag="reserve"):
     request_id: str
     num_tokens: int
+    choices: int = 1
 
 
 class CancelReservation(msgspec.Struct, frozen=True, tag="cancel"):

@@ -137,10 +137,10 @@ class TPLeaderEngine(Engine):
         super().add_request(request_id, prompt_token_ids, params, prefill_only=prefill_only)
         self._calls.append(AddRequest(request_id, list(prompt_token_ids), params, prefill_only))
 
-    def reserve(self, request_id: str, num_tokens: int) -> bool:
-        ok = super().reserve(request_id, num_tokens)
+    def reserve(self, request_id: str, num_tokens: int, choices: int = 1) -> bool:
+        ok = super().reserve(request_id, num_tokens, choices)
         if ok:
-            self._calls.append(Reserve(request_id, num_tokens))
+            self._calls.append(Reserve(request_id, num_tokens, choices))
         return ok
 
     def cancel_reservation(self, request_id: str) -> bool:
@@ -268,7 +268,7 @@ class TPFollower:
                 case AddRequest():
                     e.add_request(call.request_id, call.prompt_token_ids, call.params, prefill_only=call.prefill_only)
                 case Reserve():
-                    if not e.reserve(call.request_id, call.num_tokens):
+                    if not e.reserve(call.request_id, call.num_tokens, call.choices):
                         raise TPError(f"reserve({call.request_id}) failed here but not on the leader")
                 case CancelReservation():
                     e.cancel_reservation(call.request_id)
