@@ -11,9 +11,10 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from . import tokenize_api, tracing
+from . import openapi, tokenize_api, tracing
 from .body_limit import BodySizeLimit
 from .errors import GatewayError, install_error_handlers
 from .inputs import Kind, prepare_chat, prepare_completion
@@ -196,4 +197,13 @@ def create_app(state: GatewayState) -> FastAPI:
             return GatewayError(503, str(e)).response()
         return _json({"instances": stats})
 
+    bodies: dict[str, type[BaseModel]] = {"/v1/chat/completions": ChatCompletionRequest}
+    bodies["/v1/completions"] = CompletionRequest
+    errors = dict.fromkeys(bodies, openapi.GENERATION_ERRORS)
+    for prefix in ("", "/v1"):
+        bodies[prefix + "/tokenize"] = tokenize_api.TokenizeRequest
+        bodies[prefix + "/detokenize"] = tokenize_api.DetokenizeRequest
+        errors[prefix + "/tokenize"] = errors[prefix + "/detokenize"] = openapi.SIMPLE_ERRORS
+    errors |= {"/v1/models/{model_id}": (404, 500), "/health": (500, 503), "/v1/spindle/instances": (500, 503)}
+    openapi.document(app, bodies, errors)
     return app
