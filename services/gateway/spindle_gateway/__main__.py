@@ -66,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="larger request bodies are answered 413 before they are read (default: 16 bytes per token of "
         "--max-model-len, at least 4 MiB: room for a prompt that fills the context)",
     )
+    g.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=None,
+        help="max_tokens of a chat request that sends none (default: the model's generation_config max_new_tokens, "
+        "else all the room the context leaves, as vLLM; completions default to 16 as OpenAI's)",
+    )
     return parser
 
 
@@ -112,6 +119,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         max_stop_strings=args.max_stop_strings,
         admit_timeout=args.admit_timeout,
         max_body_bytes=args.max_body_bytes,
+        default_max_tokens=args.default_max_tokens,
     )
     bus = await Bus.connect(args.nats_url, "spindle-gateway", inject=tracing.inject_hook())
     state = GatewayState(config, tokenizer, bus)

@@ -80,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--strategy", default="single", help="scheduler strategy, NAME or NAME:key=value,... (%(default)s)")
     c.add_argument("--profile", default=None, help="latency profile JSON (`spindle profile`) for fixed-sp / request-sp")
     n = up.add_argument_group("network and operations")
+    n.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=None,
+        help="max_tokens of a chat request that sends none (default: the model's generation config, else the "
+        "context's room)",
+    )
     n.add_argument("--host", default="127.0.0.1", help="gateway bind address (%(default)s)")
     n.add_argument("--port", type=int, default=8000, help="gateway port (%(default)s; 0 = any free port)")
     n.add_argument("--nats-port", type=int, default=None, help="nats-server client port (default: a free port)")
@@ -110,6 +117,7 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         decode_kv_cache_tokens=args.decode_kv_cache_tokens,
         max_model_len=args.max_model_len,
+        default_max_tokens=args.default_max_tokens,
         kvstore_memory_gb=args.kvstore_memory_gb,
         otlp_endpoint=args.otlp_endpoint,
         log_level=args.log_level,

@@ -53,6 +53,7 @@ class StackConfig:
     kv_cache_memory_gb: float | None = None
     decode_kv_cache_tokens: int | None = None  # overrides kv_cache_tokens on decode instances
     max_model_len: int | None = None
+    default_max_tokens: int | None = None  # the gateway's default max_tokens of chat requests
     kvstore_memory_gb: float | None = None
     otlp_endpoint: str | None = None
     log_level: str = "INFO"
@@ -94,7 +95,7 @@ class StackConfig:
             _port(self.nats_port, "nats_port", allow_zero=False)
         if not _STRATEGY_RE.match(self.strategy):
             raise ValueError(f"strategy must be NAME or NAME:key=value,... (e.g. fixed-sp:sp=2), got {self.strategy!r}")
-        for what in ("kv_cache_tokens", "decode_kv_cache_tokens", "max_model_len"):
+        for what in ("kv_cache_tokens", "decode_kv_cache_tokens", "max_model_len", "default_max_tokens"):
             value = getattr(self, what)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{what} must be a positive integer, got {value!r}")
@@ -227,7 +228,10 @@ def build_plan(config: StackConfig, runtime: Runtime, python: str = sys.executab
             argv = (python, "-m", "spindle_decode.tp_follower", *flags)
             specs.append(ServiceSpec(f"decode-{i}-tp{j}", argv, dict(env)))
     token = {STACK_TOKEN_ENV: runtime.stack_token} if runtime.stack_token else {}
-    add("gateway", "gateway", ["--host", config.host, "--port", str(runtime.port), "--model", config.model], token)
+    gateway = ["--host", config.host, "--port", str(runtime.port), "--model", config.model]
+    if config.default_max_tokens is not None:
+        gateway += ["--default-max-tokens", str(config.default_max_tokens)]
+    add("gateway", "gateway", gateway, token)
     return specs
 
 

@@ -49,6 +49,7 @@ def test_flags_forwarded() -> None:
         kv_cache_memory_gb=0.5,
         decode_kv_cache_tokens=64,
         max_model_len=2048,
+        default_max_tokens=256,
         kvstore_memory_gb=2.0,
         otlp_endpoint="http://127.0.0.1:4317",
         log_level="debug",
@@ -71,6 +72,7 @@ def test_flags_forwarded() -> None:
     assert flags(specs["scheduler"].args)["--max-num-requests"] == "7"
     assert flags(specs["scheduler"].args)["--strategy"] == "other"
     assert flags(specs["gateway"].args)["--host"] == "0.0.0.0"
+    assert flags(specs["gateway"].args)["--default-max-tokens"] == "256"
 
 
 def test_no_parent_pid_when_zero() -> None:
