@@ -144,7 +144,9 @@ class Tokenizer:
         }
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        # The batch entry releases the GIL while it works (`encode` holds it: a long text tokenized in a thread
+        # froze the gateway's event loop) and skips the offsets nobody reads: the same ids, about twice as fast.
+        return list(self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         # No tokenization-space cleanup: decoding stays a pure function of the tokens' bytes, which is what makes
