@@ -92,6 +92,7 @@ def test_tokenize_usage_and_body_limit_on_the_stack(stack, tokenizer):
     assert tuple(decoded["spindle"]) == tuple(first_only["spindle"]) == SPINDLE_USAGE_KEYS
     d, p = decoded["spindle"], first_only["spindle"]
     assert d["transfer_ms"] > 0 and d["kv_bytes"] > 0 and d["decode_ms"] > 0 and d["parked"] == d["preemptions"] == 0
+    assert d["prefill_ms"] > 0  # the prefill instance's time travels with the KV hand-off
     assert p["prefill_ms"] > 0 and p["transfer_ms"] is None and p["decode_ms"] is None
 
     huge = b'{"model": "smollm2", "prompt": "' + b"x" * (8 << 20) + b'"}'

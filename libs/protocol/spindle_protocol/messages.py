@@ -211,6 +211,7 @@ class ReserveKV(msgspec.Struct, frozen=True, kw_only=True):
     src_rank: int
     kv: TensorHeader  # [2, layers, prompt_tokens, kv_heads, head_dim] (a part: its tokens only)
     part: KVPart | None = None  # set when the KV comes from several SP holders
+    prefill_ms: float | None = None  # the prefill's time, for the request's usage stats
 
 
 class KVPart(msgspec.Struct, frozen=True, kw_only=True):
@@ -255,6 +256,7 @@ class KVParked(msgspec.Struct, frozen=True, kw_only=True):
     token_ids: list[int] | None = None
     next_seq: int = 1
     part: KVPart | None = None
+    prefill_ms: float | None = None  # the prefill's time, for the request's usage stats
     start: int = 0  # where `part` starts in the tiled order
     tiled: list[SPChunkSpec] = []
 

@@ -56,7 +56,14 @@ async def hand_off(
         t0 = time.time()
         reply = await inst.bus.request(
             subjects.decode_reserve(cmd.decode_instance),
-            ReserveKV(request=spec, first_token=first_token, src_rank=inst.dp.rank, kv=header, part=part),
+            ReserveKV(
+                request=spec,
+                first_token=first_token,
+                src_rank=inst.dp.rank,
+                kv=header,
+                part=part,
+                prefill_ms=job.stats.get("prefill_ms"),
+            ),
             ReserveReply,
             timeout=HANDSHAKE_TIMEOUT_S,
         )
@@ -89,6 +96,7 @@ async def hand_off(
                     kv=header,
                     part=part,
                     start=start,
+                    prefill_ms=job.stats.get("prefill_ms"),
                 ),
             )
             parked = True

@@ -152,6 +152,7 @@ class PrefillInstance(Instance):
         if self.jobs.get(job.request_id) is not job:
             return  # aborted meanwhile
         elapsed = time.time() - job.started
+        job.stats["prefill_ms"] = elapsed * 1e3
         await self.bus.publish(
             subjects.EVENTS,
             PrefillDone(request_id=job.request_id, instance_id=self.id, seconds=elapsed, finished=False),
