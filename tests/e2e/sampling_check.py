@@ -82,3 +82,36 @@ def assert_stream_matches(events: list[Any], tokenizer: Any, tokens: list[int], 
     for top, want in zip(got_tops, logprobs, strict=True):
         for t, value in zip(want.top_ids, want.top_logprobs, strict=True):
             assert top[tokenizer.decode([t], skip_special_tokens=False)] == pytest.approx(value, abs=LOGPROB_TOL)
+
+
+def engine_tokens(engine: Any, prompt: list[int], params: Any) -> list[int]:
+    """The single engine's output tokens for one request."""
+    rid = f"ref-{time.monotonic_ns()}"
+    engine.add_request(rid, prompt, params)
+    out: list[int] = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id == rid:
+                out += o.new_token_ids
+    return out
+
+
+WORDS_REGEX = "( [a-z]+){24}\\."  # 24 lowercase words and a full stop: a long output any prompt can continue
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"enum": ["Paris", "Rome", "Oslo"]},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+
+
+def check_person(text: str) -> None:
+    import json
+
+    obj = json.loads(text)
+    assert set(obj) == {"name", "age", "city"} and obj["city"] in ("Paris", "Rome", "Oslo"), obj
+    assert isinstance(obj["age"], int) and 0 <= obj["age"] <= 120 and len(obj["name"]) <= 20, obj

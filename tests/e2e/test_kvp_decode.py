@@ -116,6 +116,21 @@ def test_penalties_and_logprobs_over_a_split_request_equal_the_engine(kvp_stack,
     assert wait_until(lambda: _all_free(kvp_stack), 5), instance_blocks(kvp_stack)
 
 
+def test_guided_regex_over_a_split_request_equals_the_engine(kvp_stack, reference_engine, tokenizer):
+    """Constrained decoding on a KVP group: the master of a 1000-token split request masks with the grammar."""
+    from spindle_engine import SamplingParams
+
+    from .sampling_check import WORDS_REGEX, engine_tokens
+
+    ids = _prompts(tokenizer, [1000])[0]
+    body = {"model": "smollm2", "prompt": ids, "max_tokens": 60, "temperature": 0, "guided_regex": WORDS_REGEX}
+    text = stream_text(stream_completion(kvp_stack.base_url, body), chat=False)
+    assert len(text.split()) == 24 and text.endswith(".")
+    params = SamplingParams(max_tokens=60, temperature=0, grammar=("regex", WORDS_REGEX))
+    assert text == tokenizer.decode(engine_tokens(reference_engine, ids, params))
+    assert wait_until(lambda: _all_free(kvp_stack), 5), instance_blocks(kvp_stack)
+
+
 def test_closing_a_stream_frees_blocks_on_every_member(kvp_stack, tokenizer):
     ids = _prompts(tokenizer, [700])[0]  # [0, 500) and [500, 700) on two members
     body = {"model": "smollm2", "prompt": ids, "max_tokens": 800, "ignore_eos": True, "temperature": 0}

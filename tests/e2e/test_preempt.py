@@ -108,9 +108,12 @@ class Watcher:
         )
 
 
-async def _stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int, out: list[str]) -> None:
+async def _stream(
+    client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int, out: list[str], **extra: object
+) -> None:
     """Stream a greedy completion; its text pieces go to `out` (kept when the task is cancelled)."""
     body = {
+        **extra,
         "model": "smollm2",
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -182,6 +185,44 @@ def test_preempted_request_resumes_exactly(small_stack, reference_engine, tokeni
     # prompt + outputs so far, less the last output (it has no KV yet)
     assert pre.num_tokens == reply.num_tokens and 6 <= pre.num_tokens - len(prompt) + 1 < 48
     assert w.of(rid, RequestFinished)[0].num_output_tokens == 48
+
+
+def test_a_constrained_request_preempted_mid_output_resumes_in_its_grammar(
+    small_stack, reference_engine, tokenizer, words
+):
+    """The grammar's state is rebuilt from the outputs when the request resumes from the kvstore: the text still
+    matches the regex and equals the single engine's."""
+    from spindle_engine import SamplingParams
+
+    from .sampling_check import WORDS_REGEX, engine_tokens
+
+    prompt = words[:60]
+
+    async def scenario() -> tuple[list[str], PreemptReply, list[type]]:
+        w = await Watcher.start(small_stack.nats_url)
+        try:
+            text: list[str] = []
+            async with httpx.AsyncClient(timeout=120) as client:
+                stream = _stream(client, small_stack.base_url, prompt, 48, text, guided_regex=WORDS_REGEX)
+                task = asyncio.create_task(stream)
+                await w.until(lambda: w.started(), 60)
+                rid = w.started()[0]
+                await w.until(lambda: len(w.tokens(rid)) >= 6, 30)
+                reply = await w.preempt(rid)
+                await asyncio.wait_for(task, 120)
+            await w.until(lambda: w.of(rid, RequestFinished), 10)
+            await _wait_no_leaks(small_stack, 5)
+            return text, reply, [type(e) for e in w.of(rid, (DecodeStarted, Preempted, RequestFinished))]
+        finally:
+            await w.bus.nc.close()
+
+    text, reply, kinds = asyncio.run(scenario())
+    assert reply.accepted, reply
+    assert kinds == [DecodeStarted, Preempted, DecodeStarted, RequestFinished], kinds
+    params = SamplingParams(max_tokens=48, temperature=0, grammar=("regex", WORDS_REGEX))
+    expected = engine_tokens(reference_engine, prompt, params)
+    assert "".join(text) == tokenizer.decode(expected)
+    assert len("".join(text).split()) == 24 and "".join(text).endswith(".")
 
 
 def test_abort_while_preempted_frees_everything(small_stack, reference_engine, tokenizer, words):

@@ -117,3 +117,61 @@ def test_closing_an_n_choice_stream_frees_every_choice(stack, tokenizer):
             if seen >= 12:
                 break
     assert wait_until(lambda: not any(instance_blocks(stack).values()), 5), instance_blocks(stack)
+
+
+def test_structured_output_with_the_openai_client(stack, reference_engine, tokenizer):
+    """A JSON-schema response parses and validates and equals the single engine's; a required tool call comes back
+    as tool_calls; a guided regex holds."""
+    import json
+
+    from spindle_engine import SamplingParams
+
+    from .sampling_check import PERSON_SCHEMA, check_person, engine_tokens
+
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused")
+    messages = [{"role": "user", "content": "Invent a person and give their name, age and city."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA}}
+    resp = client.chat.completions.create(
+        model="smollm2", messages=messages, temperature=0, max_tokens=80, response_format=fmt
+    )
+    text = resp.choices[0].message.content
+    check_person(text)
+    ids = tokenizer.encode(tokenizer.render_chat(messages), add_special_tokens=False)
+    grammar = ("json_schema", json.dumps(PERSON_SCHEMA))
+    ref = engine_tokens(reference_engine, ids, SamplingParams(max_tokens=80, temperature=0, grammar=grammar))
+    assert text == tokenizer.decode(ref)
+
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 20}},
+                "required": ["city"],
+            },
+        },
+    }
+    call = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        temperature=0,
+        max_tokens=60,
+        tools=[tool],
+        tool_choice="required",
+    )
+    choice = call.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (tc,) = choice.message.tool_calls
+    assert tc.function.name == "get_weather" and isinstance(json.loads(tc.function.arguments)["city"], str)
+
+    comp = client.completions.create(
+        model="smollm2",
+        prompt=STORY,
+        max_tokens=20,
+        temperature=0.8,
+        seed=3,
+        extra_body={"guided_choice": ["fly", "swim", "dig"]},
+    )
+    assert comp.choices[0].text in ("fly", "swim", "dig")
+    assert wait_until(lambda: not any(instance_blocks(stack).values()), 5), instance_blocks(stack)

@@ -87,6 +87,22 @@ def test_penalties_and_logprobs_equal_the_engine(tp_stack, reference_engine, tok
         assert_stream_matches(stream_completion(tp_stack.base_url, body), tokenizer, tokens, logprobs)
 
 
+def test_guided_json_equals_the_engine(tp_stack, reference_engine, tokenizer):
+    """Constrained decoding on the TP-2 decode instance (every rank masks with the same grammar)."""
+    import json
+
+    from spindle_engine import SamplingParams
+
+    from .sampling_check import PERSON_SCHEMA, check_person, engine_tokens
+
+    ids = _prompts(tokenizer, [700])[0]
+    body = {"model": "smollm2", "prompt": ids, "max_tokens": 60, "temperature": 0, "guided_json": PERSON_SCHEMA}
+    text = stream_text(stream_completion(tp_stack.base_url, body), chat=False)
+    check_person(text)
+    params = SamplingParams(max_tokens=60, temperature=0, grammar=("json_schema", json.dumps(PERSON_SCHEMA)))
+    assert text == tokenizer.decode(engine_tokens(reference_engine, ids, params))
+
+
 def _tp_counters(stack) -> dict[str, int]:
     r = httpx.get(stack.url + "/v1/spindle/instances", timeout=5)
     r.raise_for_status()

@@ -17,6 +17,7 @@ from spindle_model import LlamaModel, ModelConfig, attach_gguf_blocks, load_stat
 from .config import EngineConfig
 from .cpu_decode import CPUDecodeRunner, unsupported_reason
 from .cuda_graphs import DecodeGraphRunner, graph_mode
+from .grammar import GrammarCompiler
 from .kv_cache import BlockAllocator, KVCache
 from .model_runner import ModelRunner
 from .sampler import TokenLogprobs, sample
@@ -130,6 +131,13 @@ class Engine:
             cpu_decode=cpu_decode,
         )
         self.generator = torch.Generator().manual_seed(config.seed)
+        # compiles requests' grammars from the model directory's tokenizer.json (an engine given its model, such as
+        # a TP follower's shard, finds the directory by the configured name)
+        self.grammars = GrammarCompiler.for_model(
+            self.source.path if self.source is not None else config.model,
+            model_config.vocab_size,
+            model_config.eos_token_ids,
+        )
         self.requests: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # prefilled, KV kept for a hand-off
         self.reserved: dict[str, list[int]] = {}  # block tables reserved for incoming KV
@@ -364,7 +372,7 @@ class Engine:
         for c in chunks:
             c.seq.num_computed_tokens += c.num_tokens
         seqs = [chunks[i].seq for i in rows]
-        sampled = sample(logits, seqs, self.generator, self.eos_token_ids)
+        sampled = sample(logits, seqs, self.generator, self.eos_token_ids, self.grammars)
         outputs = []
         for seq, token, lp in zip(seqs, sampled.tokens, sampled.logprobs, strict=True):
             lps = None if lp is None else [lp]

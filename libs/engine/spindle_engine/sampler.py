@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .grammar import GrammarCompiler, GrammarState, all_masked
 from .sampling_params import SamplingParams
 from .sequence import Sequence
 
@@ -66,19 +67,44 @@ def _penalty_state(seq: Sequence, vocab_size: int) -> PenaltyState:
     return state
 
 
-def process_logits(row: Tensor, seq: Sequence, eos_token_ids: Seq[int] = ()) -> Tensor:
-    """`row [V]` fp32 CPU logits of `seq`'s next token -> the logits after min_tokens, logit_bias and the
-    penalties (a new tensor when anything applies; `row` itself otherwise)."""
+def _grammar_state(
+    seq: Sequence, compiler: GrammarCompiler | None, vocab_size: int, eos_token_ids: Seq[int]
+) -> GrammarState:
+    state = seq.grammar_state
+    if not isinstance(state, GrammarState):
+        assert seq.params.grammar is not None
+        if compiler is None:
+            state = GrammarState(None, vocab_size, eos_token_ids, "this engine has no tokenizer.json for grammars")
+        else:
+            try:
+                state = GrammarState(compiler.matcher(*seq.params.grammar), vocab_size, eos_token_ids)
+            except ValueError as e:  # the gateway checks grammars; this is a request that bypassed it
+                state = GrammarState(None, vocab_size, eos_token_ids, str(e))
+        seq.grammar_state = state
+    state.sync(seq.output_token_ids)
+    return state
+
+
+def process_logits(
+    row: Tensor, seq: Sequence, eos_token_ids: Seq[int] = (), grammars: GrammarCompiler | None = None
+) -> Tensor:
+    """`row [V]` fp32 CPU logits of `seq`'s next token -> the logits after the grammar's mask, min_tokens,
+    logit_bias and the penalties (a new tensor when anything applies; `row` itself otherwise). Should min_tokens
+    ban every token the grammar allows (it allows only EOS once complete), the grammar wins."""
     p = seq.params
     if not p.processes_logits:
         return row
-    row = row.clone()
     vocab = row.shape[0]
+    row = _grammar_state(seq, grammars, vocab, eos_token_ids).mask(row) if p.grammar else row.clone()
+    allowed = row
     if p.min_tokens and len(seq.output_token_ids) < p.min_tokens:
         banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
         banned_ids = [t for t in banned if t < vocab]
         if banned_ids:
+            row = row.clone()
             row[banned_ids] = float("-inf")
+            if all_masked(row):
+                row = allowed
     if p.logit_bias:
         ids = torch.tensor([t for t, _ in p.logit_bias if t < vocab], dtype=torch.long)
         bias = torch.tensor([b for t, b in p.logit_bias if t < vocab], dtype=torch.float32)
@@ -128,11 +154,16 @@ def _is_plain_greedy(p: SamplingParams) -> bool:
 
 
 def sample(
-    logits: Tensor, seqs: Seq[Sequence], default_generator: torch.Generator, eos_token_ids: Seq[int] = ()
+    logits: Tensor,
+    seqs: Seq[Sequence],
+    default_generator: torch.Generator,
+    eos_token_ids: Seq[int] = (),
+    grammars: GrammarCompiler | None = None,
 ) -> Sampled:
     """logits `[N, vocab]` fp32 (any device), one row per sequence -> one token (and its logprobs) per row.
 
-    `eos_token_ids` are what `min_tokens` bans (with each request's stop_token_ids)."""
+    `eos_token_ids` are what `min_tokens` bans (with each request's stop_token_ids); `grammars` compiles the
+    requests' grammars (SamplingParams.grammar)."""
     params = [s.params for s in seqs]
     tokens = torch.argmax(logits, dim=-1).tolist()
     logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
@@ -142,7 +173,7 @@ def sample(
     for i, (seq, p) in enumerate(zip(seqs, params, strict=True)):
         if _is_plain_greedy(p):
             continue
-        row = process_logits(cpu[i], seq, eos_token_ids)
+        row = process_logits(cpu[i], seq, eos_token_ids, grammars)
         scaled = row if p.greedy else row / p.temperature
         if p.greedy:
             tokens[i] = int(torch.argmax(row))

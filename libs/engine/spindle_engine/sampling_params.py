@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from spindle_tokenizer.grammar import GRAMMAR_KINDS
+
 MAX_LOGPROBS = 20  # most alternatives per position (OpenAI's top_logprobs limit, vLLM's default max_logprobs)
 MAX_CHOICES = 128  # most choices per request (n)
 
@@ -37,6 +39,9 @@ class SamplingParams:
     `n`: independent choices from one prompt. A decode engine that resumes such a request from its prompt's KV
     (`Engine.resume`) decodes every choice from that one KV (choice i's seed is `choice_seed(seed, i)`).
 
+    `grammar`: `(kind, source)`, a JSON schema or a regular expression the output must match (grammar.py): a
+    mask applied before every other processor, so penalties and bias only choose among allowed tokens.
+
     `logprobs`: None for none; N >= 0 for the sampled token's log-probability plus the N most likely
     alternatives. They are `log_softmax(processed logits / temperature)` (temperature 1 when greedy): the
     distribution after penalties, bias and temperature, before the truncation filters.
@@ -57,6 +62,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     logprobs: int | None = None
     n: int = 1
+    grammar: tuple[str, str] | None = None  # (kind, source): the output must match it (grammar.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -86,6 +92,10 @@ class SamplingParams:
                 raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {t}: {b}")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.grammar is not None:
+            if len(self.grammar) != 2 or self.grammar[0] not in GRAMMAR_KINDS or not isinstance(self.grammar[1], str):
+                raise ValueError(f"grammar must be (kind, source) with kind in {GRAMMAR_KINDS}, got {self.grammar!r}")
+            object.__setattr__(self, "grammar", tuple(self.grammar))
         if not isinstance(self.n, int) or not 1 <= self.n <= MAX_CHOICES:
             raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}], got {self.n!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -103,7 +113,8 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether any logit processor (min_tokens, bias, penalties) applies to this request."""
         return bool(
-            self.min_tokens
+            self.grammar
+            or self.min_tokens
             or self.logit_bias
             or self.presence_penalty
             or self.frequency_penalty

@@ -43,6 +43,7 @@ class Sequence:
 
     prefill_only: bool = False  # stop after the first token and keep the KV for a hand-off
     penalty_state: object | None = None  # the sampler's token counts (sampler.PenaltyState), built on first use
+    grammar_state: object | None = None  # the grammar's matcher (grammar.GrammarState), built on first use
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
@@ -82,7 +83,8 @@ class Sequence:
 def stop_reason(seq: Sequence, token: int, eos_token_ids: set[int], max_model_len: int) -> str | None:
     """Why `seq` ends after sampling `token` ("stop" or "length"), or None when it goes on."""
     p = seq.params
-    if token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
+    # with a grammar, EOS is where the grammar ends: it always stops
+    if token in p.stop_token_ids or ((not p.ignore_eos or p.grammar) and token in eos_token_ids):
         return "stop"
     if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= max_model_len:
         return "length"

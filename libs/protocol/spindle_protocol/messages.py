@@ -12,6 +12,13 @@ Role = str  # "prefill" | "decode" | "elastic" (prefills and decodes) | "kvstore
 ROLES = ("prefill", "decode", "kvstore")
 
 
+class Grammar(msgspec.Struct, frozen=True, array_like=True):
+    """What a request's output must match: `kind` "json_schema" (source: the schema as JSON text) or "regex"."""
+
+    kind: str
+    source: str
+
+
 class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     """What the engine needs to sample and stop (stop *strings* stay in the gateway). The fields mean what
     `spindle_engine.SamplingParams`' do; `logit_bias` maps token ids to biases."""
@@ -31,6 +38,7 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     logit_bias: dict[int, float] = {}
     logprobs: int | None = None  # None: none; N: the sampled token's and the N most likely alternatives'
     n: int = 1  # choices from the one prompt: every decode output and stream event names its choice (`index`)
+    grammar: Grammar | None = None  # constrained decoding (spindle_engine.grammar)
 
 
 class PromptRef(msgspec.Struct, frozen=True, kw_only=True):

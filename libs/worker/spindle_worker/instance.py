@@ -65,6 +65,7 @@ def sampling_params(s: Sampling) -> SamplingParams:
         logit_bias=tuple(sorted(s.logit_bias.items())),
         logprobs=s.logprobs,
         n=s.n,
+        grammar=None if s.grammar is None else (s.grammar.kind, s.grammar.source),
     )
 
 

@@ -86,7 +86,14 @@ def create_app(state: GatewayState) -> FastAPI:
         generation = Generation(state, request_id, params, arrival, root)
         await generation.start()  # GatewayError (429, 503, ...) -> error JSON; the request has ended
         builder = ResponseBuilder(
-            kind, request_id, served, int(arrival), params.include_usage, state.token_text, params.echo
+            kind,
+            request_id,
+            served,
+            int(arrival),
+            params.include_usage,
+            token_text=state.token_text,
+            echo=params.echo,
+            tool_call=params.tool_call,
         )
         if params.stream:
             return GenerationStream(sse_body(generation, builder, request), generation)
@@ -111,6 +118,7 @@ def create_app(state: GatewayState) -> FastAPI:
 
     async def sse_body(generation: Generation, builder: ResponseBuilder, request: Request) -> AsyncIterator[bytes]:
         role_sent: set[int] = set() if builder.kind == "chat" else set(range(generation.params.sampling.n))
+        calls: dict[int, str] = {}  # tool-call text per choice, until it finishes
         if builder.echo:
             for i in range(generation.params.sampling.n):
                 yield builder.echo_chunk(i)
@@ -123,7 +131,11 @@ def create_app(state: GatewayState) -> FastAPI:
             if i not in role_sent and (delta.new_tokens or delta.finish_reason is not None):
                 role_sent.add(i)
                 yield builder.role_chunk(i)
-            if delta.finish_reason is not None:
+            if builder.tool_call:  # the call goes out whole when its choice finishes
+                calls[i] = calls.get(i, "") + delta.text
+                if delta.finish_reason is not None:
+                    yield builder.tool_call_chunk(calls[i], delta.finish_reason, i)
+            elif delta.finish_reason is not None:
                 yield builder.delta_chunk(delta.text, delta.finish_reason, delta.stop_reason, delta.logprobs, i)
             elif delta.text or delta.logprobs:
                 yield builder.delta_chunk(delta.text, logprobs=delta.logprobs, index=i)

@@ -22,6 +22,7 @@ from .schemas import (
     check_text,
     stop_strings,
 )
+from .structured import structure
 
 Kind = Literal["chat", "completion"]
 MAX_LOGPROBS = 20  # alternatives per position (OpenAI's top_logprobs limit; the engine's too)
@@ -46,6 +47,7 @@ class GenerationParams:
     stream: bool
     include_usage: bool
     echo: str | None = None  # completions with `echo`: the prompt's text, sent before the completion
+    tool_call: bool = False  # the output is a constrained tool call (structured.py): answered as tool_calls
 
 
 async def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool, limit: int, param: str) -> list[int]:
@@ -111,9 +113,12 @@ def _finish(
     max_tokens = _max_tokens(requested, len(ids), limits, kind, param)
     if common["min_tokens"] > max_tokens:
         raise bad_request(f"min_tokens ({common['min_tokens']}) must not exceed {param} ({max_tokens})", "min_tokens")
-    sampling = Sampling(max_tokens=max_tokens, stop_token_ids=stop_ids, logprobs=logprobs, **common)
+    shape = structure(req)
+    sampling = Sampling(
+        max_tokens=max_tokens, stop_token_ids=stop_ids, logprobs=logprobs, grammar=shape.grammar, **common
+    )
     include_usage = bool(req.stream and req.stream_options is not None and req.stream_options.include_usage)
-    return GenerationParams(kind, ids, sampling, stops, bool(req.stream), include_usage, echo)
+    return GenerationParams(kind, ids, sampling, stops, bool(req.stream), include_usage, echo, shape.tool_call)
 
 
 def _chat_logprobs(req: ChatCompletionRequest) -> int | None:

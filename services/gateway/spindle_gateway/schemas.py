@@ -156,29 +156,18 @@ def stop_strings(stop: str | list[str] | None, limit: int) -> tuple[str, ...]:
 _UNSUPPORTED = {  # field -> why, for fields refused when set to anything but their neutral value
     "best_of": "best_of > 1 is not supported",
     "prompt_logprobs": "prompt_logprobs is not supported (no prompt log-probabilities are computed)",
-    "response_format": "response_format is not supported yet",
-    "guided_json": "guided decoding is not supported yet",
-    "guided_regex": "guided decoding is not supported yet",
-    "guided_choice": "guided decoding is not supported yet",
-    "guided_grammar": "guided decoding is not supported yet",
+    "guided_grammar": "guided_grammar is not supported (send guided_json, guided_regex or guided_choice)",
     "use_beam_search": "beam search is not supported",
-    "tools": "tools are not supported yet",
     "suffix": "suffix is not supported (the model has no fill-in-the-middle template)",
 }
-_NEUTRAL: dict[str, tuple[Any, ...]] = {"best_of": (None, 1), "use_beam_search": (None, False), "tools": (None, [])}
+_NEUTRAL: dict[str, tuple[Any, ...]] = {"best_of": (None, 1), "use_beam_search": (None, False)}
 
 
 def refuse_unsupported(req: BaseModel) -> None:
     for name, why in _UNSUPPORTED.items():
         value = getattr(req, name, None)
         if value not in _NEUTRAL.get(name, (None,)):
-            if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
-                continue  # the default: plain text
             raise bad_request(f"{why}; remove `{name}` from the request", name)
-    choice = getattr(req, "tool_choice", None)
-    if choice not in (None, "none", "auto"):
-        why = "tool_choice other than 'none' or 'auto' needs tools, which are not supported yet"
-        raise bad_request(why, "tool_choice")
 
 
 def _in_range(value: float | None, default: float, lo: float, hi: float, name: str, lo_open: bool = False) -> float:

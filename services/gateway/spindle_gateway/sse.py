@@ -16,6 +16,7 @@ import msgspec
 from spindle_protocol.messages import TokenLogprob
 
 from .inputs import Kind
+from .structured import tool_calls
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a banned token's logprob is reported as this (vLLM does the same)
 
@@ -83,6 +84,7 @@ class ResponseBuilder:
         include_usage: bool = False,
         token_text: Callable[[int], str] | None = None,
         echo: str | None = None,
+        tool_call: bool = False,
     ) -> None:
         self.kind = kind
         self.id = request_id
@@ -91,6 +93,7 @@ class ResponseBuilder:
         self.include_usage = include_usage
         self.token_text = token_text or str
         self.echo = echo
+        self.tool_call = tool_call  # chat: a finished choice's text is a constrained call, sent as tool_calls
         self._offsets: dict[int, int] = {}  # completions' text_offset of each choice's next token
         self._chunk_object = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
@@ -170,6 +173,16 @@ class ResponseBuilder:
             choice["stop_reason"] = stop_reason
         return sse(self._chunk(choice))
 
+    def tool_call_chunk(self, text: str, finish_reason: str, index: int = 0) -> bytes:
+        """Streamed tool call: the whole call in one delta when its choice finishes (the text itself is not
+        streamed), with finish_reason "tool_calls"; a call cut short (max_tokens) comes as content instead."""
+        calls = tool_calls(text)
+        if calls is None:
+            return self.delta_chunk(text, finish_reason, index=index)
+        delta = {"tool_calls": [{"index": 0, **calls[0]}]}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": "tool_calls", "stop_reason": None}
+        return sse(self._chunk(choice))
+
     def usage_chunk(self, usage_: dict[str, Any]) -> bytes:
         return sse(
             {
@@ -192,12 +205,15 @@ class ResponseBuilder:
         out = []
         for index, c in enumerate(choices):
             choice: dict[str, Any] = {"index": index}
-            if self.kind == "chat":
+            calls = tool_calls(c.text) if self.tool_call else None
+            if calls is not None:
+                choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+            elif self.kind == "chat":
                 choice["message"] = {"role": "assistant", "content": c.text}
             else:
                 choice["text"] = (self.echo or "") + c.text
             choice["logprobs"] = self.logprobs(c.logprobs, index)
-            choice["finish_reason"] = c.finish_reason
+            choice["finish_reason"] = "tool_calls" if calls is not None else c.finish_reason
             choice["stop_reason"] = c.stop_reason
             out.append(choice)
         obj = "chat.completion" if self.kind == "chat" else "text_completion"

@@ -3,6 +3,7 @@ shapes, and what is refused. The real gateway over a real nats-server, with the 
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -217,3 +218,109 @@ def test_a_stop_string_ends_only_its_choice(gateway_url: str, peer: ScriptedPeer
     choices = post(gateway_url, "/v1/completions", body).json()["choices"]
     assert [c["text"] for c in choices] == [f"{ANSWER} (0)", f"{ANSWER} "]
     assert [c["stop_reason"] for c in choices] == [None, "(1)"]
+
+
+# ---- structured output ----
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CLOCK = {"type": "function", "function": {"name": "get_time"}}
+
+
+def test_structured_output_requests_carry_their_grammar(gateway_url: str, peer: ScriptedPeer) -> None:
+    json_schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    bodies = [
+        ("/v1/chat/completions", {**CHAT, "response_format": json_schema}),
+        ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}),
+        ("/v1/completions", {**COMPLETION, "guided_json": PERSON}),
+        ("/v1/completions", {**COMPLETION, "guided_regex": "[0-9]+"}),
+        ("/v1/completions", {**COMPLETION, "guided_choice": ["yes", "no?"]}),
+        ("/v1/chat/completions", {**CHAT, "tools": [WEATHER, CLOCK], "tool_choice": "required"}),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+        ),
+        ("/v1/chat/completions", {**CHAT, "tools": [WEATHER], "tool_choice": "none"}),
+    ]
+    for path, body in bodies:
+        assert post(gateway_url, path, body).status_code == 200, body
+    grammars = [a.sampling.grammar for a in peer.admits]
+    assert [(g.kind if g else None) for g in grammars] == [
+        *["json_schema"] * 3,
+        "regex",
+        "regex",
+        "json_schema",
+        "json_schema",
+        None,
+    ]
+    assert json.loads(grammars[0].source) == PERSON and json.loads(grammars[1].source) == {"type": "object"}
+    assert grammars[4].source == r"yes|no\?"
+    required = json.loads(grammars[5].source)["anyOf"]
+    assert [s["properties"]["name"]["const"] for s in required] == ["get_weather", "get_time"]
+    named = json.loads(grammars[6].source)
+    assert named["properties"]["arguments"] == WEATHER["function"]["parameters"]
+
+
+STRUCTURE_REFUSED: list[tuple[str, str, dict[str, Any], str]] = [
+    (
+        "bad schema",
+        "/v1/chat/completions",
+        {
+            **CHAT,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objecxt"}}},
+        },
+        "response_format",
+    ),
+    ("format type", "/v1/chat/completions", {**CHAT, "response_format": {"type": "yaml"}}, "response_format"),
+    ("bad regex", "/v1/completions", {**COMPLETION, "guided_regex": "(ab"}, "guided_regex"),
+    ("empty choice", "/v1/completions", {**COMPLETION, "guided_choice": []}, "guided_choice"),
+    ("two structures", "/v1/completions", {**COMPLETION, "guided_regex": "a", "guided_json": PERSON}, "guided_regex"),
+    ("tools auto", "/v1/chat/completions", {**CHAT, "tools": [WEATHER]}, "tool_choice"),
+    (
+        "unknown tool",
+        "/v1/chat/completions",
+        {**CHAT, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        "tool_choice",
+    ),
+    ("bad tool", "/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}], "tool_choice": "required"}, "tools"),
+    ("guided_grammar", "/v1/completions", {**COMPLETION, "guided_grammar": "root ::= 'a'"}, "guided_grammar"),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"), [c[1:] for c in STRUCTURE_REFUSED], ids=[c[0] for c in STRUCTURE_REFUSED]
+)
+def test_bad_structures_are_400_naming_the_field(
+    gateway_url: str, peer: ScriptedPeer, path: str, body: dict[str, Any], param: str
+) -> None:
+    err = assert_error(post(gateway_url, path, body), 400)
+    assert err["param"] == param, err
+    assert peer.admits == []
+
+
+def test_a_constrained_call_comes_back_as_tool_calls(gateway_url: str, peer: ScriptedPeer, tokenizer) -> None:
+    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    tokens = [*tokenizer.encode(call, add_special_tokens=False), 2]
+    peer.script = lambda spec: [
+        StreamEvent(request_id=spec.request_id, seq=i, token_ids=[t], finished=i == len(tokens) - 1,
+                    finish_reason="stop" if i == len(tokens) - 1 else None)
+        for i, t in enumerate(tokens)
+    ]  # fmt: skip
+    body = {**CHAT, "tools": [WEATHER], "tool_choice": "required"}
+    choice = post(gateway_url, "/v1/chat/completions", body).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (tc,) = choice["message"]["tool_calls"]
+    assert tc["type"] == "function" and tc["id"].startswith("call_")
+    assert tc["function"]["name"] == "get_weather" and json.loads(tc["function"]["arguments"]) == {"city": "Paris"}
+    events = parse_sse(post(gateway_url, "/v1/chat/completions", {**body, "stream": True}).text)[:-1]
+    deltas = [e["choices"][0] for e in events]
+    assert not any(d["delta"].get("content") for d in deltas)
+    (last,) = [d for d in deltas if d["finish_reason"]]
+    assert last["finish_reason"] == "tool_calls"
+    assert json.loads(last["delta"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}

@@ -109,7 +109,7 @@ async def run_sp_job(inst: PrefillInstance, job: PrefillJob) -> None:
         sampled = None
         if logits is not None:
             seq = Sequence(rid, list(prompt), params)
-            sampled = sample(logits[None], [seq], engine.generator, engine.eos_token_ids)
+            sampled = sample(logits[None], [seq], engine.generator, engine.eos_token_ids, engine.grammars)
         kv = sp.held.export()  # [2, L, n, Hkv, D]
         sp.release()
         return sampled, kv, sp.reports

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from spindle_model import LlamaModel
 
+from ..grammar import GrammarCompiler
 from ..kv_cache import BlockAllocator, KVCache, OutOfBlocksError
 from ..sampler import TokenLogprobs, sample
 from ..sampling_params import MAX_LOGPROBS, SamplingParams
@@ -92,6 +93,7 @@ class KVPMember:
         keep_logits: bool = False,
         timeout_s: float | None = None,
         survive_loss: bool = False,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         if member not in ranks:
             raise ValueError(f"member {member} is not in the group {sorted(ranks)}")
@@ -107,6 +109,7 @@ class KVPMember:
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         self.generator = torch.Generator().manual_seed(seed)
+        self.grammars = grammars  # compiles the grammars of the requests this member masters
         self.seqs: dict[str, Sequence] = {}  # the requests this member masters
         self.stats = KVPStats()
         self.step_stats: list[KVPStats] = []  # one per step, for reports
@@ -220,7 +223,7 @@ class KVPMember:
             positions = torch.tensor([r.num_tokens - 1 for r in ctx.batch])
             hidden = self.model(positions, ctx, input_ids=ids)
             logits = self.model.compute_logits(hidden)
-            sampled = sample(logits, seqs, self.generator, self.eos_token_ids)
+            sampled = sample(logits, seqs, self.generator, self.eos_token_ids, self.grammars)
             for i, (seq, token, lp) in enumerate(zip(seqs, sampled.tokens, sampled.logprobs, strict=True)):
                 if self.keep_logits:
                     self.logits[seq.request_id].append(logits[i].clone())

@@ -32,6 +32,7 @@ from spindle_model import LlamaModel, ModelConfig, load_state_dict, resolve_mode
 
 from ..config import EngineConfig
 from ..engine import PreemptedSequence, StepOutput
+from ..grammar import GrammarCompiler
 from ..kv_cache import KVCache
 from ..sampling_params import SamplingParams
 from ..sequence import Sequence, stop_reason
@@ -80,6 +81,7 @@ def load_member(config: EngineConfig, member: int, ranks: dict[int, int], timeou
         model, member, ranks, num_blocks=member_blocks(config, source.config), block_size=config.block_size,
         eos_token_ids=source.config.eos_token_ids, max_model_len=config.max_model_len, seed=config.seed,
         timeout_s=timeout_s, survive_loss=True,
+        grammars=GrammarCompiler.for_model_dir(source.path, source.config.vocab_size, source.config.eos_token_ids),
     )  # fmt: skip
 
 
