@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 from nats.aio.msg import Msg
 
 from spindle_model import Tokenizer
@@ -36,6 +40,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_gateway_process(nats_url: str, *args: str) -> tuple[subprocess.Popen, str]:
+    """`python -m spindle_gateway` as a real process on a free port, once its /health answers 200: (process, URL).
+    The caller stops it."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "spindle_gateway", "--nats-url", nats_url, "--port", str(port), *args]
+    env = {**os.environ, "SPINDLE_PARENT_PID": "0"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+    def healthy() -> bool:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        try:
+            return httpx.get(url + "/health", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        assert wait_until(healthy, 90, 0.2)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, url
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 2.0, interval: float = 0.01) -> bool:

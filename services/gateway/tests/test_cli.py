@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -11,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from .scripted_peer import ANSWER, MODEL, ScriptedPeer, free_port, wait_until
+from .scripted_peer import ANSWER, MODEL, ScriptedPeer, start_gateway_process, wait_until
 
 
 def test_help() -> None:
@@ -32,34 +31,8 @@ def test_help() -> None:
 
 
 def test_serves_and_stops_cleanly_on_sigterm(harness: Any, peer: ScriptedPeer) -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "spindle_gateway",
-        "--nats-url",
-        harness.nats.url,
-        "--port",
-        str(port),
-        "--served-model-name",
-        "spindle-test",
-        "--log-level",
-        "WARNING",
-    ]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "SPINDLE_PARENT_PID": "0"}
-    )
+    proc, url = start_gateway_process(harness.nats.url, "--served-model-name", "spindle-test", "--log-level", "WARNING")
     try:
-
-        def healthy() -> bool:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            try:
-                return httpx.get(url + "/health", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        assert wait_until(healthy, 90, 0.2)
         body = {"model": "spindle-test", "messages": [{"role": "user", "content": "Capital of France?"}]}
         resp = httpx.post(url + "/v1/chat/completions", json=body, timeout=10)
         assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"] == ANSWER

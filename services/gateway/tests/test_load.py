@@ -7,9 +7,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import json
-import os
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from .scripted_peer import ANSWER, MODEL, ScriptedPeer, free_port, wait_until
+from .scripted_peer import ANSWER, MODEL, ScriptedPeer, start_gateway_process
 
 MB = 1 << 20
 RSS_BUDGET = 200 * MB
@@ -53,23 +51,8 @@ class PeakRSS:
 
 @contextlib.contextmanager
 def gateway_process(nats_url: str) -> Iterator[tuple[str, int]]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "spindle_gateway", "--nats-url", nats_url, "--port", str(port)]
-    cmd += ["--log-level", "WARNING"]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "SPINDLE_PARENT_PID": "0"}
-    )
+    proc, url = start_gateway_process(nats_url, "--log-level", "WARNING")
     try:
-
-        def healthy() -> bool:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            try:
-                return httpx.get(url + "/health", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        assert wait_until(healthy, 90, 0.2)
         yield url, proc.pid
     finally:
         proc.terminate()
