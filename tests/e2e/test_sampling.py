@@ -175,3 +175,28 @@ def test_structured_output_with_the_openai_client(stack, reference_engine, token
     )
     assert comp.choices[0].text in ("fly", "swim", "dig")
     assert wait_until(lambda: not any(instance_blocks(stack).values()), 5), instance_blocks(stack)
+
+
+def test_echo_with_logprobs_returns_the_prompts_logprobs(stack, reference_engine, tokenizer):
+    """The prefill instance computes the prompt's logprobs (chunk by chunk) and sends them with the first token:
+    echo + logprobs puts them before the completion's, equal to the single engine's."""
+    from spindle_engine import SamplingParams
+
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused")
+    prompt = tokenizer.encode(STORY, add_special_tokens=False)
+    resp = client.completions.create(model="smollm2", prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=2)
+    lp = resp.choices[0].logprobs
+    reference_engine.add_request(
+        "ref-echo", prompt, SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=2, logprobs=2)
+    )
+    ref_prompt, ref_out = None, []
+    while reference_engine.has_unfinished():
+        for o in reference_engine.step():
+            if o.request_id == "ref-echo":
+                ref_prompt = ref_prompt or o.prompt_logprobs
+                ref_out += o.logprobs or []
+    assert resp.choices[0].text.startswith(STORY)
+    assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(prompt) + 4
+    want = [x.logprob for x in ref_prompt] + [x.logprob for x in ref_out]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=LOGPROB_TOL)
+    assert lp.tokens[: len(prompt)] == [tokenizer.decode([t], skip_special_tokens=False) for t in prompt]

@@ -37,6 +37,7 @@ class StepOutput:
     kv_ready: bool = False  # a prefill-only request computed its prompt: export_kv, then release
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for logprobs
     choice: int = 0  # which of an n > 1 request's choices (each finishes on its own)
+    prompt_logprobs: list[TokenLogprobs] | None = None  # with the first output: prompt positions 1.. (asked for)
 
 
 @dataclass(frozen=True)
@@ -377,6 +378,9 @@ class Engine:
         for seq, token, lp in zip(seqs, sampled.tokens, sampled.logprobs, strict=True):
             lps = None if lp is None else [lp]
             seq.token_ids.append(token)
+            prompt_lps = None
+            if seq.params.prompt_logprobs is not None and len(seq.output_token_ids) == 1:
+                prompt_lps = seq.prompt_logprobs
             reason = self._stop_reason(seq, token)
             if seq.prefill_only and seq.params.n > 1:
                 reason = None  # its choices are sampled where it decodes: never ends at this token
@@ -387,8 +391,14 @@ class Engine:
                 self.scheduler.detach(seq)
                 del self.requests[seq.request_id]
                 self.held[seq.request_id] = seq
-                outputs.append(StepOutput(seq.request_id, [token], False, None, kv_ready=True, logprobs=lps))
+                outputs.append(
+                    StepOutput(
+                        seq.request_id, [token], False, None, kv_ready=True, logprobs=lps, prompt_logprobs=prompt_lps
+                    )
+                )
                 continue
             rid, choice = split_choice(seq.request_id)
-            outputs.append(StepOutput(rid, [token], reason is not None, reason, logprobs=lps, choice=choice))
+            done = reason is not None
+            out = StepOutput(rid, [token], done, reason, logprobs=lps, choice=choice, prompt_logprobs=prompt_lps)
+            outputs.append(out)
         return outputs

@@ -18,7 +18,18 @@ from .attention import PagedAttentionContext, PrefillChunk, TritonPagedAttention
 from .cpu_decode import CPUDecodeRunner
 from .cuda_graphs import DecodeGraphRunner
 from .kv_cache import KVCache
+from .sampler import TokenLogprobs
 from .scheduler import ScheduledChunk
+
+PROMPT_LOGPROB_ROWS = 256
+
+
+def _prompt_targets(c: ScheduledChunk) -> int:
+    """How many of the chunk's positions are followed by a prompt token whose logprob the request asked for."""
+    seq = c.seq
+    if seq.params.prompt_logprobs is None:
+        return 0
+    return max(0, min(seq.num_computed_tokens + c.num_tokens, seq.num_prompt_tokens - 1) - seq.num_computed_tokens)
 
 
 class ModelRunner:
@@ -47,7 +58,10 @@ class ModelRunner:
         they belong to: one row for every chunk that completes its sequence's known tokens (a token is sampled).
         After a decode-only step through the graph runner the logits are a view of its static buffer, valid until
         the next step."""
+        wants_prompt_logprobs = any(_prompt_targets(c) for c in chunks)
         for runner in (self.decode_graphs, self.cpu_decode):
+            if wants_prompt_logprobs:
+                break  # the fast paths compute no prompt logprobs
             if runner is not None and (out := self._run_decode_only(runner, chunks)) is not None:
                 return out
         # decode tokens first, then prefill chunks without history, then chunks continuing a cached history
@@ -79,8 +93,35 @@ class ModelRunner:
             ctx,
             input_ids=host_to_device(ids, torch.long, self.device),
         )  # [T, H]
+        if wants_prompt_logprobs:
+            offset = 0
+            for _, c in decodes + prefills:
+                if (targets := _prompt_targets(c)) > 0:  # a recomputed chunk (after preemption) overwrites its own
+                    start = c.seq.num_computed_tokens
+                    c.seq.prompt_logprobs[start : start + targets] = self._prompt_logprobs(
+                        hidden[offset : offset + targets], c
+                    )
+                offset += c.num_tokens
         rows = host_to_device(sample_rows, torch.long, self.device)
         return self.model.compute_logits(hidden[rows]), sample_chunks
+
+    def _prompt_logprobs(self, hidden: Tensor, c: ScheduledChunk) -> list[TokenLogprobs]:
+        """The logprobs of the prompt tokens that follow each of `hidden`'s positions (`[n, H]`, positions
+        `num_computed_tokens`.. of `c.seq`), with the `params.prompt_logprobs` most likely alternatives. In slices
+        of PROMPT_LOGPROB_ROWS positions: a whole chunk's logits would be `[n, vocab]` fp32 (400 MB at 2k)."""
+        seq, start = c.seq, c.seq.num_computed_tokens
+        top_n = seq.params.prompt_logprobs or 0
+        out = []
+        for a in range(0, hidden.shape[0], PROMPT_LOGPROB_ROWS):
+            lp = torch.log_softmax(self.model.compute_logits(hidden[a : a + PROMPT_LOGPROB_ROWS]), dim=-1).cpu()
+            targets = torch.tensor(seq.token_ids[start + a + 1 : start + a + 1 + lp.shape[0]])  # [rows]
+            chosen = lp.gather(1, targets[:, None])[:, 0].tolist()
+            top = torch.topk(lp, top_n) if top_n else None
+            for i, t in enumerate(targets.tolist()):
+                ids = tuple(top.indices[i].tolist()) if top is not None else ()
+                values = tuple(top.values[i].tolist()) if top is not None else ()
+                out.append(TokenLogprobs(t, chosen[i], ids, values))
+        return out
 
     def _decode_inputs(self, chunks: list[ScheduledChunk]) -> tuple[list[int], ...]:
         """ids, positions, slots, sequence lengths, block tables and sampled rows of a decode-only step."""

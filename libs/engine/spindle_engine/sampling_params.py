@@ -44,7 +44,9 @@ class SamplingParams:
 
     `logprobs`: None for none; N >= 0 for the sampled token's log-probability plus the N most likely
     alternatives. They are `log_softmax(processed logits / temperature)` (temperature 1 when greedy): the
-    distribution after penalties, bias and temperature, before the truncation filters.
+    distribution after penalties, bias and temperature, before the truncation filters. `prompt_logprobs`: the same
+    for every prompt token after the first (`log_softmax` of the model's logits: no processors, no temperature),
+    computed where the prompt is prefilled and reported with the first output.
     """
 
     max_tokens: int = 16
@@ -61,6 +63,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     n: int = 1
     grammar: tuple[str, str] | None = None  # (kind, source): the output must match it (grammar.py)
 
@@ -90,8 +93,12 @@ class SamplingParams:
         for t, b in bias:
             if t < 0 or not -100 <= b <= 100:
                 raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {t}: {b}")
-        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        if self.prompt_logprobs is not None and self.n > 1:
+            raise ValueError("prompt_logprobs with n > 1 is not supported (send n = 1)")
         if self.grammar is not None:
             if len(self.grammar) != 2 or self.grammar[0] not in GRAMMAR_KINDS or not isinstance(self.grammar[1], str):
                 raise ValueError(f"grammar must be (kind, source) with kind in {GRAMMAR_KINDS}, got {self.grammar!r}")

@@ -44,6 +44,7 @@ class Sequence:
     prefill_only: bool = False  # stop after the first token and keep the KV for a hand-off
     penalty_state: object | None = None  # the sampler's token counts (sampler.PenaltyState), built on first use
     grammar_state: object | None = None  # the grammar's matcher (grammar.GrammarState), built on first use
+    prompt_logprobs: list = field(default_factory=list)  # params.prompt_logprobs: positions 1.. of the prompt
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

@@ -143,3 +143,27 @@ def _kw(params: SamplingParams) -> dict:
     import dataclasses
 
     return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+
+
+@pytest.mark.parametrize("chunk", [7, 4096])
+def test_prompt_logprobs_are_log_softmax_of_the_whole_prompts_logits(tiny, chunk):
+    """Computed chunk by chunk where the prompt is prefilled (chunks of 7 tokens: a boundary between a position and
+    the token it predicts), reported with the first output; equal to one forward pass over the prompt."""
+    from spindle_model import CausalAttention
+
+    g = torch.Generator().manual_seed(4)
+    prompt = torch.randint(3, 301, (40,), generator=g).tolist()
+    engine = _engine(tiny, max_num_batched_tokens=chunk, long_prefill_token_threshold=chunk)
+    engine.add_request("p", prompt, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3), prefill_only=True)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    (out,) = outs
+    lps = out.prompt_logprobs
+    assert len(lps) == len(prompt) - 1 and [lp.token_id for lp in lps] == prompt[1:]
+    with torch.inference_mode():
+        hidden = tiny(torch.arange(len(prompt)), CausalAttention(), input_ids=torch.tensor(prompt))
+        want = torch.log_softmax(tiny.compute_logits(hidden), -1)[:-1]  # [n - 1, V]
+    got = torch.tensor([lp.logprob for lp in lps])
+    torch.testing.assert_close(got, want.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0], rtol=0, atol=1e-4)
+    assert [lp.top_ids for lp in lps] == [tuple(r.tolist()) for r in torch.topk(want, 3).indices]

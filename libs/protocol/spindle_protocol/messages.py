@@ -37,6 +37,7 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = {}
     logprobs: int | None = None  # None: none; N: the sampled token's and the N most likely alternatives'
+    prompt_logprobs: int | None = None  # the prompt tokens' logprobs (N alternatives), from the prefill instance
     n: int = 1  # choices from the one prompt: every decode output and stream event names its choice (`index`)
     grammar: Grammar | None = None  # constrained decoding (spindle_engine.grammar)
 
@@ -363,6 +364,7 @@ class StreamEvent(msgspec.Struct, frozen=True, kw_only=True):
     status: int = 200
     stats: dict[str, float] | None = None  # spindle-specific usage fields on the last event
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt positions 1.., on the first output's event
 
 
 # ---- workers -> scheduler: events ----

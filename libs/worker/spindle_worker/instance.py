@@ -64,6 +64,7 @@ def sampling_params(s: Sampling) -> SamplingParams:
         repetition_penalty=s.repetition_penalty,
         logit_bias=tuple(sorted(s.logit_bias.items())),
         logprobs=s.logprobs,
+        prompt_logprobs=s.prompt_logprobs,
         n=s.n,
         grammar=None if s.grammar is None else (s.grammar.kind, s.grammar.source),
     )
@@ -271,6 +272,7 @@ class Instance:
         finish_reason: str | None = None,
         logprobs: list[TokenLogprobs] | None = None,
         choice: int = 0,
+        prompt_logprobs: list[TokenLogprobs] | None = None,
     ) -> None:
         """Output tokens of `choice` (n > 1 requests have several), numbered per choice; `finish_reason` ends
         that choice's stream."""
@@ -292,6 +294,7 @@ class Instance:
                 finish_reason=finish_reason,
                 stats=job.stats if finish_reason is not None else None,
                 logprobs=wire_logprobs(logprobs),
+                prompt_logprobs=wire_logprobs(prompt_logprobs),
             ),
         )
 
@@ -302,6 +305,7 @@ class Instance:
         finish_reason: str,
         logprobs: list[TokenLogprobs] | None = None,
         choice: int = 0,
+        prompt_logprobs: list[TokenLogprobs] | None = None,
     ) -> None:
         """The last tokens of `choice`; the request ends when its last choice does."""
         if self.jobs.get(job.request_id) is not job:
@@ -311,7 +315,7 @@ class Instance:
             await self.publish_tokens(job, token_ids, finish_reason, logprobs, choice)
             return
         del self.jobs[job.request_id]
-        await self.publish_tokens(job, token_ids, finish_reason, logprobs, choice)
+        await self.publish_tokens(job, token_ids, finish_reason, logprobs, choice, prompt_logprobs)
         await self.bus.publish(
             subjects.EVENTS,
             RequestFinished(

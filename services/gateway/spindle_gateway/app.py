@@ -113,6 +113,7 @@ def create_app(state: GatewayState) -> FastAPI:
                 choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
             if delta.last:
                 assert delta.usage is not None
+                builder.set_prompt(generation.params.prompt_ids, generation.prompt_logprobs)
                 return _json(builder.response(choices, delta.usage))
         return Response(status_code=499)  # the client went away; nobody reads this
 
@@ -128,6 +129,10 @@ def create_app(state: GatewayState) -> FastAPI:
                 yield error_event(delta.error.body())
                 break
             i = delta.index
+            prompt_lps = None
+            if builder.prompt is None and generation.prompt_logprobs is not None:
+                builder.set_prompt(generation.params.prompt_ids, generation.prompt_logprobs)
+                prompt_lps = builder.prompt_logprobs()
             if i not in role_sent and (delta.new_tokens or delta.finish_reason is not None):
                 role_sent.add(i)
                 yield builder.role_chunk(i)
@@ -136,9 +141,11 @@ def create_app(state: GatewayState) -> FastAPI:
                 if delta.finish_reason is not None:
                     yield builder.tool_call_chunk(calls[i], delta.finish_reason, i)
             elif delta.finish_reason is not None:
-                yield builder.delta_chunk(delta.text, delta.finish_reason, delta.stop_reason, delta.logprobs, i)
-            elif delta.text or delta.logprobs:
-                yield builder.delta_chunk(delta.text, logprobs=delta.logprobs, index=i)
+                yield builder.delta_chunk(
+                    delta.text, delta.finish_reason, delta.stop_reason, delta.logprobs, i, prompt_logprobs=prompt_lps
+                )
+            elif delta.text or delta.logprobs or prompt_lps:
+                yield builder.delta_chunk(delta.text, logprobs=delta.logprobs, index=i, prompt_logprobs=prompt_lps)
             if delta.last and builder.include_usage:
                 assert delta.usage is not None
                 yield builder.usage_chunk(delta.usage)

@@ -114,8 +114,14 @@ def _finish(
     if common["min_tokens"] > max_tokens:
         raise bad_request(f"min_tokens ({common['min_tokens']}) must not exceed {param} ({max_tokens})", "min_tokens")
     shape = structure(req)
+    prompt_logprobs = _prompt_logprobs(req, common["n"])
     sampling = Sampling(
-        max_tokens=max_tokens, stop_token_ids=stop_ids, logprobs=logprobs, grammar=shape.grammar, **common
+        max_tokens=max_tokens,
+        stop_token_ids=stop_ids,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        grammar=shape.grammar,
+        **common,
     )
     include_usage = bool(req.stream and req.stream_options is not None and req.stream_options.include_usage)
     return GenerationParams(kind, ids, sampling, stops, bool(req.stream), include_usage, echo, shape.tool_call)
@@ -135,9 +141,22 @@ def _completion_logprobs(req: CompletionRequest) -> int | None:
     """OpenAI completions: `logprobs: N` for the sampled token's and the N most likely tokens' logprobs."""
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", "logprobs")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs needs the prompt's logprobs, which are not computed", "echo")
     return req.logprobs
+
+
+def _prompt_logprobs(req: ChatCompletionRequest | CompletionRequest, n: int) -> int | None:
+    """vLLM's `prompt_logprobs: N`; completions with `echo` and `logprobs` need them too (OpenAI's echo returns the
+    prompt's logprobs). Computed by the prefill instance, one choice only."""
+    value = req.prompt_logprobs
+    if value is None and isinstance(req, CompletionRequest) and req.echo:
+        value = req.logprobs
+    if value is None:
+        return None
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise bad_request(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {value}", "prompt_logprobs")
+    if n > 1:
+        raise bad_request("prompt logprobs (prompt_logprobs, or echo with logprobs) need n = 1", "n")
+    return value
 
 
 async def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits) -> GenerationParams:

@@ -14,6 +14,7 @@ class TokenReorderer:
     def __init__(self) -> None:
         self._pending: dict[int, tuple[int, TokenLogprob | None]] = {}
         self.logprobs: list[TokenLogprob | None] = []  # of every token handed out, by position
+        self.prompt_logprobs: list[TokenLogprob] | None = None  # prompt positions 1.., from the first output's event
         self.next_seq = 0  # tokens before this have been handed out
         self.total: int | None = None  # known once the finished event arrived
         self.finish_reason: str | None = None
@@ -23,6 +24,8 @@ class TokenReorderer:
         """Take one event; return the tokens that are now contiguous, in order (possibly none)."""
         if event.seq < 0:
             return []
+        if event.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = event.prompt_logprobs
         if event.finished and self.total is None:
             self.total = event.seq + len(event.token_ids)
             self.finish_reason = event.finish_reason or "stop"

@@ -250,6 +250,11 @@ class Generation:
         return delta
 
     @property
+    def prompt_logprobs(self) -> list[TokenLogprob] | None:
+        """The prompt's logprobs (prompt positions 1..), once the first output's event brought them."""
+        return self._choices[0].reorder.prompt_logprobs
+
+    @property
     def completion_tokens(self) -> int:
         return sum(c.text.completion_tokens for c in self._choices)
 

@@ -155,7 +155,6 @@ def stop_strings(stop: str | list[str] | None, limit: int) -> tuple[str, ...]:
 
 _UNSUPPORTED = {  # field -> why, for fields refused when set to anything but their neutral value
     "best_of": "best_of > 1 is not supported",
-    "prompt_logprobs": "prompt_logprobs is not supported (no prompt log-probabilities are computed)",
     "guided_grammar": "guided_grammar is not supported (send guided_json, guided_regex or guided_choice)",
     "use_beam_search": "beam search is not supported",
     "suffix": "suffix is not supported (the model has no fill-in-the-middle template)",

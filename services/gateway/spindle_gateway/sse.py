@@ -94,33 +94,58 @@ class ResponseBuilder:
         self.token_text = token_text or str
         self.echo = echo
         self.tool_call = tool_call  # chat: a finished choice's text is a constrained call, sent as tool_calls
+        self.prompt: tuple[list[int], list[TokenLogprob]] | None = None  # prompt ids and logprobs (set_prompt)
         self._offsets: dict[int, int] = {}  # completions' text_offset of each choice's next token
         self._chunk_object = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
+    def set_prompt(self, prompt_ids: list[int], prompt_logprobs: list[TokenLogprob] | None) -> None:
+        """The prompt's logprobs, once they arrived (with the first output): for `prompt_logprobs` (vLLM's field on
+        each choice) and for completions with `echo` and `logprobs` (OpenAI's: the prompt's tokens come first)."""
+        if prompt_logprobs is not None and self.prompt is None:
+            self.prompt = (prompt_ids, prompt_logprobs)
+
+    def prompt_logprobs(self) -> list[dict[str, Any] | None] | None:
+        """vLLM's `prompt_logprobs`: None for the first prompt token, then `{token id: {logprob, decoded_token}}` for
+        the token and its alternatives."""
+        if self.prompt is None:
+            return None
+        out: list[dict[str, Any] | None] = [None]
+        for e in self.prompt[1]:
+            entry = {str(e.token_id): {"logprob": _lp(e.logprob), "decoded_token": self.token_text(e.token_id)}}
+            for t, v in zip(e.top_ids, e.top_logprobs, strict=True):
+                entry.setdefault(str(t), {"logprob": _lp(v), "decoded_token": self.token_text(t)})
+            out.append(entry)
+        return out
+
     def logprobs(self, entries: Sequence[TokenLogprob | None] | None, index: int = 0) -> dict[str, Any] | None:
         """OpenAI's `logprobs` object of choice `index` for these positions (None when the request asked for
-        none)."""
+        none). Completions with `echo`: the first call puts the prompt's tokens first (the first with no logprob)."""
         if entries is None:
             return None
         known = [e for e in entries if e is not None]
         if self.kind == "chat":
             return {"content": [self._chat_entry(e) for e in known]}
-        tokens = [self.token_text(e.token_id) for e in known]
+        prefix: list[TokenLogprob | None] = []
+        if self.echo is not None and self.prompt is not None and index not in self._offsets:
+            self._offsets[index] = 0
+            prefix = [None, *self.prompt[1]]
+        texts = [self.token_text(self.prompt[0][0])] if prefix and self.prompt else []
+        texts += [self.token_text(e.token_id) for e in [*prefix[1:], *known]]
         offsets, offset = [], self._offsets.get(index, len(self.echo or ""))
-        for t in tokens:
+        for t in texts:
             offsets.append(offset)
             offset += len(t)
         self._offsets[index] = offset
         return {
-            "tokens": tokens,
-            "token_logprobs": [_lp(e.logprob) for e in known],
-            "top_logprobs": [
-                {self.token_text(e.token_id): _lp(e.logprob)}
-                | {self.token_text(t): _lp(v) for t, v in zip(e.top_ids, e.top_logprobs, strict=True)}
-                for e in known
-            ],
+            "tokens": texts,
+            "token_logprobs": [None if e is None else _lp(e.logprob) for e in [*prefix, *known]],
+            "top_logprobs": [None if e is None else self._top(e) for e in [*prefix, *known]],
             "text_offset": offsets,
         }
+
+    def _top(self, e: TokenLogprob) -> dict[str, float]:
+        top = {self.token_text(e.token_id): _lp(e.logprob)}
+        return top | {self.token_text(t): _lp(v) for t, v in zip(e.top_ids, e.top_logprobs, strict=True)}
 
     def _chat_entry(self, e: TokenLogprob) -> dict[str, Any]:
         text = self.token_text(e.token_id)
@@ -161,8 +186,11 @@ class ResponseBuilder:
         stop_reason: str | int | None = None,
         logprobs: Sequence[TokenLogprob | None] | None = None,
         index: int = 0,
+        prompt_logprobs: list[dict[str, Any] | None] | None = None,
     ) -> bytes:
         choice: dict[str, Any] = {"index": index}
+        if prompt_logprobs is not None:  # vLLM's: once, on the first chunk after they arrived
+            choice["prompt_logprobs"] = prompt_logprobs
         if self.kind == "chat":
             choice["delta"] = {"content": text} if text or finish_reason is None else {}
         else:
@@ -215,6 +243,8 @@ class ResponseBuilder:
             choice["logprobs"] = self.logprobs(c.logprobs, index)
             choice["finish_reason"] = "tool_calls" if calls is not None else c.finish_reason
             choice["stop_reason"] = c.stop_reason
+            if self.prompt is not None:
+                choice["prompt_logprobs"] = self.prompt_logprobs()
             out.append(choice)
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return {

@@ -7,6 +7,7 @@ import json
 import math
 from typing import Any
 
+import msgspec
 import pytest
 
 from spindle_protocol.messages import RequestSpec, StreamEvent, TokenLogprob
@@ -52,9 +53,9 @@ REFUSED: list[tuple[str, str, dict[str, Any], str]] = [
     ("top_logprobs alone", "/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
     ("top_logprobs 21", "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("completion logprobs 21", "/v1/completions", {**COMPLETION, "logprobs": 21}, "logprobs"),
-    ("echo with logprobs", "/v1/completions", {**COMPLETION, "echo": True, "logprobs": 1}, "echo"),
+    ("echo logprobs n=2", "/v1/completions", {**COMPLETION, "echo": True, "logprobs": 1, "n": 2}, "n"),
+    ("prompt_logprobs 21", "/v1/completions", {**COMPLETION, "prompt_logprobs": 21}, "prompt_logprobs"),
     ("best_of 2", "/v1/completions", {**COMPLETION, "best_of": 2}, "best_of"),
-    ("prompt_logprobs", "/v1/completions", {**COMPLETION, "prompt_logprobs": 1}, "prompt_logprobs"),
     ("suffix", "/v1/completions", {**COMPLETION, "suffix": "end"}, "suffix"),
     ("beam search", "/v1/completions", {**COMPLETION, "use_beam_search": True}, "use_beam_search"),
     ("tool_choice required", "/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice"),
@@ -264,7 +265,8 @@ def test_structured_output_requests_carry_their_grammar(gateway_url: str, peer: 
     required = json.loads(grammars[5].source)["anyOf"]
     assert [s["properties"]["name"]["const"] for s in required] == ["get_weather", "get_time"]
     named = json.loads(grammars[6].source)
-    assert named["properties"]["arguments"] == WEATHER["function"]["parameters"]
+    # only the declared arguments, as OpenAI's strict mode
+    assert named["properties"]["arguments"] == {**WEATHER["function"]["parameters"], "additionalProperties": False}
 
 
 STRUCTURE_REFUSED: list[tuple[str, str, dict[str, Any], str]] = [
@@ -324,3 +326,35 @@ def test_a_constrained_call_comes_back_as_tool_calls(gateway_url: str, peer: Scr
     (last,) = [d for d in deltas if d["finish_reason"]]
     assert last["finish_reason"] == "tool_calls"
     assert json.loads(last["delta"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+
+
+def test_echo_with_logprobs_and_prompt_logprobs(gateway_url: str, peer: ScriptedPeer, tokenizer) -> None:
+    """The prompt's logprobs come with the first output's event (from the prefill instance); echo + logprobs puts
+    them first in OpenAI's completions shape, `prompt_logprobs` is vLLM's per-choice list."""
+    prompt = tokenizer.encode(COMPLETION["prompt"], add_special_tokens=False)
+    tokens, _, script = _logprob_script(peer, top=1)
+    prompt_lps = [TokenLogprob(t, -1.0 - i, [t + 1], [-2.0 - i]) for i, t in enumerate(prompt[1:])]
+
+    def with_prompt(spec: RequestSpec) -> list[StreamEvent]:
+        events = script(spec)
+        return [msgspec.structs.replace(events[0], prompt_logprobs=prompt_lps), *events[1:]]
+
+    peer.script = with_prompt
+    body = {"model": MODEL, "prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 50}
+    choice = post(gateway_url, "/v1/completions", body).json()["choices"][0]
+    assert peer.admits[-1].sampling.prompt_logprobs == 1
+    lp = choice["logprobs"]
+    n = len(prompt)
+    assert lp["tokens"][:n] == [tokenizer.decode([t], skip_special_tokens=False) for t in prompt]
+    assert lp["token_logprobs"][:n] == [None, *[-1.0 - i for i in range(n - 1)]]
+    assert lp["top_logprobs"][0] is None and len(lp["tokens"]) == n + len(tokens)
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][n] == len(COMPLETION["prompt"])
+    assert choice["text"].startswith(COMPLETION["prompt"])
+    assert choice["prompt_logprobs"][0] is None
+    assert choice["prompt_logprobs"][1][str(prompt[1])]["logprob"] == -1.0
+
+    chunks = parse_sse(post(gateway_url, "/v1/completions", {**body, "stream": True}).text)[:-1]
+    streamed = [t for c in chunks for t in ((c["choices"][0].get("logprobs") or {}).get("tokens") or [])]
+    assert streamed == lp["tokens"]
+    vllm = post(gateway_url, "/v1/chat/completions", {**CHAT, "prompt_logprobs": 0}).json()["choices"][0]
+    assert vllm["prompt_logprobs"][0] is None and len(vllm["prompt_logprobs"]) == n

@@ -15,7 +15,6 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 
 from spindle_engine import StepOutput
-from spindle_engine.sampler import TokenLogprobs
 from spindle_protocol import subjects
 from spindle_protocol.messages import PrefillDone, PrefillProgress, RunPrefill, SPChunkDone
 from spindle_protocol.prompts import load_prompt
@@ -85,7 +84,7 @@ class PrefillInstance(Instance):
                 engine.abort(out.request_id)
                 continue
             if out.kv_ready:
-                self.from_thread(self._first_token(job, out.new_token_ids[0], out.logprobs))  # before the copy below
+                self.from_thread(self._first_token(job, out))  # before the copy below
                 kv = engine.export_kv(out.request_id)  # a copy: the blocks can go now
                 engine.release(out.request_id)
                 self.from_thread(self._prefilled(job, out.new_token_ids[0], kv))
@@ -141,12 +140,14 @@ class PrefillInstance(Instance):
                 request_id=job.request_id, instance_id=self.id, seconds=time.time() - job.started, finished=True
             ),
         )
-        await self.finish(job, out.new_token_ids, out.finish_reason or "stop", out.logprobs)
+        reason = out.finish_reason or "stop"
+        await self.finish(job, out.new_token_ids, reason, out.logprobs, prompt_logprobs=out.prompt_logprobs)
 
-    async def _first_token(self, job: PrefillJob, first_token: int, logprobs: list[TokenLogprobs] | None) -> None:
+    async def _first_token(self, job: PrefillJob, out: StepOutput) -> None:
         """Stream the first token; with n > 1 choices the decode instance samples every choice's first token."""
         if self.jobs.get(job.request_id) is job and job.spec.sampling.n == 1:
-            await self.publish_tokens(job, [first_token], logprobs=logprobs)
+            tokens, lps = out.new_token_ids, out.logprobs
+            await self.publish_tokens(job, tokens, logprobs=lps, prompt_logprobs=out.prompt_logprobs)
 
     async def _prefilled(self, job: PrefillJob, first_token: int, kv: torch.Tensor) -> None:
         if self.jobs.get(job.request_id) is not job:

@@ -218,6 +218,10 @@ class SchedulerCore:
             self.state.work_done(plan.prefill_instances, rid)
             return [Reject(rid, 400, f"n = {spec.sampling.n}: this cluster decodes on KV-parallel groups, which "
                            "decode one choice per request; send n = 1")]  # fmt: skip
+        if plan is not None and spec.sampling.prompt_logprobs is not None and not plan.is_single:
+            self.state.work_done(plan.prefill_instances, rid)
+            return [Reject(rid, 400, "prompt logprobs are computed by a single-instance prefill, and this request's "
+                           "plan is sequence-parallel (the strategy's choice); send it without them")]  # fmt: skip
         if plan is not None and (gap := self._capacity_gap(plan)):
             self.state.work_done(plan.prefill_instances, rid)
             return [Reject(rid, 400, f"{gap}; it needs a plan that splits its KV (SP prefill, kvp_tokens)")]

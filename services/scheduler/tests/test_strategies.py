@@ -288,3 +288,18 @@ def test_core_tracks_chunk_progress_and_kv_location():
     assert req.kv_location() == [(0, 600, ("prefill-0",)), (600, 1000, ("prefill-0", "prefill-1"))]
     core.on_event(DecodeStarted(request_id="r", instance_id="decode-0"), 0.3)
     assert req.kv_location() == [(0, 1000, ("decode-0",))]
+
+
+def test_prompt_logprobs_need_a_single_instance_prefill():
+    import msgspec
+
+    from spindle_scheduler.actions import Reject
+    from spindle_scheduler.testing import request_spec
+
+    spec = request_spec("r", 2000, 8)
+    asked = msgspec.structs.replace(spec, sampling=msgspec.structs.replace(spec.sampling, prompt_logprobs=1))
+    sp = core_with("fixed-sp:sp=2", 2)
+    (reject,) = sp.admit(asked, 0.0)
+    assert isinstance(reject, Reject) and reject.status == 400 and "prompt logprobs" in reject.reason
+    assert not sp.state.requests and all(not i.planned for i in sp.state.instances.values())
+    assert any(isinstance(a, RunPrefill) for a in core_with("single", 2).admit(asked, 0.0))
