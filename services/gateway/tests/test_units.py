@@ -255,3 +255,29 @@ def test_error_json() -> None:
     assert GatewayError(400, "bad \ud800", param="stop").body()["error"]["message"] == "bad \\ud800"
     assert GatewayError(504, "late").type == "timeout" and GatewayError(418, "x").type == "BadRequestError"
     assert decode_sse(error_event(GatewayError(503, "gone").body()))["error"]["code"] == 503
+
+
+def test_the_models_generation_config_gives_the_defaults(tokenizer: Tokenizer, tmp_path) -> None:
+    """vLLM's `--generation-config auto`: a request that omits a sampling field gets the model's; the server's
+    --default-max-tokens wins over the model's max_new_tokens; what the request sends wins over both."""
+    import shutil
+
+    from spindle_gateway.state import generation_defaults
+
+    for f in tokenizer.path.iterdir():  # the model directory without its weights
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    config = {"temperature": 0.6, "top_p": 0.9, "top_k": 50, "repetition_penalty": 1.1, "max_new_tokens": 7}
+    (tmp_path / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": 2, "do_sample": True}))
+    model_tok = Tokenizer(tmp_path)
+    defaults = generation_defaults(model_tok)
+    assert defaults == config
+    limits = Limits(max_model_len=64, vocab_size=49152, max_stop_strings=4, generation_defaults=defaults)
+    body = {"messages": [{"role": "user", "content": "Hi"}]}
+    s = chat(body, model_tok, limits).sampling
+    assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty, s.max_tokens) == (0.6, 0.9, 50, 1.1, 7)
+    s = chat({**body, "temperature": 0, "max_tokens": 9}, model_tok, limits).sampling
+    assert (s.temperature, s.max_tokens) == (0.0, 9)
+    server = Limits(64, 49152, 4, default_max_tokens=12, generation_defaults=defaults)
+    assert chat(body, model_tok, server).sampling.max_tokens == 12
+    assert completion({"prompt": "x"}, model_tok, limits).sampling.max_tokens == 16  # OpenAI's completions default
