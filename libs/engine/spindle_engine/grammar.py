@@ -46,7 +46,7 @@ class GrammarCompiler:
     def for_model_dir(
         cls, model_dir: str | Path, vocab_size: int, eos_token_ids: Iterable[int]
     ) -> GrammarCompiler | None:
-        """None when the directory has no tokenizer.json (requests with a grammar then fail with a clear error)."""
+        """None when the directory has no tokenizer.json (a request with a grammar then ends at once, logged)."""
         path = Path(model_dir) / "tokenizer.json"
         return cls(path, vocab_size, eos_token_ids) if path.is_file() else None
 
