@@ -4,10 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.spindle-installed
 LIBS := libs/attention libs/tokenizer libs/model libs/engine libs/protocol libs/telemetry libs/transfer libs/worker
-SERVICES := services/scheduler services/prefill services/decode services/kvstore services/gateway services/launcher
+SERVICES := services/scheduler services/prefill services/decode services/elastic services/kvstore services/gateway services/launcher
 PKGS := $(LIBS) $(SERVICES)
-# `make serve` flags; override like `make serve SERVE_ARGS="--prefill 1 --port 8080"`
-SERVE_ARGS ?= --model smollm2 --prefill 2 --decode 1 --port 8000
+# `make serve` flags (the instances follow the machine: `spindle up --help`); override like
+# `make serve SERVE_ARGS="--prefill 2 --decode 1 --port 8080"`
+SERVE_ARGS ?= --model smollm2 --port 8000
 
 .PHONY: install serve test test-fast lint bench-engine bench-serve clean
 

@@ -197,6 +197,19 @@ class Engine:
         self.allocator.free(request_id, seq.block_table)
         return True
 
+    def decode_held(self, request_id: str) -> bool:
+        """Decode a prefilled (`prefill_only`) request of n > 1 choices in this engine (a colocated instance): its
+        prompt KV moves into one reservation per choice and `resume` forks them. False (and the request is gone)
+        when the choices' blocks are not free now."""
+        seq = self.held[request_id]
+        prompt = seq.token_ids[: seq.num_prompt_tokens]
+        kv = self.export_kv(request_id)  # [2, layers, prompt_tokens, kv_heads, head_dim]
+        self.release(request_id)
+        if not self.reserve(request_id, len(prompt), seq.params.n):
+            return False
+        self.resume(request_id, [*prompt, seq.token_ids[-1]], len(prompt), kv, seq.params)
+        return True
+
     # ---- KV hand-off: the decode side ----
 
     def kv_shape(self, num_tokens: int) -> tuple[int, ...]:

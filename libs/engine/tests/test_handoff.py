@@ -139,6 +139,37 @@ def test_n_choices_decode_from_one_prompt_kv_and_equal_single_choice_requests(ti
         decode.add_request("x", prompt, params)
 
 
+def test_n_choices_decode_in_the_engine_that_prefilled_them(tiny):
+    """A colocated instance: `decode_held` forks an n = 3 request's choices from the KV it computed, in the same
+    engine; each choice equals the single engine run as one request with its seed. With no room for the choices'
+    copies the request is dropped and its blocks freed."""
+    from spindle_engine.sampling_params import choice_seed
+
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, 301, (41,), generator=g).tolist()
+    params = SamplingParams(max_tokens=6, temperature=0.9, seed=3, ignore_eos=True, n=3)
+    engine = _engine(tiny, max_num_batched_tokens=16)  # the prompt takes three steps
+    engine.add_request("r", prompt, params, prefill_only=True)
+    got: dict[int, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.kv_ready:
+                assert engine.decode_held("r") and "r" not in engine.held
+            else:
+                got.setdefault(o.choice, []).extend(o.new_token_ids)
+    assert engine.allocator.num_used == 0
+    single = _engine(tiny)
+    for i in range(3):
+        single.add_request(f"c{i}", prompt, SamplingParams(**{**_kw(params), "n": 1, "seed": choice_seed(3, i)}))
+    assert got == {i: v for i, v in enumerate(_drain(single).values())}
+
+    small = _engine(tiny, kv_cache_tokens=160, max_model_len=160)  # the prompt (123 tokens) fits once, not 3 times
+    small.add_request("r", prompt * 3, params, prefill_only=True)
+    while not small.held:
+        small.step()
+    assert not small.decode_held("r") and small.allocator.num_used == 0 and not small.has_unfinished()
+
+
 def _kw(params: SamplingParams) -> dict:
     import dataclasses
 

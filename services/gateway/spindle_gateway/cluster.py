@@ -56,11 +56,14 @@ class ClusterView:
             return status
 
     async def health(self) -> tuple[bool, str]:
-        """Healthy when the scheduler answers and sees at least one live prefill and one live decode instance."""
+        """Healthy when the scheduler answers and sees at least one live prefill and one live decode instance (an
+        elastic instance is both)."""
         status = await self.status()
         if status is None:
             return False, self._error
         roles = {inst.role for inst in status.instances}
+        if "elastic" in roles:
+            roles |= {"prefill", "decode"}
         missing = [r for r in ("prefill", "decode") if r not in roles]
         if missing:
             return False, f"no live {' or '.join(missing)} instance"

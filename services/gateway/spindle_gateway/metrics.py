@@ -8,7 +8,7 @@ Definitions:
 - queue time: arrival -> the scheduler's admission reply (the gateway and scheduler queueing a request sees
   before it is handed to a prefill instance; the prefill instance's own queue shows in the trace).
 - running / waiting / kv usage: the scheduler's ClusterStatus, refreshed when /metrics is scraped. KV usage is
-  a fraction in [0, 1] (as vLLM's `kv_cache_usage_perc`): used / total blocks over prefill and decode instances.
+  a fraction in [0, 1] (as vLLM's `kv_cache_usage_perc`): used / total blocks over the model instances.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ class GatewayMetrics:
         self.instance_blocks.clear()
         for inst in status.instances:
             self.instance_blocks.labels(self._model, inst.instance_id, inst.role).set(inst.kv_blocks_used)
-            if inst.role in ("prefill", "decode"):
+            if inst.role in ("prefill", "decode", "elastic"):
                 used += inst.kv_blocks_used
                 total += inst.kv_blocks_total
         self.kv_usage.set(used / total if total else 0.0)

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import signal
 import sys
 from collections.abc import Callable
 
-from .plan import DTYPES, Runtime, StackConfig, build_plan, check_decode_tp
+from .plan import (
+    DEFAULT_CHUNK_TOKENS,
+    DISAGGREGATE_MIN_CORES,
+    DTYPES,
+    Runtime,
+    StackConfig,
+    build_plan,
+    check_decode_tp,
+    default_layout,
+)
 from .stack import Stack, StackError, StackInterrupted, check_ports
 from .supervisor import describe_exit
 
@@ -29,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up = sub.add_parser(
         "up",
-        help="start nats-server, kvstore, scheduler, prefill and decode instances and the gateway",
+        help="start nats-server, kvstore, scheduler, the model instances and the gateway",
         description="Start the whole Spindle stack on this machine, wait until it is ready, print the URL, "
         "and stop it all on Ctrl-C / SIGTERM. A service that dies stops the stack (exit status 1).",
     )
@@ -43,9 +53,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
     m.add_argument("--kvstore-memory-gb", type=float, default=None, help="host memory budget of the kvstore (GB)")
-    c = up.add_argument_group("instances and scheduling")
-    c.add_argument("--prefill", type=int, default=2, help="prefill instances (%(default)s)")
-    c.add_argument("--decode", type=int, default=1, help="decode instances (%(default)s)")
+    c = up.add_argument_group(
+        "instances and scheduling",
+        f"With none of --prefill, --decode, --elastic the layout follows the machine: fewer than "
+        f"{DISAGGREGATE_MIN_CORES} CPU cores (os.cpu_count(); this one has {os.cpu_count()}) -> --elastic 1 (one "
+        "colocated engine: chunked prefill mixed into the decode batch); more -> --prefill 2 --decode 1 "
+        "(disaggregated). Naming --prefill/--decode gives the disaggregated layout (2 and 1 unless named).",
+    )
+    c.add_argument("--prefill", type=int, default=None, help="prefill instances")
+    c.add_argument("--decode", type=int, default=None, help="decode instances")
+    c.add_argument(
+        "--elastic",
+        type=int,
+        default=None,
+        help="elastic (colocated) instances, instead of prefill and decode ones: each runs a request's prefill, a "
+        "chunk per step beside its running decodes (--chunk-size), and its decode, in one engine process; strategy "
+        "chunked",
+    )
+    c.add_argument(
+        "--chunk-size",
+        type=int,
+        default=None,
+        help=f"with elastic instances: prompt tokens per engine step, the per-step token budget "
+        f"({DEFAULT_CHUNK_TOKENS}; smaller chunks stall running decodes less, larger ones prefill faster)",
+    )
     c.add_argument(
         "--decode-tp",
         type=int,
@@ -77,7 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --decode-kvp > 1: a request's range shorter than this (not on its master) moves once into a "
         "neighbouring member with room (scale-down), so fewer members serve it; 0 = never (%(default)s)",
     )
-    c.add_argument("--strategy", default="single", help="scheduler strategy, NAME or NAME:key=value,... (%(default)s)")
+    c.add_argument(
+        "--strategy",
+        default=None,
+        help="scheduler strategy, NAME or NAME:key=value,... (single; chunked with elastic instances)",
+    )
     c.add_argument("--profile", default=None, help="latency profile JSON (`spindle profile`) for fixed-sp / request-sp")
     n = up.add_argument_group("network and operations")
     n.add_argument(
@@ -98,12 +133,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def layout_from_args(args: argparse.Namespace, cpu_count: int | None = None) -> dict[str, int | str]:
+    """The instances and strategy of `spindle up`: as named, or by the machine (plan.default_layout)."""
+    if args.elastic is None and args.prefill is None and args.decode is None:
+        layout = default_layout(os.cpu_count() if cpu_count is None else cpu_count)
+    elif args.elastic:
+        layout = {"prefill": args.prefill or 0, "decode": args.decode or 0, "elastic": args.elastic}
+        layout["strategy"] = "chunked"
+    else:
+        layout = {"prefill": 2 if args.prefill is None else args.prefill, "elastic": args.elastic or 0}
+        layout |= {"decode": 1 if args.decode is None else args.decode, "strategy": "single"}
+    if args.strategy is not None:
+        layout["strategy"] = args.strategy
+    if args.chunk_size is not None:
+        if args.chunk_size < 1:
+            raise ValueError(f"--chunk-size must be >= 1, got {args.chunk_size}")
+        if not layout["elastic"]:
+            raise ValueError("--chunk-size applies to elastic instances (--elastic N)")
+        strategy = str(layout["strategy"])
+        layout["strategy"] = f"{strategy}{',' if ':' in strategy else ':'}chunk_size={args.chunk_size}"
+    return layout
+
+
 def config_from_args(args: argparse.Namespace) -> StackConfig:
     return StackConfig(
         model=args.model,
         dtype=args.dtype,
-        prefill=args.prefill,
-        decode=args.decode,
+        **layout_from_args(args),  # type: ignore[arg-type]
         decode_tp=args.decode_tp,
         decode_kvp=args.decode_kvp,
         kvp_tokens=args.kvp_tokens,
@@ -111,7 +167,6 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         host=args.host,
         port=args.port,
         nats_port=args.nats_port,
-        strategy=args.strategy,
         profile=args.profile,
         kv_cache_tokens=args.kv_cache_tokens,
         kv_cache_memory_gb=args.kv_cache_memory_gb,

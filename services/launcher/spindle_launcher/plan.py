@@ -2,8 +2,8 @@
 
 Ranks of the data-plane group: kvstore 0, prefill 1..N, then decode instance i at N+1+i*T..N+(i+1)*T (T =
 `decode_tp`: the leader `spindle_decode`, then T-1 `spindle_decode.tp_follower` processes named decode-i-tpJ;
-or T = `decode_kvp`: the leader, then T-1 `spindle_decode.kvp_follower` members named decode-i-kvpJ);
-world size N+M*T+1.
+or T = `decode_kvp`: the leader, then T-1 `spindle_decode.kvp_follower` members named decode-i-kvpJ), then the
+elastic (colocated) instances elastic-0.. (E of them); world size N+M*T+E+1.
 deploy/docker-compose.yml describes the same commands; tests/test_deploy.py keeps the two in step.
 """
 
@@ -16,7 +16,10 @@ from dataclasses import dataclass, field
 from spindle_protocol.service import STACK_TOKEN_ENV
 
 DTYPES = ("float32", "bfloat16", "float16")
-ROLES = ("kvstore", "scheduler", "prefill", "decode", "gateway")
+ROLES = ("kvstore", "scheduler", "prefill", "decode", "elastic", "gateway")
+COLOCATED_STRATEGY = "chunked"  # the strategy that plans onto elastic instances
+DEFAULT_CHUNK_TOKENS = 2048  # an elastic instance's per-step token budget (the prefill chunk size; vLLM-CPU's too)
+DISAGGREGATE_MIN_CORES = 8  # `spindle up`'s default layout: disaggregated from this many cores, else colocated
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _STRATEGY_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}(:[A-Za-z0-9_.,=-]{1,200})?$")  # NAME or NAME:key=value,...
@@ -40,6 +43,7 @@ class StackConfig:
     dtype: str = "float32"
     prefill: int = 2  # prefill instances
     decode: int = 1  # decode instances
+    elastic: int = 0  # elastic (colocated) instances: prefill and decode in one engine; then prefill = decode = 0
     decode_tp: int = 1  # tensor-parallel ranks (processes) of each decode instance
     decode_kvp: int = 1  # KV-parallel members (processes) of each decode instance (with decode_tp 1)
     kvp_tokens: int = 0  # per-member KV token limit of a new request on a KVP group (the strategy's kvp_tokens)
@@ -67,9 +71,25 @@ class StackConfig:
             raise ValueError("model must be non-empty")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        for what, n in (("prefill", self.prefill), ("decode", self.decode)):
-            if not isinstance(n, int) or n < 1:
-                raise ValueError(f"need at least one {what} instance, got {n!r}")
+        if not isinstance(self.elastic, int) or self.elastic < 0:
+            raise ValueError(f"elastic must be a non-negative integer, got {self.elastic!r}")
+        if self.elastic:
+            if self.prefill or self.decode:
+                raise ValueError(
+                    "elastic instances serve alone: set prefill = decode = 0 with elastic > 0 (a pool mixing "
+                    "elastic with prefill/decode instances needs a strategy that plans over both)"
+                )
+            if self.strategy.partition(":")[0] != COLOCATED_STRATEGY:
+                raise ValueError(
+                    f"elastic instances run the {COLOCATED_STRATEGY!r} strategy (it plans prefill and decode onto "
+                    f"one instance), got strategy {self.strategy!r}"
+                )
+            if self.decode_tp > 1 or self.decode_kvp > 1 or self.kvp_tokens or self.kvp_scale_down_tokens:
+                raise ValueError("decode_tp, decode_kvp and the kvp options apply to decode instances, not elastic")
+        else:
+            for what, n in (("prefill", self.prefill), ("decode", self.decode)):
+                if not isinstance(n, int) or n < 1:
+                    raise ValueError(f"need at least one {what} instance (or elastic > 0), got {n!r}")
         if not isinstance(self.decode_tp, int) or self.decode_tp < 1:
             raise ValueError(f"decode_tp must be a positive integer, got {self.decode_tp!r}")
         if not isinstance(self.decode_kvp, int) or self.decode_kvp < 1:
@@ -116,7 +136,13 @@ class StackConfig:
 
     @property
     def world_size(self) -> int:
-        return self.prefill + self.decode * self.decode_ranks + 1
+        return self.prefill + self.decode * self.decode_ranks + self.elastic + 1
+
+    @property
+    def chunk_tokens(self) -> int:
+        """An elastic instance's per-step token budget: the strategy's chunk_size, else DEFAULT_CHUNK_TOKENS."""
+        found = re.search(r"(?:^|[:,])chunk[_-]size=(\d+)(?:,|$)", self.strategy)
+        return int(found.group(1)) if found else DEFAULT_CHUNK_TOKENS
 
     def decode_rank(self, i: int) -> int:
         """The leader rank of decode instance `i`; its followers take the next decode_ranks - 1 ranks."""
@@ -127,6 +153,7 @@ class StackConfig:
         ids = ["kvstore-0"]
         ids += [f"prefill-{i}" for i in range(self.prefill)]
         ids += [f"decode-{i}" for i in range(self.decode)]
+        ids += [f"elastic-{i}" for i in range(self.elastic)]
         return ids
 
 
@@ -227,12 +254,26 @@ def build_plan(config: StackConfig, runtime: Runtime, python: str = sys.executab
                 flags += ["--parent-pid", str(runtime.parent_pid)]
             argv = (python, "-m", "spindle_decode.tp_follower", *flags)
             specs.append(ServiceSpec(f"decode-{i}-tp{j}", argv, dict(env)))
+    for i in range(config.elastic):
+        rank = 1 + config.prefill + config.decode * config.decode_ranks + i
+        budget = ["--max-num-batched-tokens", str(config.chunk_tokens)]
+        add(f"elastic-{i}", "elastic", worker(f"elastic-{i}", rank) + engine(config.kv_cache_tokens) + budget)
     token = {STACK_TOKEN_ENV: runtime.stack_token} if runtime.stack_token else {}
     gateway = ["--host", config.host, "--port", str(runtime.port), "--model", config.model]
     if config.default_max_tokens is not None:
         gateway += ["--default-max-tokens", str(config.default_max_tokens)]
     add("gateway", "gateway", gateway, token)
     return specs
+
+
+def default_layout(cpu_count: int | None) -> dict[str, int | str]:
+    """`spindle up`'s instances when none are named, by the machine: with fewer than DISAGGREGATE_MIN_CORES cores,
+    one elastic instance (chunked prefill mixed into the decode batch, one engine process: on a small CPU box
+    several engine processes only take turns on the same cores, and every hand-off is extra work); with more,
+    two prefill instances and one decode instance (disaggregated, so long prompts never stall decoding)."""
+    if (cpu_count or 1) < DISAGGREGATE_MIN_CORES:
+        return {"prefill": 0, "decode": 0, "elastic": 1, "strategy": COLOCATED_STRATEGY}
+    return {"prefill": 2, "decode": 1, "elastic": 0, "strategy": "single"}
 
 
 def check_decode_tp(config: StackConfig) -> None:
@@ -254,7 +295,10 @@ def _num(value: float) -> str:
 
 
 def scheduler_strategy(config: StackConfig) -> str:
-    """The scheduler's strategy spec: `kvp_tokens` comes from `config.kvp_tokens` unless the spec sets it."""
+    """The scheduler's strategy spec: `kvp_tokens` comes from `config.kvp_tokens` unless the spec sets it, and with
+    elastic instances `chunk_size` is their per-step token budget unless the spec sets it."""
+    if config.elastic and "chunk_size=" not in config.strategy.replace("-", "_"):
+        return f"{config.strategy}{',' if ':' in config.strategy else ':'}chunk_size={config.chunk_tokens}"
     if not config.kvp_tokens or "kvp_tokens=" in config.strategy:
         return config.strategy
     return f"{config.strategy}{',' if ':' in config.strategy else ':'}kvp_tokens={config.kvp_tokens}"

@@ -132,3 +132,61 @@ def test_decode_tp_is_checked_against_the_models_kv_heads():
     check_decode_tp(StackConfig(decode_tp=3))
     with pytest.raises(ValueError, match="exceeds the 3 KV heads"):
         check_decode_tp(StackConfig(decode_tp=4))
+
+
+def test_elastic_plan_is_one_colocated_engine_per_instance() -> None:
+    config = StackConfig(prefill=0, decode=0, elastic=2, strategy="chunked")
+    specs = build_plan(config, RT, python="/py")
+    assert [s.name for s in specs] == ["kvstore-0", "scheduler", "elastic-0", "elastic-1", "gateway"]
+    workers = {s.name: flags(s.args) for s in specs if s.role in ("kvstore", "elastic")}
+    assert {n: int(f["--rank"]) for n, f in workers.items()} == {"kvstore-0": 0, "elastic-0": 1, "elastic-1": 2}
+    assert all(f["--world-size"] == "3" for f in workers.values())
+    assert workers["elastic-0"]["--max-num-batched-tokens"] == "2048" == str(config.chunk_tokens)
+    assert flags(specs[1].args)["--strategy"] == "chunked:chunk_size=2048"  # the scheduler's chunks = the budget
+    assert config.instance_ids() == ["kvstore-0", "elastic-0", "elastic-1"]
+    sized = StackConfig(prefill=0, decode=0, elastic=1, strategy="chunked:chunk_size=300")
+    specs = build_plan(sized, RT, python="/py")
+    assert flags(specs[2].args)["--max-num-batched-tokens"] == "300"
+    assert flags(specs[1].args)["--strategy"] == "chunked:chunk_size=300"
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"elastic": 1, "strategy": "chunked"}, "serve alone"),  # prefill 2 / decode 1 by default
+        ({"prefill": 0, "decode": 0, "elastic": 1}, "run the 'chunked' strategy"),
+        ({"prefill": 0, "decode": 0, "elastic": 1, "strategy": "chunked", "decode_kvp": 2}, "not elastic"),
+        ({"prefill": 0, "decode": 0, "elastic": -1, "strategy": "chunked"}, "non-negative"),
+        ({"prefill": 0, "decode": 0}, "or elastic > 0"),
+    ],
+)
+def test_bad_elastic_config_raises(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        StackConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "argv, cpus, want",
+    [
+        ([], 2, {"prefill": 0, "decode": 0, "elastic": 1, "strategy": "chunked"}),
+        ([], 7, {"prefill": 0, "decode": 0, "elastic": 1, "strategy": "chunked"}),
+        ([], 8, {"prefill": 2, "decode": 1, "elastic": 0, "strategy": "single"}),
+        (["--prefill", "1"], 2, {"prefill": 1, "decode": 1, "elastic": 0, "strategy": "single"}),
+        (["--decode", "2"], 2, {"prefill": 2, "decode": 2, "elastic": 0, "strategy": "single"}),
+        (["--elastic", "2"], 64, {"prefill": 0, "decode": 0, "elastic": 2, "strategy": "chunked"}),
+        (["--elastic", "1", "--chunk-size", "512"], 2, {"prefill": 0, "decode": 0, "elastic": 1,
+                                                         "strategy": "chunked:chunk_size=512"}),
+        (["--strategy", "fixed-sp:sp=2"], 16, {"prefill": 2, "decode": 1, "elastic": 0, "strategy": "fixed-sp:sp=2"}),
+    ],
+)  # fmt: skip
+def test_spindle_up_layout_follows_the_machine_unless_named(argv: list[str], cpus: int, want: dict) -> None:
+    from spindle_launcher.cli import build_parser, layout_from_args
+
+    assert layout_from_args(build_parser().parse_args(["up", *argv]), cpu_count=cpus) == want
+
+
+def test_chunk_size_needs_elastic_instances() -> None:
+    from spindle_launcher.cli import build_parser, layout_from_args
+
+    with pytest.raises(ValueError, match="elastic"):
+        layout_from_args(build_parser().parse_args(["up", "--chunk-size", "64"]), cpu_count=16)

@@ -111,6 +111,12 @@ class RunPrefill:
         """One chunk on one instance: what the real prefill service runs before SP prefill (issue 5)."""
         return len(self.chunks) == 1 and self.chunks[0].sp == 1
 
+    @property
+    def is_colocated(self) -> bool:
+        """Every chunk on the decode instance alone: the prompt is computed where it decodes (an elastic
+        instance, whose engine chunks it by its own token budget)."""
+        return all(c.instances == (self.decode_instance,) for c in self.chunks)
+
 
 def decode_tokens(spec: RequestSpec, holders: tuple[KVShard, ...]) -> dict[str, int]:
     """Tokens each decode instance holds for a request once it decodes: its shard, and on the tail (the last

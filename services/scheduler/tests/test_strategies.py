@@ -1,9 +1,10 @@
 """Baseline strategies (fixed-sp, request-sp, chunked) through the core and the simulator; strategy specs."""
 
+import msgspec
 import pytest
 
 from spindle_protocol.messages import InstanceInfo, Prompt, RequestSpec, Sampling
-from spindle_scheduler import Admit, FailRequest, RunPrefill, SchedulerConfig, SchedulerCore, create_strategy
+from spindle_scheduler import Admit, FailRequest, Reject, RunPrefill, SchedulerConfig, SchedulerCore, create_strategy
 from spindle_scheduler.actions import PrefillChunk
 from spindle_scheduler.calibration import load_paper_calibration
 from spindle_scheduler.latency import DecodeStepModel, LatencyModel, PrefillLatencyModel, TransferModel
@@ -102,9 +103,8 @@ def test_strategy_specs():
         create_strategy("chunked:chunk_size=0")
 
 
-def test_real_service_takes_sp_strategies_and_refuses_colocated_ones():
-    with pytest.raises(ValueError, match="colocated"):
-        SchedulerService(SchedulerServiceConfig(nats_url="nats://127.0.0.1:1", strategy="chunked", latency=TETRIS))
+def test_real_service_takes_sp_and_colocated_strategies():
+    SchedulerService(SchedulerServiceConfig(nats_url="nats://127.0.0.1:1", strategy="chunked"))
     SchedulerService(SchedulerServiceConfig(nats_url="nats://127.0.0.1:1", strategy="fixed-sp:sp=2", latency=TETRIS))
     SchedulerService(SchedulerServiceConfig(nats_url="nats://127.0.0.1:1", strategy="request-sp", latency=TETRIS))
     SchedulerService(SchedulerServiceConfig(nats_url="nats://127.0.0.1:1", strategy="single"))
@@ -149,7 +149,18 @@ def test_chunked_plans_fixed_chunks_on_elastic_instances():
     actions = core.admit(spec("a", 700), 0.0)
     assert actions[0] == Admit("a", ("elastic-0",), "elastic-0")
     assert [(c.start, c.end) for c in plan_of(actions).chunks] == [(0, 300), (300, 600), (600, 700)]
+    assert plan_of(actions).is_colocated and not plan_of(actions).is_single
     assert plan_of(core.admit(spec("b", 10), 0.0)).decode_instance == "elastic-1"  # fewer queued tokens
+
+
+def test_colocated_plans_take_prompt_logprobs_and_sp_plans_do_not():
+    core = SchedulerCore(create_strategy("chunked:chunk_size=300"), SchedulerConfig())
+    core.on_heartbeat(instance("elastic-0", "elastic", 1, blocks=1000))
+    asked = spec("a", 700)
+    asked = msgspec.structs.replace(asked, sampling=msgspec.structs.replace(asked.sampling, prompt_logprobs=1))
+    assert isinstance(core.admit(asked, 0.0)[0], Admit)
+    sp = core_with("fixed-sp:sp=2", num_prefill=2)
+    assert isinstance(sp.admit(msgspec.structs.replace(asked, request_id="b"), 0.0)[0], Reject)
 
 
 # ---- the simulator running them ----

@@ -2,7 +2,9 @@
 FCFS (Sarathi-Serve / vLLM chunked prefill). No sequence parallelism and no KV transfer.
 
 Each request goes to the elastic instance with the fewest prompt tokens waiting (ties: most free KV); the
-instance runs one `chunk_size`-token chunk of its head request per step alongside its running decodes.
+instance runs one `chunk_size`-token chunk of its head request per step alongside its running decodes. On the
+services, `spindle_elastic` is that instance: its engine chunks by its own per-step token budget, which
+`spindle up` sets to the same `chunk_size`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from .placement import reserve_blocks
 
 @register_strategy("chunked")
 class ChunkedPrefillStrategy(Strategy):
-    real_stack_gap = "its plans need colocated instances (prefill chunks mixed into decode batches)"
     takes_decode_options = False
 
     def __init__(self, latency: LatencyModel | None = None, *, chunk_size: int = 512) -> None:

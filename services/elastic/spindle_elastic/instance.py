@@ -1,0 +1,138 @@
+"""Elastic (colocated) instance: prefills and decodes each request in one engine; no KV moves.
+
+The scheduler plans a request onto this instance as both its prefill and its decode instance (the `chunked`
+strategy). The engine's own scheduler runs it: every step takes the running decodes first, then prompt chunks
+under the per-step token budget (`--max-num-batched-tokens`), so a long prompt is computed a chunk at a time
+beside the decodes instead of stalling them (Sarathi-Serve, vLLM's chunked prefill). Progress goes to the
+scheduler as the prefill instance reports it (`PrefillProgress` per chunk, `PrefillDone`), then `DecodeStarted`
+at the first token; every token streams to the gateway from here.
+
+A request of n > 1 choices is computed once (`prefill_only`) and its choices fork from that KV here
+(`Engine.decode_held`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from nats.aio.msg import Msg
+from opentelemetry import trace
+
+from spindle_engine import StepOutput
+from spindle_protocol import subjects
+from spindle_protocol.messages import DecodeStarted, PrefillDone, PrefillProgress, RunPrefill
+from spindle_protocol.prompts import load_prompt
+from spindle_telemetry import extract
+from spindle_worker import Instance, Job, sampling_params
+
+log = logging.getLogger("spindle.elastic")
+
+
+@dataclass
+class ElasticJob(Job):
+    computed: int = 0  # prompt tokens whose KV is done
+    last_step: float = 0.0  # when the previous step that computed part of the prompt ended
+    prefilled: bool = False  # the first token is out: decoding
+
+
+class ElasticInstance(Instance):
+    async def serve(self) -> None:
+        await self.bus.subscribe(subjects.prefill_run(self.id), RunPrefill, self._on_run)
+
+    async def _on_run(self, cmd: RunPrefill, raw: Msg) -> None:
+        spec = cmd.request
+        rid = spec.request_id
+        if rid in self.jobs or self.is_aborted(rid):
+            return
+        span = self.tracer.start_span("elastic", context=extract(raw.headers))
+        span.set_attribute("spindle.request_id", rid)
+        span.set_attribute("spindle.instance", self.id)
+        job = ElasticJob(spec, span)
+        self.jobs[rid] = job
+        if cmd.decode_instance != self.id or any(c.members != [self.id] for c in cmd.chunks):
+            await self.fail(
+                job, 500, f"elastic instance {self.id} runs colocated plans only (prefill and decode here), not a plan "
+                f"that decodes on {cmd.decode_instance} or prefills on other members"
+            )  # fmt: skip
+            return
+        try:
+            prompt = await load_prompt(self.bus, spec.prompt)
+            params = sampling_params(spec.sampling)
+            await self.call(lambda e: e.add_request(rid, prompt, params, prefill_only=params.n > 1))
+        except ValueError as e:
+            await self.fail(job, 400, str(e))
+            return
+        if self.is_aborted(rid):  # the abort overtook us while the prompt loaded
+            await self.call(lambda e: e.abort(rid))
+
+    # ---- on the engine thread, after each step ----
+
+    def on_outputs(self, outputs: list[StepOutput], t0: float, t1: float) -> None:
+        engine = self.engine
+        for rid, job in list(self.jobs.items()):
+            if not isinstance(job, ElasticJob) or job.prefilled:
+                continue
+            seq = engine.requests.get(rid) or engine.held.get(rid)
+            if seq is None:
+                continue
+            done = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+            if done > job.computed:
+                self.from_thread(self._chunk_done(job, job.computed, done, t0, t1))
+                job.computed = done
+        for out in outputs:
+            job = self.jobs.get(out.request_id)
+            if not isinstance(job, ElasticJob):
+                engine.abort(out.request_id)
+                continue
+            if out.kv_ready:  # n > 1: the prompt is in; its choices fork here and sample their own first tokens
+                job.prefilled = True
+                job.stats["prefill_ms"] = (t1 - job.started) * 1e3
+                if engine.decode_held(out.request_id):
+                    self.from_thread(self._prefilled(job, finished=False))
+                else:
+                    self.from_thread(self.fail(job, 503, f"no KV room for {job.spec.sampling.n} choices on {self.id}"))
+                continue
+            if not job.prefilled:
+                job.prefilled = True
+                job.stats["prefill_ms"] = (t1 - job.started) * 1e3
+                self.from_thread(self._prefilled(job, finished=out.finished and job.spec.sampling.n == 1))
+            if out.finished:
+                job.stats["decode_ms"] = (t1 - job.started) * 1e3 - job.stats.get("prefill_ms", 0.0)
+                reason = out.finish_reason or "stop"
+                coro = self.finish(job, out.new_token_ids, reason, out.logprobs, out.choice, out.prompt_logprobs)
+            else:
+                coro = self.publish_tokens(job, out.new_token_ids, None, out.logprobs, out.choice, out.prompt_logprobs)
+            self.from_thread(coro)
+
+    # ---- on the event loop ----
+
+    async def _chunk_done(self, job: ElasticJob, start: int, end: int, t0: float, t1: float) -> None:
+        if start == 0:  # the wait here before the first chunk ran
+            queued = self.tracer.start_span(
+                "elastic.queue", context=trace.set_span_in_context(job.span), start_time=int(job.started * 1e9)
+            )
+            queued.end(end_time=int(t0 * 1e9))
+        span = self.tracer.start_span(
+            "prefill.chunk",
+            context=trace.set_span_in_context(job.span),
+            start_time=int(t0 * 1e9),
+            attributes={"spindle.tokens": end - start, "spindle.token_range": f"{start}:{end}"},
+        )
+        span.end(end_time=int(t1 * 1e9))
+        total = job.spec.prompt.num_tokens
+        progress = PrefillProgress(
+            request_id=job.request_id, instance_id=self.id, tokens_done=end, tokens_total=total, chunk_seconds=t1 - t0
+        )
+        await self.bus.publish(subjects.EVENTS, progress)
+
+    async def _prefilled(self, job: ElasticJob, finished: bool) -> None:
+        """The prompt is computed: the scheduler's prefill phase ends and (unless the first token ended it)
+        decoding starts here."""
+        if self.jobs.get(job.request_id) is not job:
+            return
+        elapsed = job.stats["prefill_ms"] / 1e3
+        done = PrefillDone(request_id=job.request_id, instance_id=self.id, seconds=elapsed, finished=finished)
+        await self.bus.publish(subjects.EVENTS, done)
+        if not finished:
+            await self.bus.publish(subjects.EVENTS, DecodeStarted(request_id=job.request_id, instance_id=self.id))
