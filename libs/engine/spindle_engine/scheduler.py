@@ -20,12 +20,18 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192  # token budget of one step
     max_num_seqs: int = 256
     long_prefill_token_threshold: int = 0  # > 0 caps one sequence's chunk per step
+    # > 0 caps one sequence's chunk per step while other sequences share the engine (running or waiting): a long
+    # prompt then interleaves with the decodes and the newer prompts instead of stalling them; alone, it takes
+    # the whole budget
+    shared_prefill_chunk: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
+        if self.shared_prefill_chunk < 0:
+            raise ValueError("shared_prefill_chunk must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,8 @@ class Scheduler:
         n = min(seq.num_uncomputed, budget)
         if self.config.long_prefill_token_threshold:
             n = min(n, self.config.long_prefill_token_threshold)
+        if self.config.shared_prefill_chunk and len(self.running) + len(self.waiting) > 1:
+            n = min(n, self.config.shared_prefill_chunk)
         return n
 
     def _preempt(self, seq: Sequence) -> None:

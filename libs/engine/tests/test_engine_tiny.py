@@ -62,6 +62,25 @@ def test_batch_chunking_and_paging_do_not_change_outputs(tiny):
         assert batched == alone, f"budget {budget}"
     capped = _run(_engine(model, long_prefill_token_threshold=37, block_size=5), prompts)
     assert capped == alone
+    shared = _run(_engine(model, max_num_batched_tokens=512, shared_prefill_chunk=29, block_size=7), prompts)
+    assert shared == alone
+
+
+def test_a_shared_chunk_caps_a_long_prompt_only_while_others_share_the_engine(tiny):
+    """`shared_prefill_chunk`: alone, a prompt takes the whole budget; beside a decode or a waiting prompt, at
+    most the shared chunk, and the rest of the budget goes to the newer prompt."""
+    _, model = tiny
+    engine = _engine(model, max_num_batched_tokens=256, shared_prefill_chunk=40)
+    engine.add_request("long", list(range(3, 203)), GREEDY)  # 200 tokens, alone
+    engine.step()
+    assert engine.requests["long"].num_computed_tokens == 200
+    engine.add_request("long2", [3 + i % 290 for i in range(300)], GREEDY)  # 300 tokens, beside a decode
+    engine.add_request("short", list(range(5, 35)), GREEDY)  # 30 tokens
+    engine.step()
+    computed = {rid: seq.num_computed_tokens for rid, seq in engine.requests.items()}
+    assert computed == {"long": 201, "long2": 40, "short": 30}
+    with pytest.raises(ValueError, match="shared_prefill_chunk"):
+        _engine(model, shared_prefill_chunk=-1)
 
 
 def test_preemption_under_a_small_cache_keeps_outputs(tiny):

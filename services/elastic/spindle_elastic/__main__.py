@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from spindle_protocol import service
 from spindle_worker import InstanceConfig
 
 from .instance import ElasticInstance
+
+DEFAULT_SHARED_CHUNK = 512
+DEFAULT_KV_CACHE_GB = 2.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,6 +24,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     service.add_worker_args(p, "elastic")
     service.add_engine_args(p)
+    p.set_defaults(kv_cache_memory_gb=DEFAULT_KV_CACHE_GB)  # it holds every request's KV, prompt and decode
+    p.add_argument(
+        "--shared-chunk",
+        type=int,
+        default=DEFAULT_SHARED_CHUNK,
+        help="prompt tokens one request may take per step while other requests share the instance: a long "
+        "prompt then interleaves with the decodes and newer prompts instead of stalling them; alone it takes the "
+        "whole --max-num-batched-tokens (%(default)s; 0 = no cap)",
+    )
     service.add_common_args(p)
     return p
 
@@ -27,7 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     service.setup_logging(args.log_level, "elastic")
+    if args.shared_chunk < 0:
+        raise SystemExit(f"--shared-chunk must be >= 0, got {args.shared_chunk}")
     config = InstanceConfig.from_args("elastic", args)
+    config = replace(config, engine=replace(config.engine, shared_prefill_chunk=args.shared_chunk))
     service.run(ElasticInstance(config).run, args.parent_pid)
 
 

@@ -37,6 +37,8 @@ class ElasticJob(Job):
 
 
 class ElasticInstance(Instance):
+    preemptions_seen = 0  # the engine's in-place preemptions (recomputation) logged so far
+
     async def serve(self) -> None:
         await self.bus.subscribe(subjects.prefill_run(self.id), RunPrefill, self._on_run)
 
@@ -70,6 +72,12 @@ class ElasticInstance(Instance):
 
     def on_outputs(self, outputs: list[StepOutput], t0: float, t1: float) -> None:
         engine = self.engine
+        if engine.scheduler.num_preemptions > self.preemptions_seen:
+            self.preemptions_seen = engine.scheduler.num_preemptions
+            log.warning(
+                "%s: KV cache full: %d preemptions so far (requests recomputed from their tokens); a larger "
+                "--kv-cache-memory-gb avoids the recomputation", self.id, self.preemptions_seen,
+            )  # fmt: skip
         for rid, job in list(self.jobs.items()):
             if not isinstance(job, ElasticJob) or job.prefilled:
                 continue

@@ -78,6 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
         f"({DEFAULT_CHUNK_TOKENS}; smaller chunks stall running decodes less, larger ones prefill faster)",
     )
     c.add_argument(
+        "--shared-chunk-size",
+        type=int,
+        default=None,
+        help="with elastic instances: prompt tokens one request may take per step while other requests share the "
+        "instance, so a long prompt interleaves with the decodes and newer prompts; alone it takes --chunk-size "
+        "(the instance's default, 512; 0 = no cap)",
+    )
+    c.add_argument(
         "--decode-tp",
         type=int,
         default=1,
@@ -145,6 +153,12 @@ def layout_from_args(args: argparse.Namespace, cpu_count: int | None = None) -> 
         layout |= {"decode": 1 if args.decode is None else args.decode, "strategy": "single"}
     if args.strategy is not None:
         layout["strategy"] = args.strategy
+    if args.shared_chunk_size is not None:
+        if args.shared_chunk_size < 0:
+            raise ValueError(f"--shared-chunk-size must be >= 0, got {args.shared_chunk_size}")
+        if not layout["elastic"]:
+            raise ValueError("--shared-chunk-size applies to elastic instances (--elastic N)")
+        layout["shared_chunk"] = args.shared_chunk_size
     if args.chunk_size is not None:
         if args.chunk_size < 1:
             raise ValueError(f"--chunk-size must be >= 1, got {args.chunk_size}")

@@ -44,6 +44,7 @@ class StackConfig:
     prefill: int = 2  # prefill instances
     decode: int = 1  # decode instances
     elastic: int = 0  # elastic (colocated) instances: prefill and decode in one engine; then prefill = decode = 0
+    shared_chunk: int | None = None  # elastic: one prompt's tokens per step while others share the instance
     decode_tp: int = 1  # tensor-parallel ranks (processes) of each decode instance
     decode_kvp: int = 1  # KV-parallel members (processes) of each decode instance (with decode_tp 1)
     kvp_tokens: int = 0  # per-member KV token limit of a new request on a KVP group (the strategy's kvp_tokens)
@@ -71,6 +72,8 @@ class StackConfig:
             raise ValueError("model must be non-empty")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.shared_chunk is not None and (not isinstance(self.shared_chunk, int) or self.shared_chunk < 0):
+            raise ValueError(f"shared_chunk must be a non-negative integer, got {self.shared_chunk!r}")
         if not isinstance(self.elastic, int) or self.elastic < 0:
             raise ValueError(f"elastic must be a non-negative integer, got {self.elastic!r}")
         if self.elastic:
@@ -257,6 +260,8 @@ def build_plan(config: StackConfig, runtime: Runtime, python: str = sys.executab
     for i in range(config.elastic):
         rank = 1 + config.prefill + config.decode * config.decode_ranks + i
         budget = ["--max-num-batched-tokens", str(config.chunk_tokens)]
+        if config.shared_chunk is not None:
+            budget += ["--shared-chunk", str(config.shared_chunk)]
         add(f"elastic-{i}", "elastic", worker(f"elastic-{i}", rank) + engine(config.kv_cache_tokens) + budget)
     token = {STACK_TOKEN_ENV: runtime.stack_token} if runtime.stack_token else {}
     gateway = ["--host", config.host, "--port", str(runtime.port), "--model", config.model]

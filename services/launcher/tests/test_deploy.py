@@ -18,6 +18,9 @@ COMPOSE_PLAN = build_plan(StackConfig(host="0.0.0.0"), COMPOSE_RUNTIME, python="
 LOCAL_PLAN = build_plan(
     StackConfig(otlp_endpoint="http://127.0.0.1:4317", kv_cache_tokens=4096, max_model_len=2048, kvstore_memory_gb=1),
     Runtime(nats_url="nats://127.0.0.1:4222", dist_init="tcp://127.0.0.1:29500", port=8000, parent_pid=1),
+) + build_plan(  # the colocated layout: the elastic instance's command
+    StackConfig(prefill=0, decode=0, elastic=1, strategy="chunked:chunk_size=512", shared_chunk=128),
+    Runtime(nats_url="nats://127.0.0.1:4222", dist_init="tcp://127.0.0.1:29500", port=8000, parent_pid=1),
 )
 
 

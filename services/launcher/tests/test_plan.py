@@ -148,6 +148,9 @@ def test_elastic_plan_is_one_colocated_engine_per_instance() -> None:
     specs = build_plan(sized, RT, python="/py")
     assert flags(specs[2].args)["--max-num-batched-tokens"] == "300"
     assert flags(specs[1].args)["--strategy"] == "chunked:chunk_size=300"
+    assert "--shared-chunk" not in flags(specs[2].args)  # the instance's own default
+    shared = StackConfig(prefill=0, decode=0, elastic=1, strategy="chunked", shared_chunk=0)
+    assert flags(build_plan(shared, RT, python="/py")[2].args)["--shared-chunk"] == "0"
 
 
 @pytest.mark.parametrize(
@@ -158,6 +161,7 @@ def test_elastic_plan_is_one_colocated_engine_per_instance() -> None:
         ({"prefill": 0, "decode": 0, "elastic": 1, "strategy": "chunked", "decode_kvp": 2}, "not elastic"),
         ({"prefill": 0, "decode": 0, "elastic": -1, "strategy": "chunked"}, "non-negative"),
         ({"prefill": 0, "decode": 0}, "or elastic > 0"),
+        ({"prefill": 0, "decode": 0, "elastic": 1, "strategy": "chunked", "shared_chunk": -1}, "shared_chunk"),
     ],
 )
 def test_bad_elastic_config_raises(kwargs: dict, match: str) -> None:
@@ -176,6 +180,8 @@ def test_bad_elastic_config_raises(kwargs: dict, match: str) -> None:
         (["--elastic", "2"], 64, {"prefill": 0, "decode": 0, "elastic": 2, "strategy": "chunked"}),
         (["--elastic", "1", "--chunk-size", "512"], 2, {"prefill": 0, "decode": 0, "elastic": 1,
                                                          "strategy": "chunked:chunk_size=512"}),
+        (["--shared-chunk-size", "0"], 2, {"prefill": 0, "decode": 0, "elastic": 1, "strategy": "chunked",
+                                           "shared_chunk": 0}),
         (["--strategy", "fixed-sp:sp=2"], 16, {"prefill": 2, "decode": 1, "elastic": 0, "strategy": "fixed-sp:sp=2"}),
     ],
 )  # fmt: skip
@@ -188,5 +194,6 @@ def test_spindle_up_layout_follows_the_machine_unless_named(argv: list[str], cpu
 def test_chunk_size_needs_elastic_instances() -> None:
     from spindle_launcher.cli import build_parser, layout_from_args
 
-    with pytest.raises(ValueError, match="elastic"):
-        layout_from_args(build_parser().parse_args(["up", "--chunk-size", "64"]), cpu_count=16)
+    for flag in ("--chunk-size", "--shared-chunk-size"):
+        with pytest.raises(ValueError, match="elastic"):
+            layout_from_args(build_parser().parse_args(["up", flag, "64"]), cpu_count=16)
