@@ -63,6 +63,7 @@ RULES = (
     Rule(r"^\.venv/bin/spindle verify .* --scale-down-at ", SLOW, "KVP 3 decode, a member leaves: about 15 s"),
     Rule(r"^\.venv/bin/spindle verify ", CHECK, "6 processes, 15-20 s each: the two above run, enough here"),
     Rule(r"^\.venv/bin/python bench/bench_engine\.py .*--repeats 1 ", SLOW, "the benchmark's quick check: ~9 s"),
+    Rule(r"^\.venv/bin/python bench/bench_peer\.py --(?!help)", CHECK, "vLLM and Spindle servers: minutes"),
     Rule(r"^\.venv/bin/python bench/\w+\.py --smoke\b", SLOW, "a GPU benchmark's tiny CPU run: a few seconds"),
     Rule(r"^\.venv/bin/python -m spindle_transfer\.testing$", SLOW, "2 gloo ranks: about 5 s"),
     Rule(r"^\.venv/bin/python bench/\w+\.py\b", CHECK, "a benchmark: minutes, or a stack"),

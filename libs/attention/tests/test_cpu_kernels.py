@@ -147,3 +147,20 @@ def test_without_the_kernels_everything_falls_back_to_torch(tmp_path, env, why):
     done = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert why in done.stderr
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64, 1000])
+def test_one_pass_rms_norm_and_silu_mul_equal_torch(rows: int) -> None:
+    """The prefill row kernels (any row count, split over threads) agree with torch within fp32 rounding; other
+    layouts and dtypes get None (the caller's torch path)."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g) * 3
+    w = torch.randn(576, generator=g)
+    y = cpu.elementwise.rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(y, torch.nn.functional.rms_norm(x, (576,), w, 1e-5), rtol=1e-5, atol=1e-5)
+    gate_up = torch.randn(rows, 2 * 1536, generator=g) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu.elementwise.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+    assert cpu.elementwise.rms_norm(x[:, ::2], w[:288], 1e-5) is None  # not contiguous
+    assert cpu.elementwise.rms_norm(x.bfloat16(), w.bfloat16(), 1e-5) is None
+    assert cpu.elementwise.silu_mul(gate_up[:, :-1]) is None  # odd width

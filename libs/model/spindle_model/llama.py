@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from spindle_attention import cpu
 from spindle_attention.distributed.comm import RankGroup
 
 from .config import ModelConfig
@@ -104,8 +105,12 @@ class DecoderLayer(nn.Module):
         v = qkv[:, (nq + nkv) * d :].view(t, nkv, d)
         attn = ctx.attention(self.layer_id, qk[:, :nq], qk[:, nq:], v)  # [T, Hq, D]
         x = x + all_reduce_(self.o_proj(attn.reshape(t, -1)), self.tp_group)
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + all_reduce_(self.down_proj(F.silu(gate) * up), self.tp_group)
+        gate_up = self.gate_up_proj(self.post_attention_layernorm(x))  # [T, 2 * ffn]
+        act = cpu.elementwise.silu_mul(gate_up)  # one pass on CPU (None elsewhere)
+        if act is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return x + all_reduce_(self.down_proj(act), self.tp_group)
 
     def load_weights(self, w: Mapping[str, Tensor]) -> None:
         """Take this layer's slice of full HF-named weights (`prefix` already stripped)."""

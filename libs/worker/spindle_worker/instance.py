@@ -38,6 +38,7 @@ from spindle_protocol.messages import (
     StreamEvent,
     TokenLogprob,
 )
+from spindle_protocol.prompts import load_prompt
 from spindle_protocol.registry import run_heartbeat
 from spindle_telemetry import inject, setup, shutdown, tracer
 from spindle_transfer import DataPlane
@@ -255,6 +256,20 @@ class Instance:
     async def call(self, fn: Any) -> Any:
         """Run `fn(engine)` on the engine thread."""
         return await asyncio.wrap_future(self.thread.call(fn))
+
+    async def add_to_engine(self, job: Job, prefill_only: bool) -> None:
+        """Load `job`'s prompt and queue it in the engine; a bad prompt or sampling fails it with 400. An abort
+        that arrived while the prompt loaded is honoured (the engine would otherwise keep the request)."""
+        rid = job.request_id
+        try:
+            prompt = await load_prompt(self.bus, job.spec.prompt)
+            params = sampling_params(job.spec.sampling)
+            await self.call(lambda e: e.add_request(rid, prompt, params, prefill_only=prefill_only))
+        except ValueError as e:
+            await self.fail(job, 400, str(e))
+            return
+        if self.is_aborted(rid):
+            await self.call(lambda e: e.abort(rid))
 
     def from_thread(self, coro: Any) -> None:
         """Schedule a coroutine on the event loop from the engine thread."""

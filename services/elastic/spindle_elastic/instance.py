@@ -22,9 +22,8 @@ from opentelemetry import trace
 from spindle_engine import StepOutput
 from spindle_protocol import subjects
 from spindle_protocol.messages import DecodeStarted, PrefillDone, PrefillProgress, RunPrefill
-from spindle_protocol.prompts import load_prompt
 from spindle_telemetry import extract
-from spindle_worker import Instance, Job, sampling_params
+from spindle_worker import Instance, Job
 
 log = logging.getLogger("spindle.elastic")
 
@@ -58,15 +57,7 @@ class ElasticInstance(Instance):
                 f"that decodes on {cmd.decode_instance} or prefills on other members"
             )  # fmt: skip
             return
-        try:
-            prompt = await load_prompt(self.bus, spec.prompt)
-            params = sampling_params(spec.sampling)
-            await self.call(lambda e: e.add_request(rid, prompt, params, prefill_only=params.n > 1))
-        except ValueError as e:
-            await self.fail(job, 400, str(e))
-            return
-        if self.is_aborted(rid):  # the abort overtook us while the prompt loaded
-            await self.call(lambda e: e.abort(rid))
+        await self.add_to_engine(job, prefill_only=spec.sampling.n > 1)
 
     # ---- on the engine thread, after each step ----
 

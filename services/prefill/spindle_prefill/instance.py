@@ -17,9 +17,8 @@ from opentelemetry import trace
 from spindle_engine import StepOutput
 from spindle_protocol import subjects
 from spindle_protocol.messages import PrefillDone, PrefillProgress, RunPrefill, SPChunkDone
-from spindle_protocol.prompts import load_prompt
 from spindle_telemetry import extract
-from spindle_worker import Instance, Job, sampling_params
+from spindle_worker import Instance, Job
 
 from .handoff import hand_off
 from .sp_gate import SPJoinGate
@@ -58,15 +57,7 @@ class PrefillInstance(Instance):
         if cmd.chunks:
             self.sp_queue.submit(job)
             return
-        try:
-            prompt = await load_prompt(self.bus, spec.prompt)
-            params = sampling_params(spec.sampling)
-            await self.call(lambda e: e.add_request(rid, prompt, params, prefill_only=True))
-        except ValueError as e:
-            await self.fail(job, 400, str(e))
-            return
-        if self.is_aborted(rid):  # the abort overtook us while the prompt loaded
-            await self.call(lambda e: e.abort(rid))
+        await self.add_to_engine(job, prefill_only=True)
 
     def on_outputs(self, outputs: list[StepOutput], t0: float, t1: float) -> None:
         engine = self.engine

@@ -52,6 +52,41 @@ static inline __m512 exp512_nonpos(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* y[b, :] = x[b, :] / sqrt(mean(x[b, :]^2) + eps) * w, for B rows of H floats (y may be x). */
+static inline void rms_norm(const float* x, const float* w, float* y, int64_t B, int64_t H, float eps) {
+    for (int64_t b = 0; b < B; b++) {
+        const float* xr = x + b * H;
+        float* yr = y + b * H;
+        __m512 s = _mm512_setzero_ps();
+        int64_t i = 0;
+        for (; i + 16 <= H; i += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(xr + i), _mm512_loadu_ps(xr + i), s);
+        float ss = _mm512_reduce_add_ps(s);
+        for (; i < H; i++) ss += xr[i] * xr[i];
+        const float r = 1.0f / sqrtf(ss / (float)H + eps);
+        for (i = 0; i < H; i++) yr[i] = xr[i] * r * w[i];
+    }
+}
+
+/* act[b, f] = silu(gu[b, f]) * gu[b, F + f]; silu(g) = g * sigmoid(g), sigmoid from e^-|g| (no overflow). */
+static inline void silu_mul(const float* gu, float* act, int64_t B, int64_t F) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t b = 0; b < B; b++) {
+        const float* g = gu + b * 2 * F;
+        const float* u = g + F;
+        float* o = act + b * F;
+        int64_t f = 0;
+        for (; f + 16 <= F; f += 16) {
+            const __m512 gv = _mm512_loadu_ps(g + f);
+            const __m512 e = exp512_nonpos(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
+            const __mmask16 pos = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_GE_OQ);
+            const __m512 num = _mm512_mask_blend_ps(pos, e, one); /* sigmoid = 1/(1+e) or e/(1+e) */
+            const __m512 sig = _mm512_div_ps(num, _mm512_add_ps(one, e));
+            _mm512_storeu_ps(o + f, _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_loadu_ps(u + f)));
+        }
+        for (; f < F; f++) o[f] = g[f] / (1.0f + expf(-g[f])) * u[f];
+    }
+}
+
 /* gemm.c: y[M,N] = x[M,K] @ w[N,K]^T over a packed weight p of format fmt; y fp32 or bf16 (y_bf16). */
 void spindle_gemm_packed(const float* x, const void* p, void* y, int64_t M, int64_t N, int64_t K, int fmt, int y_bf16,
                          int nthreads);

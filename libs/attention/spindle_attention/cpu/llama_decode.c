@@ -28,20 +28,6 @@ enum {
     LAYER_FIELDS
 };
 
-static void rms_norm(const float* x, const float* w, float* y, int64_t B, int64_t H, float eps) {
-    for (int64_t b = 0; b < B; b++) {
-        const float* xr = x + b * H;
-        float* yr = y + b * H;
-        __m512 s = _mm512_setzero_ps();
-        int64_t i = 0;
-        for (; i + 16 <= H; i += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(xr + i), _mm512_loadu_ps(xr + i), s);
-        float ss = _mm512_reduce_add_ps(s);
-        for (; i < H; i++) ss += xr[i] * xr[i];
-        const float r = 1.0f / sqrtf(ss / (float)H + eps);
-        for (i = 0; i < H; i++) yr[i] = xr[i] * r * w[i];
-    }
-}
-
 /* (a + ib)(cos + i sin) on each interleaved pair of `heads` heads of one row. */
 static void rope_row(float* x, const float* cs, int64_t heads, int64_t D) {
     for (int64_t h = 0; h < heads; h++) {
@@ -60,26 +46,6 @@ static void store_row(void* cache, int64_t slot, int64_t n, const float* src, in
         for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
     } else {
         memcpy((float*)cache + slot * n, src, (size_t)n * sizeof(float));
-    }
-}
-
-/* act[b, f] = silu(gu[b, f]) * gu[b, F + f]; silu(g) = g * sigmoid(g), sigmoid from e^-|g| (no overflow). */
-static void silu_mul(const float* gu, float* act, int64_t B, int64_t F) {
-    const __m512 one = _mm512_set1_ps(1.0f);
-    for (int64_t b = 0; b < B; b++) {
-        const float* g = gu + b * 2 * F;
-        const float* u = g + F;
-        float* o = act + b * F;
-        int64_t f = 0;
-        for (; f + 16 <= F; f += 16) {
-            const __m512 gv = _mm512_loadu_ps(g + f);
-            const __m512 e = exp512_nonpos(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
-            const __mmask16 pos = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_GE_OQ);
-            const __m512 num = _mm512_mask_blend_ps(pos, e, one); /* sigmoid = 1/(1+e) or e/(1+e) */
-            const __m512 sig = _mm512_div_ps(num, _mm512_add_ps(one, e));
-            _mm512_storeu_ps(o + f, _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_loadu_ps(u + f)));
-        }
-        for (; f < F; f++) o[f] = g[f] / (1.0f + expf(-g[f])) * u[f];
     }
 }
 
