@@ -6,7 +6,8 @@ block `block_table[t // block_size]` at offset `t % block_size`.
 - `paged_decode`: one query token per sequence over its whole cached context, split-KV
   (flash-decoding): the context is cut into `num_splits` ranges whose partial states are merged.
 - `paged_prefill`: a chunk of queries per sequence over its cached history plus the chunk itself (the
-  chunk's KV must already be written to the cache), as chunked prefill needs.
+  chunk's KV must already be written to the cache), as chunked prefill needs. On CPU: two flash-attention calls
+  per sequence (the history unmasked, the chunk causal) merged by LSE; elsewhere the tiled reference.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .cpu import decode as cpu_decode
-from .merge import merge_attn_states_many
-from .reference import BLOCK_K, BLOCK_Q, _attend_one, _split, positions
+from .merge import merge_attn_states, merge_attn_states_many
+from .reference import BLOCK_K, BLOCK_Q, _attend_one, _flash_cpu, _split, positions
 
 # Keys gathered at once per sequence in the torch decode path; longer contexts are split further.
 DECODE_SPLIT_TOKENS = 8192
@@ -151,9 +152,36 @@ def paged_prefill(
             slots = slot_indices(row, block_size, s, e)[0]
             return k_flat[slots], v_flat[slots]
 
+        if _flash_cpu is not None and q.device.type == "cpu" and n > 0:
+            k, v = load(0, total)
+            o, lse = _history_then_chunk(q[qs : qs + n], k, v, total - n, scale)
+            outs.append(o)
+            lses.append(lse)
+            continue
         q_pos = positions(total - n, n, device=q.device)
         k_pos = positions(0, total, device=q.device)
         o, lse = _attend_one(q[qs : qs + n], q_pos, k_pos, load, True, scale, block_q, block_k)
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
+
+
+def _history_then_chunk(q: Tensor, k: Tensor, v: Tensor, history: int, scale: float) -> tuple[Tensor, Tensor]:
+    """CPU flash attention of a chunk `q [n, Hq, D]` at positions history.. over `k`/`v` `[history + n, Hkv, D]`:
+    the history with no mask (each KV head read once for its query group) and the chunk's own keys causally (the
+    kernel skips the masked half), merged by their log-sum-exps. Returns `out [n, Hq, D]`, `lse [Hq, n]`."""
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    own_k = k[history:].repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+    own_v = v[history:].repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)
+    out, lse = _flash_cpu(q.transpose(0, 1).unsqueeze(0), own_k, own_v, 0.0, True, scale=scale)
+    out, lse = out[0].transpose(0, 1), lse[0]  # [n, Hq, D], [Hq, n]
+    if history == 0:
+        return out, lse
+    qf = q.reshape(n, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * n, d)  # query groups folded per KV head
+    past_k = k[:history].permute(1, 0, 2).unsqueeze(0)  # [1, Hkv, history, D]
+    past_v = v[:history].permute(1, 0, 2).unsqueeze(0)
+    past, past_lse = _flash_cpu(qf, past_k, past_v, 0.0, False, scale=scale)
+    past = past[0].reshape(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
+    return merge_attn_states(past, past_lse[0].reshape(hq, n), out, lse)
