@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.msg import Msg
+from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from spindle_engine import Engine, EngineConfig, SamplingParams, StepOutput
@@ -30,6 +31,7 @@ from spindle_protocol.messages import (
     Abort,
     InstanceInfo,
     InstanceStats,
+    PrefillProgress,
     RequestFailed,
     RequestFinished,
     RequestSpec,
@@ -137,6 +139,7 @@ class Job:
     stats: dict[str, float] = field(default_factory=dict)
     choice_seq: dict[int, int] = field(default_factory=dict)  # n > 1: choice i > 0 -> its next sequence number
     choices_done: set[int] = field(default_factory=set)  # n > 1: the choices that finished
+    computed: int = 0  # prompt tokens whose KV this instance computed (prefill and elastic instances)
 
     @property
     def num_output_tokens(self) -> int:
@@ -270,6 +273,62 @@ class Instance:
             return
         if self.is_aborted(rid):
             await self.call(lambda e: e.abort(rid))
+
+    def report_prompt_progress(self, t0: float, t1: float) -> None:
+        """On the engine thread, after a step that ran between t0 and t1: `record_chunk` for every request whose
+        prompt advanced in this engine."""
+        engine = self.engine
+        for rid, job in list(self.jobs.items()):
+            if job.computed >= job.spec.prompt.num_tokens:
+                continue
+            seq = engine.requests.get(rid) or engine.held.get(rid)
+            if seq is None:
+                continue
+            done = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+            if done > job.computed:
+                tokens = {"spindle.tokens": done - job.computed}
+                self.from_thread(self.record_chunk(job, job.computed, done, t0, t1, tokens))
+                job.computed = done
+
+    async def record_chunk(
+        self,
+        job: Job,
+        start: int,
+        end: int,
+        t0: float,
+        t1: float,
+        attributes: dict[str, int | str],
+        ring_bytes: int = 0,
+        rebalance_bytes: int = 0,
+    ) -> None:
+        """Prompt tokens [start, end) done here between t0 and t1: the trace spans (the queue wait before the
+        first chunk, then the chunk) and the progress event."""
+        if start == 0:  # the wait on this instance before the first chunk ran
+            queued = self.tracer.start_span(
+                f"{self.config.role}.queue",
+                context=trace.set_span_in_context(job.span),
+                start_time=int(job.started * 1e9),
+            )
+            queued.end(end_time=int(t0 * 1e9))
+        span = self.tracer.start_span(
+            "prefill.chunk",
+            context=trace.set_span_in_context(job.span),
+            start_time=int(t0 * 1e9),
+            attributes={**attributes, "spindle.token_range": f"{start}:{end}"},
+        )
+        span.end(end_time=int(t1 * 1e9))
+        await self.bus.publish(
+            subjects.EVENTS,
+            PrefillProgress(
+                request_id=job.request_id,
+                instance_id=self.id,
+                tokens_done=end,
+                tokens_total=job.spec.prompt.num_tokens,
+                chunk_seconds=t1 - t0,
+                ring_bytes=ring_bytes,
+                rebalance_bytes=rebalance_bytes,
+            ),
+        )
 
     def from_thread(self, coro: Any) -> None:
         """Schedule a coroutine on the event loop from the engine thread."""

@@ -17,11 +17,10 @@ import logging
 from dataclasses import dataclass
 
 from nats.aio.msg import Msg
-from opentelemetry import trace
 
 from spindle_engine import StepOutput
 from spindle_protocol import subjects
-from spindle_protocol.messages import DecodeStarted, PrefillDone, PrefillProgress, RunPrefill
+from spindle_protocol.messages import DecodeStarted, PrefillDone, RunPrefill
 from spindle_telemetry import extract
 from spindle_worker import Instance, Job
 
@@ -30,8 +29,6 @@ log = logging.getLogger("spindle.elastic")
 
 @dataclass
 class ElasticJob(Job):
-    computed: int = 0  # prompt tokens whose KV is done
-    last_step: float = 0.0  # when the previous step that computed part of the prompt ended
     prefilled: bool = False  # the first token is out: decoding
 
 
@@ -69,16 +66,7 @@ class ElasticInstance(Instance):
                 "%s: KV cache full: %d preemptions so far (requests recomputed from their tokens); a larger "
                 "--kv-cache-memory-gb avoids the recomputation", self.id, self.preemptions_seen,
             )  # fmt: skip
-        for rid, job in list(self.jobs.items()):
-            if not isinstance(job, ElasticJob) or job.prefilled:
-                continue
-            seq = engine.requests.get(rid) or engine.held.get(rid)
-            if seq is None:
-                continue
-            done = min(seq.num_computed_tokens, seq.num_prompt_tokens)
-            if done > job.computed:
-                self.from_thread(self._chunk_done(job, job.computed, done, t0, t1))
-                job.computed = done
+        self.report_prompt_progress(t0, t1)
         for out in outputs:
             job = self.jobs.get(out.request_id)
             if not isinstance(job, ElasticJob):
@@ -105,25 +93,6 @@ class ElasticInstance(Instance):
             self.from_thread(coro)
 
     # ---- on the event loop ----
-
-    async def _chunk_done(self, job: ElasticJob, start: int, end: int, t0: float, t1: float) -> None:
-        if start == 0:  # the wait here before the first chunk ran
-            queued = self.tracer.start_span(
-                "elastic.queue", context=trace.set_span_in_context(job.span), start_time=int(job.started * 1e9)
-            )
-            queued.end(end_time=int(t0 * 1e9))
-        span = self.tracer.start_span(
-            "prefill.chunk",
-            context=trace.set_span_in_context(job.span),
-            start_time=int(t0 * 1e9),
-            attributes={"spindle.tokens": end - start, "spindle.token_range": f"{start}:{end}"},
-        )
-        span.end(end_time=int(t1 * 1e9))
-        total = job.spec.prompt.num_tokens
-        progress = PrefillProgress(
-            request_id=job.request_id, instance_id=self.id, tokens_done=end, tokens_total=total, chunk_seconds=t1 - t0
-        )
-        await self.bus.publish(subjects.EVENTS, progress)
 
     async def _prefilled(self, job: ElasticJob, finished: bool) -> None:
         """The prompt is computed: the scheduler's prefill phase ends and (unless the first token ended it)

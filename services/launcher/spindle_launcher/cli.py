@@ -18,6 +18,7 @@ from .plan import (
     build_plan,
     check_decode_tp,
     default_layout,
+    with_option,
 )
 from .stack import Stack, StackError, StackInterrupted, check_ports
 from .supervisor import describe_exit
@@ -164,8 +165,7 @@ def layout_from_args(args: argparse.Namespace, cpu_count: int | None = None) -> 
             raise ValueError(f"--chunk-size must be >= 1, got {args.chunk_size}")
         if not layout["elastic"]:
             raise ValueError("--chunk-size applies to elastic instances (--elastic N)")
-        strategy = str(layout["strategy"])
-        layout["strategy"] = f"{strategy}{',' if ':' in strategy else ':'}chunk_size={args.chunk_size}"
+        layout["strategy"] = with_option(str(layout["strategy"]), "chunk_size", args.chunk_size)
     return layout
 
 

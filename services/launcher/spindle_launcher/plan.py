@@ -303,7 +303,12 @@ def scheduler_strategy(config: StackConfig) -> str:
     """The scheduler's strategy spec: `kvp_tokens` comes from `config.kvp_tokens` unless the spec sets it, and with
     elastic instances `chunk_size` is their per-step token budget unless the spec sets it."""
     if config.elastic and "chunk_size=" not in config.strategy.replace("-", "_"):
-        return f"{config.strategy}{',' if ':' in config.strategy else ':'}chunk_size={config.chunk_tokens}"
+        return with_option(config.strategy, "chunk_size", config.chunk_tokens)
     if not config.kvp_tokens or "kvp_tokens=" in config.strategy:
         return config.strategy
-    return f"{config.strategy}{',' if ':' in config.strategy else ':'}kvp_tokens={config.kvp_tokens}"
+    return with_option(config.strategy, "kvp_tokens", config.kvp_tokens)
+
+
+def with_option(strategy: str, key: str, value: int) -> str:
+    """`NAME` or `NAME:a=1` with `key=value` appended: `NAME:key=value`, `NAME:a=1,key=value`."""
+    return f"{strategy}{',' if ':' in strategy else ':'}{key}={value}"

@@ -12,11 +12,10 @@ from dataclasses import dataclass
 
 import torch
 from nats.aio.msg import Msg
-from opentelemetry import trace
 
 from spindle_engine import StepOutput
 from spindle_protocol import subjects
-from spindle_protocol.messages import PrefillDone, PrefillProgress, RunPrefill, SPChunkDone
+from spindle_protocol.messages import PrefillDone, RunPrefill, SPChunkDone
 from spindle_telemetry import extract
 from spindle_worker import Instance, Job
 
@@ -30,7 +29,6 @@ log = logging.getLogger("spindle.prefill")
 @dataclass
 class PrefillJob(Job):
     command: RunPrefill | None = None
-    computed: int = 0  # prompt tokens whose KV is done
 
 
 class PrefillInstance(Instance):
@@ -61,14 +59,7 @@ class PrefillInstance(Instance):
 
     def on_outputs(self, outputs: list[StepOutput], t0: float, t1: float) -> None:
         engine = self.engine
-        for rid, job in list(self.jobs.items()):
-            seq = engine.requests.get(rid) or engine.held.get(rid)
-            if seq is None or not isinstance(job, PrefillJob):
-                continue
-            done = min(seq.num_computed_tokens, seq.num_prompt_tokens)
-            if done > job.computed:
-                self.from_thread(self._chunk_done(job, job.computed, done, t0, t1))
-                job.computed = done
+        self.report_prompt_progress(t0, t1)
         for out in outputs:
             job = self.jobs.get(out.request_id)
             if job is None:
@@ -81,47 +72,6 @@ class PrefillInstance(Instance):
                 self.from_thread(self._prefilled(job, out.new_token_ids[0], kv))
             elif out.finished:
                 self.from_thread(self._finished_at_first_token(job, out))
-
-    async def _chunk_done(self, job: PrefillJob, start: int, end: int, t0: float, t1: float) -> None:
-        await self.record_chunk(job, start, end, t0, t1, {"spindle.tokens": end - start})
-
-    async def record_chunk(
-        self,
-        job: PrefillJob,
-        start: int,
-        end: int,
-        t0: float,
-        t1: float,
-        attributes: dict[str, int | str],
-        ring_bytes: int = 0,
-        rebalance_bytes: int = 0,
-    ) -> None:
-        """Prompt tokens [start, end) done here between t0 and t1: the trace spans (the queue wait before the
-        first chunk, then the chunk) and the progress event."""
-        if start == 0:  # the wait on this instance before the first chunk ran
-            queued = self.tracer.start_span(
-                "prefill.queue", context=trace.set_span_in_context(job.span), start_time=int(job.started * 1e9)
-            )
-            queued.end(end_time=int(t0 * 1e9))
-        span = self.tracer.start_span(
-            "prefill.chunk",
-            context=trace.set_span_in_context(job.span),
-            start_time=int(t0 * 1e9),
-            attributes={**attributes, "spindle.token_range": f"{start}:{end}"},
-        )
-        span.end(end_time=int(t1 * 1e9))
-        await self.bus.publish(
-            subjects.EVENTS,
-            PrefillProgress(
-                request_id=job.request_id,
-                instance_id=self.id,
-                tokens_done=end,
-                tokens_total=job.spec.prompt.num_tokens,
-                chunk_seconds=t1 - t0,
-                ring_bytes=ring_bytes,
-                rebalance_bytes=rebalance_bytes,
-            ),
-        )
 
     async def _finished_at_first_token(self, job: PrefillJob, out: StepOutput) -> None:
         job.stats["prefill_ms"] = (time.time() - job.started) * 1e3

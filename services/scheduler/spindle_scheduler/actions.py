@@ -117,6 +117,11 @@ class RunPrefill:
         instance, whose engine chunks it by its own token budget)."""
         return all(c.instances == (self.decode_instance,) for c in self.chunks)
 
+    @property
+    def in_one_engine(self) -> bool:
+        """The whole prompt is computed by one instance's engine, which chunks it by itself (no SP plan to send)."""
+        return self.is_single or self.is_colocated
+
 
 def decode_tokens(spec: RequestSpec, holders: tuple[KVShard, ...]) -> dict[str, int]:
     """Tokens each decode instance holds for a request once it decodes: its shard, and on the tail (the last

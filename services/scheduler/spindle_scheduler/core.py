@@ -218,8 +218,7 @@ class SchedulerCore:
             self.state.work_done(plan.prefill_instances, rid)
             return [Reject(rid, 400, f"n = {spec.sampling.n}: this cluster decodes on KV-parallel groups, which "
                            "decode one choice per request; send n = 1")]  # fmt: skip
-        single = plan is not None and (plan.is_single or plan.is_colocated)
-        if plan is not None and spec.sampling.prompt_logprobs is not None and not single:
+        if plan is not None and spec.sampling.prompt_logprobs is not None and not plan.in_one_engine:
             self.state.work_done(plan.prefill_instances, rid)
             return [Reject(rid, 400, "prompt logprobs are computed by a single-instance prefill, and this request's "
                            "plan is sequence-parallel (the strategy's choice); send it without them")]  # fmt: skip

@@ -158,7 +158,7 @@ class SchedulerService:
         decode = state.instances[a.decode_instance].info
         kvstore = state.instances.get(a.kvstore_instance)
         chunks, ranks = [], {}
-        if not a.is_single and not a.is_colocated:
+        if not a.in_one_engine:
             chunks = [
                 SPChunkSpec(start=c.start, end=c.end, members=list(c.instances), layout=c.layout) for c in a.chunks
             ]
