@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.spindle-installed
-LIBS := libs/attention libs/tokenizer libs/model libs/engine libs/protocol libs/telemetry libs/transfer libs/worker
+LIBS := libs/attention libs/tokenizer libs/model libs/engine libs/protocol libs/telemetry libs/transfer libs/worker \
+	libs/costmodel
 SERVICES := services/scheduler services/prefill services/decode services/elastic services/kvstore services/gateway services/launcher
 PKGS := $(LIBS) $(SERVICES)
 # `make serve` flags (the instances follow the machine: `spindle up --help`); override like

@@ -2,7 +2,7 @@
 
 1. A seeded trace: --num-requests short requests (lognormal prompt lengths in --prompt-lens, outputs in
    --output-lens, min/max at the 0.1 %/99.9 % quantiles), Poisson arrivals at --rate.
-2. A profile of this machine with the real profiler (`spindle_scheduler.profiler.run_profile`) on a small grid
+2. A profile of this machine with the real profiler (`spindle_launcher.profile.run_profile`) on a small grid
    covering those lengths (or --profile FILE, written by `spindle profile` or an earlier run).
 3. The real stack (started here unless --url: 2 prefill + 1 decode, strategy single): a few untimed warm-up
    requests, then the trace replayed through the gateway by the load generator (serve_trace.run_trace).
@@ -42,10 +42,11 @@ from serve_client import make_client, stream_completion
 from serve_trace import length_mismatches, request_rows, run_trace, trace_prompts
 
 from spindle_launcher.plan import StackConfig
+from spindle_launcher.profile import ProfileConfig, run_profile
 from spindle_launcher.stack import Stack
 from spindle_scheduler.core import SchedulerConfig
 from spindle_scheduler.latency import LatencyModel
-from spindle_scheduler.profiler import ProfileConfig, load_profile, run_profile, write_profile
+from spindle_scheduler.profile_data import load_profile, write_profile
 from spindle_scheduler.sim import SimConfig, simulate
 from spindle_scheduler.traces import write_csv
 from spindle_scheduler.workloads import Independent, LogNormal, TraceRequest, make_workload

@@ -34,6 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure this machine's engine (prefill, decode, KV transfer) and write a latency profile JSON",
     )
     sub.add_parser(
+        "cost",
+        add_help=False,
+        help="predict one prefill / decode step / mixed batch on a GPU cluster, op by op (`spindle cost --help`)",
+    )
+    sub.add_parser(
         "verify",
         add_help=False,
         help="check that a sequence-parallel prefill plan gives the single-instance result (`spindle verify --help`)",
@@ -227,9 +232,13 @@ def serve(stack: Stack, say: Callable[[str], None] = _say) -> int:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["profile"]:
-        from spindle_scheduler.profile_cli import main as profile_main
+        from .profile.cli import main as profile_main
 
         sys.exit(profile_main(argv[1:]))
+    if argv[:1] == ["cost"]:
+        from spindle_costmodel.cli import main as cost_main
+
+        sys.exit(cost_main(argv[1:]))
     if argv[:1] == ["verify"]:
         from spindle_engine.sp.verify import main as verify_main
 

@@ -9,7 +9,7 @@ from spindle_protocol import service
 
 from . import strategies  # noqa: F401  (registers the built-in strategies)
 from .core import SchedulerConfig
-from .profiler import load_profile
+from .profile_data import load_profile
 from .service import SchedulerService, SchedulerServiceConfig
 from .strategy import available_strategies
 

@@ -1,18 +1,21 @@
 """Latency models calibrated on published figures.
 
-`PAPER_FIGURES` is a copy of the project's `shared/reference/paper_figures.json` (numbers from the five papers,
-with their sources), packaged so the simulator can model the papers' clusters on any machine.
+`PAPER_FIGURES` (packaged with `spindle_costmodel`) holds the project's `shared/reference/paper_figures.json`
+and the figures the cost model is validated on (numbers from the five papers, with their sources).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .latency import BatchPrefillModel, LatencyModel, PrefillLatencyModel, TransferModel
+from spindle_costmodel import PAPER_FIGURES, CostModel, Parallelism
+from spindle_costmodel.costs import SINGLE
+from spindle_costmodel.fast_forms import batch_prefill_samples, decode_samples, length_grid, prefill_samples
 
-PAPER_FIGURES = Path(__file__).parent / "data" / "paper_figures.json"
+from .latency import BatchPrefillModel, DecodeStepModel, LatencyModel, PrefillLatencyModel, TransferModel
 
 # calibration name -> entry in paper_figures.json holding a whole-prompt prefill table
 CALIBRATIONS = {"tetris-a100-llama3-8b": "tetris_table1_prefill_latency_s"}
@@ -61,4 +64,42 @@ def load_paper_calibration(path: str | Path = PAPER_FIGURES, key: str = "tetris-
         batch_prefill=batch,
         transfer=TransferModel(latency_s=0.0, bandwidth_bytes_per_s=TETRIS_IB_BYTES_PER_S),
         source=f"{key}: {figures[entry].get('source', entry)}",
+    )
+
+
+def latency_from_cost_model(
+    cm: CostModel,
+    sp_sizes: Sequence[int] = (1,),
+    prefill: Parallelism = SINGLE,
+    decode: Sequence[Parallelism] = (SINGLE,),
+    max_tokens: int = 1 << 20,
+    decode_batches: Sequence[int] = (1, 4, 16, 64, 256),
+    transfer_links: int = 1,
+) -> LatencyModel:
+    """The strategies' fast forms fitted to the cost model of one (model, hardware): Tetris Eq. 1 and LoongServe
+    Eq. 7 per SP size (prefill instances shaped like `prefill`, e.g. its TP), the decode step per decode
+    instance shape in `decode`, and the transfer over the link between nodes, `transfer_links` GPUs sending their
+    share of the KV in parallel (a TP instance's GPUs each hold their KV heads)."""
+    if transfer_links < 1:
+        raise ValueError(f"transfer_links must be >= 1, got {transfer_links}")
+    lengths = length_grid(max_tokens)
+    prefill_rows, batch_rows = [], []
+    for sp in sorted(set(sp_sizes)):
+        prefill_rows += prefill_samples(cm, sp, prefill, lengths)
+        batch_rows += batch_prefill_samples(cm, sp, prefill, lengths[::2])
+    if not prefill_rows:
+        raise ValueError(f"{cm}: no prefill of >= {lengths[0]} tokens fits on {prefill.label()}")
+    decode_rows = []
+    for par in decode:
+        rows = decode_samples(cm, par, decode_batches, lengths)
+        if len(rows) < 3:
+            raise ValueError(f"{cm}: decode on {par.label()} does not fit in memory")
+        decode_rows += rows
+    link = cm.hw.inter
+    return LatencyModel(
+        prefill=PrefillLatencyModel.fit(prefill_rows),
+        batch_prefill=BatchPrefillModel.fit(batch_rows),
+        decode=DecodeStepModel.fit(decode_rows),
+        transfer=TransferModel(latency_s=link.latency_s, bandwidth_bytes_per_s=link.bandwidth * transfer_links),
+        source=f"cost model: {cm.model.name} on {cm.hw.name}",
     )

@@ -32,6 +32,9 @@ class Strategy(ABC):
     needs_latency: bool = False  # plans with predicted times: needs a LatencyModel with a prefill part
     real_stack_gap: str = ""  # why the services cannot run its plans yet ("" when they can)
     takes_decode_options: bool = True  # False: DECODE_OPTIONS do not apply (colocated instances)
+    # True: plans onto colocated (elastic) instances that prefill and decode; False: a prefill/decode split.
+    # `spindle sim` on a named cluster shapes the GPUs by it.
+    colocated: bool = False
 
     def __init__(self, latency: LatencyModel | None = None) -> None:
         if self.needs_latency and (latency is None or latency.prefill is None):
@@ -148,10 +151,17 @@ def strategy_options(name: str) -> dict[str, object]:
     return own | (DECODE_OPTIONS if cls.takes_decode_options else {})
 
 
-def create_strategy(spec: str, latency: LatencyModel | None = None) -> Strategy:
-    name, options = parse_strategy_spec(spec)
+def strategy_class(spec: str) -> type[Strategy]:
+    """The registered class a spec names (its options unchecked)."""
+    name, _ = parse_strategy_spec(spec)
     if name not in _REGISTRY:
         raise ValueError(f"unknown strategy {name!r}; available: {', '.join(available_strategies())}")
+    return _REGISTRY[name]
+
+
+def create_strategy(spec: str, latency: LatencyModel | None = None) -> Strategy:
+    name, options = parse_strategy_spec(spec)
+    strategy_class(spec)  # a known name
     allowed = strategy_options(name)
     unknown = sorted(set(options) - set(allowed))
     if unknown:

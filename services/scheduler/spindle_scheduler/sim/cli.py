@@ -8,21 +8,38 @@ import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any, cast
+
+from spindle_costmodel import MODELS, hardware_names
 
 from ..calibration import CALIBRATIONS, load_paper_calibration
 from ..core import SchedulerConfig
 from ..latency import LatencyModel
-from ..strategy import available_strategies
+from ..strategy import available_strategies, strategy_class
 from ..workloads import make_workload
 from .cluster import SimConfig
 from .executor import simulate
 from .loadsearch import MaxLoad, max_sustainable_load
 from .metrics import Slo, strict_json, summarize
+from .named_cluster import DEFAULT_NODES, ClusterSpec, SimSetup, given_shape, named_cluster
 from .sweep import METRICS, PERCENTILES, SweepRow, format_table, rows_to_dicts, sweep
 
+NAMED_ONLY = ("model", "nodes", "gpus_per_node", "prefill_tp")  # flags that only a named cluster takes
 SPEC_HELP = (
     "A strategy spec is NAME or NAME:key=value,key=value (options are the strategy's, e.g. fixed-sp:sp=8, "
     "request-sp:max_sp=16, chunked:chunk_size=512)."
+)
+
+
+CLUSTER_HELP = (
+    "The cluster: by default the instances below with latencies from published figures (--calibration); or "
+    "from a profile of this machine (--profile); or a named cluster (--hardware, with --model, --nodes, "
+    "--gpus-per-node, --prefill-tp, --decode-tp): latencies, KV capacity and KV size from the cost model, and "
+    "the GPUs shaped as the strategy runs: a disaggregated strategy gets half of them as prefill instances of "
+    "--prefill-tp GPUs and the rest as decode instances of --decode-tp GPUs, a colocated one (chunked) all of "
+    "them as colocated instances of --decode-tp GPUs, unless --instances/--decode-instances/--colocated say "
+    "otherwise. The default TP is the smallest power of two whose weight shard leaves >= 30 % of a GPU's "
+    "memory for KV. Instances pack onto nodes in rank order and never straddle two."
 )
 
 
@@ -31,18 +48,49 @@ def _add_run_args(p: argparse.ArgumentParser, num_requests: int) -> None:
     p.add_argument("--workload", default="tetris-short", help="workload name (spindle_scheduler.workloads)")
     p.add_argument("--arrival", default="poisson", choices=["poisson", "gamma"])
     p.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of gamma inter-arrivals")
-    p.add_argument("--instances", type=int, help="prefill instances (default 32, or 0 with --colocated)")
-    p.add_argument("--decode-instances", type=int, help="decode instances (default 8, or 0 with --colocated)")
-    p.add_argument(
-        "--colocated", type=int, default=0, help="colocated instances that prefill and decode (for `chunked`)"
-    )
-    p.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel size of each decode instance")
     p.add_argument("--num-requests", type=int, default=num_requests)
     p.add_argument("--seed", type=int, default=0)
-    source = p.add_mutually_exclusive_group()
+    g = p.add_argument_group("cluster", CLUSTER_HELP)
+    g.add_argument(
+        "--instances", type=int, help="prefill instances (default 32, 0 with --colocated; named: half the GPUs)"
+    )
+    g.add_argument(
+        "--decode-instances", type=int, help="decode instances (default 8, 0 with --colocated; named: the rest)"
+    )
+    g.add_argument(
+        "--colocated",
+        type=int,
+        help="colocated instances that prefill and decode, for `chunked` (default 0; named: every GPU with chunked)",
+    )
+    g.add_argument(
+        "--decode-tp",
+        type=int,
+        help="GPUs (TP size) of each decode or colocated instance (default 1; named: as --prefill-tp)",
+    )
+    source = g.add_mutually_exclusive_group()
     source.add_argument("--profile", type=Path, help="profile JSON written by `spindle profile`")
     source.add_argument(
         "--calibration", choices=sorted(CALIBRATIONS), help="published figures (default: tetris-a100-llama3-8b)"
+    )
+    source.add_argument(
+        "--hardware",
+        help=f"a named cluster of this device type, from the cost model: {', '.join(hardware_names())}, or a "
+        "`spindle profile` JSON (this machine's fitted device)",
+    )
+    g.add_argument(
+        "--model", help=f"with --hardware: a preset ({', '.join(MODELS)}) or a config.json path (default llama3-8b)"
+    )
+    g.add_argument(
+        "--nodes",
+        type=int,
+        help=f"with --hardware: nodes (default {DEFAULT_NODES}; just enough when the instance counts are all given)",
+    )
+    g.add_argument("--gpus-per-node", type=int, help="with --hardware: GPUs per node (default: the hardware's)")
+    g.add_argument(
+        "--prefill-tp",
+        type=int,
+        help="with --hardware: GPUs (TP size) of each prefill instance (default: the smallest power of two "
+        "leaving >= 30 %% of a GPU's memory for KV)",
     )
     p.add_argument("--decode-step-s", type=float, default=0.02, help="decode step time when the model has none")
     p.add_argument("--slo-ttft", type=float, help="SLO on TTFT (s) for goodput and SLO attainment")
@@ -53,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="spindle sim",
         description="Simulate a cluster running a Spindle strategy: the real scheduler core on a virtual clock, "
-        "with latencies from a profile of this machine (`spindle profile`) or from published figures. "
+        "with latencies from a profile of this machine (`spindle profile`), from published figures, or from the "
+        "cost model for a named cluster (--hardware; e.g. `spindle sim --model llama3-70b --hardware h100-sxm "
+        "--nodes 4 --strategy request-sp`). "
         "For load curves over several rates and strategies, and the max sustainable load, see "
         "`spindle sim sweep --help`.",
         epilog=f"{SPEC_HELP} Known strategies: {', '.join(available_strategies())}.",
@@ -64,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=int, help="strategy option chunk_size (chunked: tokens per chunk)")
     p.add_argument("--rate", type=float, default=1.0, help="mean arrival rate, requests/s (inf: all at once)")
     _add_run_args(p, num_requests=1000)
-    p.add_argument("--json", type=Path, help="write the summary here")
+    p.add_argument("--json", type=Path, help="write the summary (with the cluster's shape) here")
     return p
 
 
@@ -88,7 +138,12 @@ def build_sweep_parser() -> argparse.ArgumentParser:
     )
     _add_run_args(p, num_requests=1000)
     p.add_argument("--plot", type=Path, help="write a PNG of P50/P99 TTFT and TBT vs rate here")
-    p.add_argument("--json", type=Path, help="write every run's summary (and the max loads) here")
+    p.add_argument(
+        "--json",
+        type=Path,
+        help="write every run's summary, the max loads and the cluster (the first strategy's shape; "
+        "by_strategy: each one's) here",
+    )
     g = p.add_argument_group("max sustainable load")
     g.add_argument("--max-load", action="store_true", help="search each strategy's max sustainable load")
     g.add_argument("--metric", default="ttft", choices=METRICS, help="latency the SLO is on (default ttft)")
@@ -108,22 +163,69 @@ def build_sweep_parser() -> argparse.ArgumentParser:
 
 def _latency(args: argparse.Namespace) -> LatencyModel:
     if args.profile is not None:
-        from ..profiler import load_profile
+        from ..profile_data import load_profile
 
         return load_profile(args.profile)
     return load_paper_calibration(key=args.calibration or "tetris-a100-llama3-8b")
 
 
+def _sim_options(args: argparse.Namespace) -> dict[str, Any]:
+    """SimConfig fields that do not depend on the cluster."""
+    return {
+        "decode_step_s": args.decode_step_s,
+        "scheduler": SchedulerConfig(max_num_requests=max(args.num_requests, 1)),
+    }
+
+
 def _sim_config(args: argparse.Namespace) -> SimConfig:
+    """The cluster given as instance counts (no --hardware)."""
     default_prefill, default_decode = (0, 0) if args.colocated else (32, 8)
     return SimConfig(
         num_prefill=default_prefill if args.instances is None else args.instances,
         num_decode=default_decode if args.decode_instances is None else args.decode_instances,
-        num_colocated=args.colocated,
-        decode_tp=args.decode_tp,
-        decode_step_s=args.decode_step_s,
-        scheduler=SchedulerConfig(max_num_requests=max(args.num_requests, 1)),
+        num_colocated=args.colocated or 0,
+        decode_tp=args.decode_tp or 1,
+        colocated_tp=args.decode_tp or 1,
+        **_sim_options(args),
     )
+
+
+def _cluster_spec(args: argparse.Namespace) -> ClusterSpec | None:
+    """The named cluster (--hardware), or None; its other flags without --hardware are an error."""
+    if args.hardware is None:
+        given = [f"--{k.replace('_', '-')}" for k in NAMED_ONLY if getattr(args, k) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply to a named cluster: give --hardware too")
+        return None
+    return ClusterSpec(
+        hardware=args.hardware,
+        model=args.model or "llama3-8b",
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
+        num_prefill=args.instances,
+        num_decode=args.decode_instances,
+        num_colocated=args.colocated,
+    )
+
+
+def setups(args: argparse.Namespace, specs: list[str]) -> dict[str, SimSetup]:
+    """Each strategy's cluster shape, latency model and config: on a named cluster, the GPUs shaped as it runs
+    (one build per shape); otherwise the same instances and latency source for all."""
+    cluster = _cluster_spec(args)
+    if cluster is None:
+        config = _sim_config(args)
+        setup = SimSetup(given_shape(config), _latency(args), config)
+        return dict.fromkeys(specs, setup)
+    built: dict[bool, SimSetup] = {}
+    out = {}
+    for spec in specs:
+        colocated = strategy_class(spec).colocated
+        if colocated not in built:
+            built[colocated] = named_cluster(cluster, colocated, **_sim_options(args))
+        out[spec] = built[colocated]
+    return out
 
 
 def _slo(args: argparse.Namespace) -> Slo | None:
@@ -160,8 +262,18 @@ def parse_rates(items: list[str]) -> list[float]:
         raise ValueError(f"--rates: {e}") from None
 
 
-def cluster_dict(config: SimConfig) -> dict[str, int]:
-    return {k: getattr(config, k) for k in ("num_prefill", "num_decode", "num_colocated", "decode_tp")}
+def cluster_dict(by_spec: dict[str, SimSetup]) -> dict[str, Any]:
+    """The sweep JSON's cluster: the first strategy's shape, and under by_strategy each one's."""
+    first = next(iter(by_spec.values())).shape.as_dict()
+    return first | {"by_strategy": {spec: s.shape.as_dict() for spec, s in by_spec.items()}}
+
+
+def _print_shapes(by_spec: dict[str, SimSetup]) -> None:
+    texts: dict[str, list[str]] = {}
+    for spec, s in by_spec.items():
+        texts.setdefault(s.shape.text, []).append(spec)
+    for text, specs in texts.items():
+        print(f"cluster: {text}" + (f" [{', '.join(specs)}]" if len(texts) > 1 else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,18 +282,18 @@ def main(argv: list[str] | None = None) -> int:
         return sweep_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
-        latency = _latency(args)
         spec = _strategy_spec(args)
+        setup = setups(args, [spec])[spec]
         trace = make_workload(args.workload, args.num_requests, args.rate, args.seed, args.arrival, args.cv)
-        result = simulate(trace, spec, latency, _sim_config(args))
+        result = simulate(trace, spec, setup.latency, setup.config)
         summary = summarize(result.records, result.strategy, args.workload, args.rate, _slo(args))
     except ValueError as e:
         print(f"spindle sim: {e}", file=sys.stderr)
         return 2
-    text = summary.to_json()
+    d = cast(dict[str, Any], strict_json(summary.to_dict() | {"cluster": setup.shape.as_dict()}))
     if args.json is not None:
-        args.json.write_text(text + "\n")
-    d = json.loads(text)
+        args.json.write_text(json.dumps(d, indent=2) + "\n")
+    print(f"cluster: {setup.shape.text}")
     print(f"{spec} on {args.workload} at {args.rate:g} req/s: {d['completed']}/{d['num_requests']} completed")
     for key in ("ttft_s", "tbt_s", "e2e_s"):
         s = d[key]
@@ -222,20 +334,23 @@ def sweep_main(argv: list[str]) -> int:
     rows: list[SweepRow] = []
     loads: list[MaxLoad] = []
     try:
-        latency, config, specs = _latency(args), _sim_config(args), split_specs(args.strategies)
+        specs = split_specs(args.strategies)
+        by_spec = setups(args, specs)
+        _print_shapes(by_spec)
         common = {"num_requests": args.num_requests, "seed": args.seed, "arrival": args.arrival, "cv": args.cv}
         if args.rates is not None:
             rates = parse_rates(args.rates)
-            rows = sweep(specs, rates, args.workload, latency, config, slo=_slo(args), **common)
+            for spec, s in by_spec.items():
+                rows += sweep([spec], rates, args.workload, s.latency, s.config, slo=_slo(args), **common)
             print(format_table(rows))
         if args.max_load:
-            for spec in specs:
+            for spec, s in by_spec.items():
                 loads.append(
                     max_sustainable_load(
                         spec,
                         args.workload,
-                        latency,
-                        config,
+                        s.latency,
+                        s.config,
                         metric=args.metric,
                         percentile=args.percentile,
                         light_rate=args.light_rate,
@@ -251,6 +366,7 @@ def sweep_main(argv: list[str]) -> int:
         if args.plot is not None:
             from .plot import plot_sweep, sweep_title
 
+            config = next(iter(by_spec.values())).config
             plot_sweep(rows, args.plot, sweep_title(args.workload, config, args.num_requests))
             print(f"plot: {args.plot}")
     except (ValueError, RuntimeError) as e:
@@ -262,7 +378,7 @@ def sweep_main(argv: list[str]) -> int:
             "workload": args.workload,
             "num_requests": args.num_requests,
             "seed": args.seed,
-            "cluster": cluster_dict(config),
+            "cluster": cluster_dict(by_spec),
             "slo": None if slo is None else asdict(slo),
             "rows": rows_to_dicts(rows),
             "max_load": [strict_json({**asdict(m), "saturated": m.saturated}) for m in loads],

@@ -25,7 +25,11 @@ class SimConfig:
     num_decode: int = 2
     num_colocated: int = 0  # elastic instances that prefill and decode (Sarathi / vLLM style)
     decode_tp: int = 1  # tensor-parallel degree of each decode instance (picks the decode model's coefficients)
-    gpus_per_node: int = 8  # instances are packed onto nodes in rank order (prefill, then decode, then colocated)
+    prefill_tp: int = 1  # GPUs of each prefill instance (node packing; the prefill model is fitted at this TP)
+    colocated_tp: int = 1  # GPUs of each colocated instance (node packing and the decode model's coefficients)
+    # instances are packed onto nodes in rank order (prefill, then decode, then colocated), an instance of TP t
+    # taking t GPUs of one node (pack_nodes)
+    gpus_per_node: int = 8
     block_size: int = 16
     prefill_kv_blocks: int = 32768  # per prefill instance (512K tokens at block size 16)
     decode_kv_blocks: int = 32768  # per decode or colocated instance
@@ -47,8 +51,9 @@ class SimConfig:
                 f"need >= 1 prefill and >= 1 decode instance, or >= 1 colocated instance; got "
                 f"{self.num_prefill} prefill, {self.num_decode} decode, {self.num_colocated} colocated"
             )
-        if self.decode_tp < 1 or self.gpus_per_node < 1:
-            raise ValueError(f"decode_tp and gpus_per_node must be >= 1, got {self.decode_tp}, {self.gpus_per_node}")
+        sizes = {k: getattr(self, k) for k in ("prefill_tp", "decode_tp", "colocated_tp", "gpus_per_node")}
+        if min(sizes.values()) < 1:
+            raise ValueError(f"TP sizes and gpus_per_node must be >= 1, got {sizes}")
         if self.block_size < 1 or self.prefill_kv_blocks < 1 or self.decode_kv_blocks < 1:
             raise ValueError("block_size and KV block counts must be >= 1")
         if self.kv_bytes_per_token < 0:
@@ -62,6 +67,14 @@ class SimConfig:
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
 
+    def instance_widths(self) -> list[int]:
+        """GPUs of each instance in rank order: prefill, then decode, then colocated."""
+        return (
+            [self.prefill_tp] * self.num_prefill
+            + [self.decode_tp] * self.num_decode
+            + [self.colocated_tp] * self.num_colocated
+        )
+
     def capacity_tokens(self) -> int:
         """The longest sequence one instance can hold (a prompt on an SP group is split, but decode is not)."""
         if self.num_prefill and self.num_decode:
@@ -73,6 +86,25 @@ class SimConfig:
 
     def blocks(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
+
+
+def next_start(gpus: int, width: int, gpus_per_node: int) -> int:
+    """Where an instance of `width` GPUs starts when the GPUs before `gpus` are taken: here, or at the next node
+    when this node has fewer than `width` left (the rest of it idles)."""
+    used = gpus % gpus_per_node
+    return gpus + gpus_per_node - used if used and used + width > gpus_per_node else gpus
+
+
+def pack_nodes(widths: list[int], gpus_per_node: int) -> list[int]:
+    """The node of each instance, packed in order (next_start); one wider than a node takes whole nodes."""
+    if gpus_per_node < 1 or any(w < 1 for w in widths):
+        raise ValueError(f"instance widths and gpus_per_node must be >= 1, got {widths}, {gpus_per_node}")
+    nodes, gpus = [], 0
+    for width in widths:
+        start = next_start(gpus, width, gpus_per_node)
+        nodes.append(start // gpus_per_node)
+        gpus = start + width
+    return nodes
 
 
 @dataclass(eq=False)
@@ -146,6 +178,7 @@ class SimPrefill(SimInstance):
     """Runs one chunk at a time, FCFS; a chunk on an SP group starts when it heads every member's queue and all
     members are idle. Holds its share of a request's prompt KV from the chunk's start until the transfer ends."""
 
+    tp: int = 1
     queue: deque[ChunkJob] = field(default_factory=deque)
     running: ChunkJob | None = None
     queued_tokens: int = 0  # this instance's share of chunk tokens accepted and not yet computed

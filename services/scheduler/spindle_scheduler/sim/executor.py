@@ -34,7 +34,7 @@ from ..core import SchedulerCore
 from ..latency import LatencyModel
 from ..strategy import Strategy, create_strategy
 from ..workloads import TraceRequest
-from .cluster import ChunkJob, SimColocated, SimConfig, SimDecode, SimInstance, SimPrefill
+from .cluster import ChunkJob, SimColocated, SimConfig, SimDecode, SimInstance, SimPrefill, pack_nodes
 from .decode_side import DecodeSide
 from .events import EventKind, EventQueue
 from .metrics import RequestRecord, SimSummary, Slo, summarize
@@ -57,8 +57,9 @@ class SimResult:
 
 class Simulator(PrefillSide, DecodeSide, Swaps):
     """One simulated run. A chunk takes `latency.prefill.predict(sp, start, length)`; decode steps use
-    `latency.decode` at (config.decode_tp, 1) — (1, 1) on colocated instances — or `config.decode_step_s`
-    when it is absent; a mixed colocated step costs its chunk plus its decodes; transfers use
+    `latency.decode` at (config.decode_tp, 1) — (config.colocated_tp, 1) on colocated instances — or
+    `config.decode_step_s` when it is absent; a mixed colocated step costs its chunk (the SP-1 prefill model,
+    whatever the instance's TP: one prefill model serves the run) plus its decodes; transfers use
     `latency.transfer` per source instance, in parallel (instant when absent)."""
 
     def __init__(self, strategy: Strategy | str, latency: LatencyModel, config: SimConfig | None = None) -> None:
@@ -66,7 +67,8 @@ class Simulator(PrefillSide, DecodeSide, Swaps):
         if latency.prefill is None or 1 not in latency.prefill.coeffs:
             raise ValueError("the simulator needs a prefill latency model for SP size 1")
         if latency.decode is not None:
-            need = ([(cfg.decode_tp, 1)] if cfg.num_decode else []) + ([(1, 1)] if cfg.num_colocated else [])
+            need = [(cfg.decode_tp, 1)] if cfg.num_decode else []
+            need += [(cfg.colocated_tp, 1)] if cfg.num_colocated else []
             if missing := [k for k in need if k not in latency.decode.coeffs]:
                 raise ValueError(f"the decode latency model has no (tp, kvp) = {missing[0]} configuration")
         self.latency = latency
@@ -74,23 +76,22 @@ class Simulator(PrefillSide, DecodeSide, Swaps):
             create_strategy(strategy, latency) if isinstance(strategy, str) else strategy, cfg.scheduler
         )
         ctx, bs = cfg.context_len(), cfg.block_size
-        n_p, n_d = cfg.num_prefill, cfg.num_decode
-        prefills = [SimPrefill(f"prefill-{i}", "prefill", 1 + i, cfg.prefill_kv_blocks, bs, ctx) for i in range(n_p)]
+        n_p, n_d, tp_c = cfg.num_prefill, cfg.num_decode, cfg.colocated_tp
+        prefills = [
+            SimPrefill(f"prefill-{i}", "prefill", 1 + i, cfg.prefill_kv_blocks, bs, ctx, tp=cfg.prefill_tp)
+            for i in range(n_p)
+        ]
         decodes = [
             SimDecode(f"decode-{j}", "decode", 1 + n_p + j, cfg.decode_kv_blocks, bs, ctx, tp=cfg.decode_tp)
             for j in range(n_d)
         ]
         colocated = [
-            SimColocated(f"elastic-{k}", "elastic", 1 + n_p + n_d + k, cfg.decode_kv_blocks, bs, ctx)
+            SimColocated(f"elastic-{k}", "elastic", 1 + n_p + n_d + k, cfg.decode_kv_blocks, bs, ctx, tp=tp_c)
             for k in range(cfg.num_colocated)
         ]
-        gpus = 0
-        for inst in [*prefills, *decodes, *colocated]:  # pack onto nodes; an instance never straddles two
-            width = getattr(inst, "tp", 1)
-            if gpus % cfg.gpus_per_node + width > cfg.gpus_per_node:
-                gpus += cfg.gpus_per_node - gpus % cfg.gpus_per_node
-            inst.node = f"node-{gpus // cfg.gpus_per_node}"
-            gpus += width
+        ordered: list[SimInstance] = [*prefills, *decodes, *colocated]
+        for inst, node in zip(ordered, pack_nodes(cfg.instance_widths(), cfg.gpus_per_node), strict=True):
+            inst.node = f"node-{node}"  # an instance never straddles two nodes
         # the kvstore only appears in the registry: parked KV waits in decode FIFOs, its memory is not modelled
         kvstore = [SimInstance("kvstore-0", "kvstore", 0, 0, bs, 0)] if cfg.with_kvstore else []
         self.instances: dict[str, SimInstance] = {i.id: i for i in [*kvstore, *prefills, *decodes, *colocated]}

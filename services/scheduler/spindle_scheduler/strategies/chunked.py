@@ -21,6 +21,7 @@ from .placement import reserve_blocks
 @register_strategy("chunked")
 class ChunkedPrefillStrategy(Strategy):
     takes_decode_options = False
+    colocated = True
 
     def __init__(self, latency: LatencyModel | None = None, *, chunk_size: int = 512) -> None:
         super().__init__(latency)

@@ -15,9 +15,12 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+
+from .ranks import run_ranks
+
+MEMBER_THREADS = 1  # torch threads per SP member: S members share this machine's cores
 
 
 def _sp_rank(rank: int, world: int, port: int, out_dir: str, spec: dict) -> None:
@@ -30,7 +33,7 @@ def _sp_rank(rank: int, world: int, port: int, out_dir: str, spec: dict) -> None
     from spindle_engine.sp import SPChunk, SPPlan, SPPrefill
     from spindle_model import LlamaModel, load_state_dict, resolve_model
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(MEMBER_THREADS)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
@@ -88,19 +91,3 @@ def measure_sp_prefill(spec: dict, sp: int, timeout_s: float = 900.0) -> list[li
     with tempfile.TemporaryDirectory() as d:
         run_ranks(_sp_rank, sp, (sp, free_port(), d, spec), timeout_s, f"the SP={sp} prefill measurement")
         return json.loads((Path(d) / "sp.json").read_text())
-
-
-def run_ranks(fn: Callable[..., None], nprocs: int, args: tuple, timeout_s: float, what: str) -> None:
-    """Run `fn(rank, *args)` in `nprocs` spawned processes; kill them all if they take over `timeout_s`."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{what} did not finish in {timeout_s} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()

@@ -1,4 +1,4 @@
-"""`spindle profile` / `python -m spindle_scheduler.profile_cli`: measure this machine, write a profile JSON."""
+"""`spindle profile` / `python -m spindle_launcher.profile.cli`: measure this machine, write a profile JSON."""
 
 from __future__ import annotations
 
@@ -6,7 +6,12 @@ import argparse
 import sys
 from dataclasses import fields, replace
 
-from .profiler import QUICK, ProfileConfig, run_profile, write_profile
+from spindle_costmodel.device_fit import format_validation
+
+from spindle_scheduler.profile_data import write_profile
+
+from .config import QUICK, ProfileConfig
+from .runner import run_profile
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -58,9 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="spindle profile",
         description="Measure the real engine on this machine (prefill chunks over a (history C, chunk L) grid, "
-        "decode steps over (batch, KV tokens), KV transfers between 2 gloo ranks), fit the scheduler's "
-        "LatencyModel and write {machine, samples, model, fit_error} as JSON. With --sp-sizes 1,2,4 the prefill "
-        "grid also runs on local sequence-parallel groups (what fixed-sp and request-sp need).",
+        "decode steps over (batch, KV tokens), KV transfers between 2 gloo ranks) and its matmul and copy peaks, "
+        "fit the scheduler's LatencyModel and the cost model's device (efficiencies fitted on half the samples, "
+        "validated on the other half, then refitted on all) and write {machine, samples, model, fit_error, "
+        "device} as JSON. With --sp-sizes 1,2,4 the prefill grid also runs on local sequence-parallel groups "
+        "(what fixed-sp and request-sp need).",
     )
     return add_profile_args(p)
 
@@ -76,6 +83,16 @@ def main(argv: list[str] | None = None) -> int:
     write_profile(doc, args.out)
     err = doc["fit_error"]
     print(f"wrote {args.out} in {doc['wall_s']:.1f} s; fit error (mean relative): {err}", flush=True)
+    device = doc["device"]
+    measured, eff = device["measured"], device["hardware"]["eff"]
+    fitted = ", ".join(f"{k} {v:.3g}" for k, v in eff.items() if k in device["params"])
+    print(
+        f"\ncost-model device: {measured['matmul_flops'] / 1e9:.1f} GFLOP/s matmul, "
+        f"{measured['copy_bandwidth'] / 1e9:.1f} GB/s copy; fitted efficiencies: {fitted}\n"
+        "validation (each sample predicted by the fit to the train half):",
+        flush=True,
+    )
+    print(format_validation(device["validation"]), flush=True)
     return 0
 
 

@@ -1,0 +1,72 @@
+"""How one instance's GPUs are split (TP, PP, SP, KVP) and what its collectives cost on the links they span.
+
+GPUs are numbered TP-innermost, then SP, then KVP, then PP: a TP group is consecutive GPUs, an SP group strides
+by the TP size, and so on. A group spans nodes when the block of GPUs it lies in is larger than one node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .hardware import Link
+
+SP_KINDS = ("ring", "ulysses")
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    tp: int = 1  # tensor parallel: heads and MLP columns split
+    pp: int = 1  # pipeline stages: layers split
+    sp: int = 1  # sequence parallel prefill: tokens split (ring passes KV; ulysses swaps heads for tokens)
+    kvp: int = 1  # KV-cache parallel decode: each member holds a range of the context
+    sp_kind: str = "ring"
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "sp", "kvp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.sp_kind not in SP_KINDS:
+            raise ValueError(f"sp_kind must be one of {SP_KINDS}, got {self.sp_kind!r}")
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.sp * self.kvp
+
+    def block(self, axis: str) -> int:
+        """GPUs in the smallest consecutive block that holds one group of `axis`."""
+        order = ("tp", "sp", "kvp", "pp")
+        if axis not in order:
+            raise ValueError(f"unknown axis {axis!r}")
+        size = 1
+        for name in order[: order.index(axis) + 1]:
+            size *= getattr(self, name)
+        return size
+
+    def spans_nodes(self, axis: str, gpus_per_node: int) -> bool:
+        return getattr(self, axis) > 1 and self.block(axis) > gpus_per_node
+
+    def label(self) -> str:
+        parts = [f"{k.upper()}{v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("sp", self.sp), ("kvp", self.kvp))]
+        text = "-".join(p for p, v in zip(parts, (self.tp, self.pp, self.sp, self.kvp), strict=True) if v > 1)
+        return (text or "TP1") + ("-ulysses" if self.sp > 1 and self.sp_kind == "ulysses" else "")
+
+
+def allreduce_s(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-reduce of `nbytes` on each of n ranks: reduce-scatter then all-gather."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency_s
+
+
+def allgather_s(nbytes_each: float, n: int, link: Link) -> float:
+    """Every rank ends with all n pieces of `nbytes_each`."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) * nbytes_each / link.bandwidth + (n - 1) * link.latency_s
+
+
+def alltoall_s(nbytes: float, n: int, link: Link) -> float:
+    """Each rank sends (n-1)/n of its `nbytes` to the others."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency_s

@@ -1,0 +1,290 @@
+"""A named cluster for the simulator: a model on N nodes of a GPU type, its latencies and memory from the cost
+model (`spindle_costmodel`), its GPUs shaped into instances the way the strategy runs.
+
+- TP: the smallest power of two (up to a node) whose weight shard leaves >= 30 % of a GPU's memory for KV
+  (after the activations of an 8192-token batch), unless given; the decode TP likewise.
+- Instances: a disaggregated strategy gets half of the GPUs as prefill instances of the prefill TP and the
+  rest as decode instances of the decode TP; a colocated one (`Strategy.colocated`, e.g. `chunked`) gets every
+  GPU as colocated instances of the decode TP. Counts given explicitly win; nodes then default to just enough.
+- Instances are packed onto nodes in rank order and never straddle two (`cluster.pack_nodes`): a node whose
+  size is not a multiple of the TP leaves GPUs idle, and the shape says how many.
+- KV capacity per instance: `CostModel.max_kv_tokens` at its TP (the same 8192-token activation reserve for
+  prefill instances, whose long chunks need more: an approximation), in blocks of `SimConfig.block_size`.
+- Latencies: `latency_from_cost_model` with SP sizes the powers of two up to the prefill instances (at most
+  64), prefill at the prefill TP (the colocated TP on a colocated cluster), decode steps at the decode TP. The
+  KV of a TP-t prefill instance leaves over min(t, decode TP, KV heads) GPU links in parallel, so the transfer
+  bandwidth is the inter-node link's times that.
+
+Approximate: the prefill model of SP size s is fitted for s consecutive prefill instances (within a node while
+s x TP fits one, over the inter-node link beyond), but a strategy may group instances from several nodes; the
+simulator prices such a group as if it were packed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from spindle_costmodel import CostModel, OutOfMemory, Parallelism, get_hardware, get_model
+
+from ..calibration import latency_from_cost_model
+from ..latency import LatencyModel
+from .cluster import SimConfig, next_start
+
+DEFAULT_NODES = 4  # 32 GPUs at 8 per node: Tetris's 32 A100s
+KV_ROOM = 0.3  # a default TP leaves at least this share of each GPU's memory for KV
+ACTIVATION_TOKENS = 8192  # the batch whose activations an instance keeps room for (max_kv_tokens' default)
+MAX_SP = 64
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What the user named; None: derived (see the module docstring)."""
+
+    hardware: str
+    model: str = "llama3-8b"
+    nodes: int | None = None
+    gpus_per_node: int | None = None
+    prefill_tp: int | None = None
+    decode_tp: int | None = None
+    num_prefill: int | None = None
+    num_decode: int | None = None
+    num_colocated: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "gpus_per_node", "prefill_tp", "decode_tp"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {value}")
+        for name in ("num_prefill", "num_decode", "num_colocated"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"instance counts must be >= 0, got {name}={value}")
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    """How a run's GPUs are shaped into instances; `text` says it in one line."""
+
+    model: str | None
+    hardware: str | None
+    nodes: int
+    gpus_per_node: int
+    num_prefill: int
+    prefill_tp: int
+    num_decode: int
+    decode_tp: int
+    num_colocated: int
+    colocated_tp: int
+    text: str
+
+    @property
+    def used_gpus(self) -> int:
+        return (
+            self.num_prefill * self.prefill_tp
+            + self.num_decode * self.decode_tp
+            + self.num_colocated * self.colocated_tp
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        fields = ("model", "hardware", "nodes", "gpus_per_node", "num_prefill", "prefill_tp", "num_decode")
+        out = {k: getattr(self, k) for k in (*fields, "decode_tp", "num_colocated", "colocated_tp")}
+        gpus = self.nodes * self.gpus_per_node
+        return out | {"gpus": gpus, "idle_gpus": gpus - self.used_gpus, "shape": self.text}
+
+
+@dataclass(frozen=True)
+class SimSetup:
+    """What a run needs: its cluster's shape, the latency model and the simulator's config."""
+
+    shape: ClusterShape
+    latency: LatencyModel
+    config: SimConfig
+
+
+def packed_gpus(widths: list[int], gpus_per_node: int) -> int:
+    """GPUs up to the end of the last instance, packed in order (idle ones at node ends included)."""
+    gpus = 0
+    for width in widths:
+        gpus = next_start(gpus, width, gpus_per_node) + width
+    return gpus
+
+
+def fill(widths: list[int], width: int, gpus_per_node: int, nodes: int) -> int:
+    """How many instances of `width` GPUs fit on `nodes` nodes after `widths`."""
+    gpus, count, total = packed_gpus(widths, gpus_per_node), 0, nodes * gpus_per_node
+    while (start := next_start(gpus, width, gpus_per_node)) + width <= total:
+        gpus, count = start + width, count + 1
+    return count
+
+
+def sp_sizes(num_prefill: int) -> list[int]:
+    """Powers of two up to the prefill instances (at most MAX_SP); [1] without prefill instances."""
+    sizes = [1]
+    while sizes[-1] * 2 <= min(num_prefill, MAX_SP):
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
+def kv_room(cm: CostModel, tp: int) -> float:
+    """Bytes per GPU left for KV at TP `tp` after the weight shard and a batch's activations."""
+    plan = cm.memory(Parallelism(tp=tp), 0, ACTIVATION_TOKENS)
+    return plan.capacity - plan.weights - plan.activations
+
+
+def _tp_sizes(cm: CostModel, gpus_per_node: int) -> list[int]:
+    """Powers of two up to a node that split the model's heads."""
+    sizes, tp = [], 1
+    while tp <= gpus_per_node:
+        if cm.model.heads % tp == 0:
+            sizes.append(tp)
+        tp *= 2
+    return sizes
+
+
+def default_tp(cm: CostModel, gpus_per_node: int) -> int:
+    """The smallest TP (a power of two, up to a node) leaving >= KV_ROOM of a GPU's memory for KV."""
+    sizes = _tp_sizes(cm, gpus_per_node)
+    for tp in sizes:
+        if kv_room(cm, tp) >= KV_ROOM * cm.hw.mem_bytes:
+            return tp
+    largest = sizes[-1]
+    plan = cm.memory(Parallelism(tp=largest), 0, ACTIVATION_TOKENS)
+    raise ValueError(
+        f"{cm.model.name} does not fit {cm.hw.name} with {KV_ROOM:.0%} of a GPU left for KV at any TP up to a node "
+        f"of {gpus_per_node} GPU(s): at TP{largest} the weights take {plan.weights / GIB:.1f} GiB and activations "
+        f"{plan.activations / GIB:.1f} GiB of {plan.capacity / GIB:.1f} GiB usable per GPU "
+        f"(give --prefill-tp/--decode-tp, more --gpus-per-node, or a smaller --model)"
+    )
+
+
+def check_split(cm: CostModel, tp: int, role: str, gpus_per_node: int) -> None:
+    """An instance of TP `tp` lies on one node and splits the model's heads."""
+    where = f"{cm.model.name} on {cm.hw.name} at {role} TP{tp}"
+    if tp > gpus_per_node:
+        raise ValueError(f"{where}: an instance spans at most one node of {gpus_per_node} GPUs")
+    if cm.model.heads % tp:
+        raise ValueError(f"{where}: {cm.model.heads} attention heads do not split over {tp} GPUs")
+
+
+def check_memory(cm: CostModel, tp: int, role: str, block_size: int) -> None:
+    """An instance of TP `tp` holds its weight shard, a batch's activations and at least a block of KV."""
+    where = f"{cm.model.name} on {cm.hw.name} at {role} TP{tp}"
+    try:
+        cm.memory(Parallelism(tp=tp), 0, ACTIVATION_TOKENS).check(where)
+    except OutOfMemory as e:
+        raise ValueError(f"{e} GiB; a larger --{role}-tp splits the weights over more GPUs") from None
+    if cm.max_kv_tokens(Parallelism(tp=tp), ACTIVATION_TOKENS) < block_size:
+        raise ValueError(f"{where}: the weights and activations leave no room for a block of KV")
+
+
+def _counts(spec: ClusterSpec, colocated: bool, ptp: int, dtp: int, gpn: int) -> tuple[int, int, int, int]:
+    """(nodes, prefill, decode, colocated instances): the counts given, the others derived."""
+    counts: list[int | None]
+    if colocated or spec.num_colocated:  # colocated instances; prefill and decode ones only where given
+        counts = [spec.num_prefill or 0, spec.num_decode or 0, spec.num_colocated]
+    else:
+        counts = [spec.num_prefill, spec.num_decode, 0]
+    nodes = spec.nodes or (DEFAULT_NODES if None in counts else 0)
+    n_p = counts[0] if counts[0] is not None else nodes * gpn // 2 // ptp
+    n_d = counts[1] if counts[1] is not None else fill([ptp] * n_p, dtp, gpn, nodes)
+    n_c = counts[2] if counts[2] is not None else fill([ptp] * n_p + [dtp] * n_d, dtp, gpn, nodes)
+    need = -(-packed_gpus([ptp] * n_p + [dtp] * (n_d + n_c), gpn) // gpn)
+    what = f"{n_p} prefill x TP{ptp} + {n_d} decode x TP{dtp} + {n_c} colocated x TP{dtp} instances"
+    if nodes and need > nodes:
+        raise ValueError(f"{what} need {need} nodes of {gpn} GPUs; the cluster has {nodes}")
+    if (n_p < 1 or n_d < 1) and n_c < 1:
+        raise ValueError(f"{nodes or need} node(s) of {gpn} GPUs make {what}: need a prefill and a decode instance")
+    return nodes or need, n_p, n_d, n_c
+
+
+def _tp_text(cm: CostModel, tps: dict[str, int], given: dict[str, bool]) -> str:
+    """'prefill and decode TP4 (the smallest ...; weights 32.9 GiB/GPU)' for the roles that have instances."""
+    groups: dict[tuple[int, bool], list[str]] = {}
+    for role, tp in tps.items():
+        groups.setdefault((tp, given[role]), []).append(role)
+    parts = []
+    for (tp, was_given), roles in groups.items():
+        weights = cm.memory(Parallelism(tp=tp)).weights / GIB
+        how = "given" if was_given else f"the smallest leaving >= {KV_ROOM:.0%} of a GPU for KV"
+        parts.append(f"{' and '.join(roles)} TP{tp} ({how}; weights {weights:.1f} GiB/GPU)")
+    return ", ".join(parts)
+
+
+def _shape(spec: ClusterSpec, cm: CostModel, counts: tuple[int, int, int, int], ptp: int, dtp: int) -> ClusterShape:
+    nodes, n_p, n_d, n_c = counts
+    gpn = cm.hw.gpus_per_node
+    roles = [
+        (role, n, tp) for role, n, tp in (("prefill", n_p, ptp), ("decode", n_d, dtp), ("colocated", n_c, dtp)) if n
+    ]
+    explicit = spec.num_prefill is not None or spec.num_decode is not None or spec.num_colocated is not None
+    if explicit:
+        how = "as given"
+    else:
+        how = "colocated: every GPU prefills and decodes" if n_c else "half the GPUs prefill, half decode"
+    tps = {role: tp for role, _, tp in roles}
+    given = {role: (spec.prefill_tp if role == "prefill" else spec.decode_tp) is not None for role in tps}
+    shape = ClusterShape(cm.model.name, cm.hw.name, nodes, gpn, n_p, ptp, n_d, dtp, n_c, dtp, "")
+    idle = nodes * gpn - shape.used_gpus
+    instances = " + ".join(f"{n} {role} x TP{tp}" for role, n, tp in roles)
+    text = (
+        f"{cm.model.name} on {nodes} x {gpn} {cm.hw.name} ({nodes * gpn} GPUs): {instances} instances "
+        f"({how}{f'; {idle} GPUs idle' if idle else ''}); {_tp_text(cm, tps, given)}"
+    )
+    return replace(shape, text=text)
+
+
+def _latency(cm: CostModel, n_p: int, ptp: int, dtp: int) -> LatencyModel:
+    prefill = Parallelism(tp=ptp if n_p else dtp)  # a colocated instance prefills at its own TP
+    links = min(ptp, dtp, cm.model.kv_heads)  # GPUs sending (and receiving) their KV heads' share in parallel
+    decode = (Parallelism(tp=dtp),)
+    return latency_from_cost_model(cm, sp_sizes(n_p), prefill=prefill, decode=decode, transfer_links=links)
+
+
+def named_cluster(spec: ClusterSpec, colocated: bool, **sim: Any) -> SimSetup:
+    """The shape, latency model and simulator config of `spec` for a strategy that runs on colocated
+    instances (`colocated`) or on a prefill/decode split. `sim`: further SimConfig fields (decode_step_s, ...)."""
+    hw = get_hardware(spec.hardware)
+    gpn = spec.gpus_per_node or hw.gpus_per_node
+    cm = CostModel(get_model(spec.model), replace(hw, gpus_per_node=gpn))  # links span nodes of this size
+    dtp = spec.decode_tp or default_tp(cm, gpn)
+    needs_prefill = not (colocated or spec.num_colocated) or bool(spec.num_prefill)
+    ptp = spec.prefill_tp or (default_tp(cm, gpn) if needs_prefill else dtp)
+    check_split(cm, ptp, "prefill", gpn)
+    check_split(cm, dtp, "decode", gpn)
+    counts = _counts(spec, colocated, ptp, dtp, gpn)
+    _, n_p, n_d, n_c = counts
+    bs = SimConfig.block_size
+    if n_p:
+        check_memory(cm, ptp, "prefill", bs)
+    if n_d or n_c:
+        check_memory(cm, dtp, "decode", bs)
+    config = SimConfig(
+        num_prefill=n_p,
+        num_decode=n_d,
+        num_colocated=n_c,
+        prefill_tp=ptp,
+        decode_tp=dtp,
+        colocated_tp=dtp,
+        gpus_per_node=gpn,
+        block_size=bs,
+        prefill_kv_blocks=max(1, cm.max_kv_tokens(Parallelism(tp=ptp), ACTIVATION_TOKENS) // bs),
+        decode_kv_blocks=cm.max_kv_tokens(Parallelism(tp=dtp), ACTIVATION_TOKENS) // bs,
+        kv_bytes_per_token=cm.model.kv_bytes_per_token,
+        **sim,
+    )
+    return SimSetup(_shape(spec, cm, counts, ptp, dtp), _latency(cm, n_p, ptp, dtp), config)
+
+
+def given_shape(config: SimConfig) -> ClusterShape:
+    """The shape of a cluster given as instance counts (no named hardware): nodes as the instances pack."""
+    c = config
+    widths = c.instance_widths()
+    nodes = -(-packed_gpus(widths, c.gpus_per_node) // c.gpus_per_node)
+    roles = (("prefill", c.num_prefill, c.prefill_tp), ("decode", c.num_decode, c.decode_tp))
+    roles += (("colocated", c.num_colocated, c.colocated_tp),)
+    instances = " + ".join(f"{n} {role} x TP{tp}" for role, n, tp in roles if n)
+    text = f"{instances} instances (as given; packed on {nodes} nodes of {c.gpus_per_node} GPUs)"
+    counts = (c.num_prefill, c.prefill_tp, c.num_decode, c.decode_tp, c.num_colocated, c.colocated_tp)
+    return ClusterShape(None, None, nodes, c.gpus_per_node, *counts, text)
