@@ -177,6 +177,26 @@ class CostModel:
         """One iteration of a mixed batch: prefill chunks and decodes (one token each over its context)."""
         return self.iteration(tuple(chunks), len(decode_contexts), int(sum(decode_contexts)), par, keep)
 
+    def microbatched(
+        self, chunks: Sequence[Chunk], decode_contexts: Sequence[int], par: Parallelism, microbatches: int
+    ) -> Breakdown:
+        """A batch split into `microbatches` that flow through the PP stages one after another: each stage runs
+        every micro-batch, so the batch takes (microbatches + pp - 1) stage times (the pp - 1 are the bubble);
+        `stage_s` is one micro-batch's stage time. The parts are given whole and dealt out round-robin."""
+        if microbatches < 1 or microbatches > max(1, len(chunks) + len(decode_contexts)):
+            raise ValueError(f"microbatches must be in [1, batch size], got {microbatches}")
+        parts = [self.step(chunks[i::microbatches], decode_contexts[i::microbatches], par) for i in range(microbatches)]
+        stage = max(p.stage_s if p.stage_s is not None else p.total_s for p in parts)
+        total = (microbatches + par.pp - 1) * stage
+        ops: dict[str, OpCost] = {}
+        for p in parts:
+            for o in p.ops:
+                ops[o.name] = ops[o.name].plus(o) if o.name in ops else o
+        work = sum(o.s for o in ops.values())
+        scaled = tuple(o.scaled(total / work) for o in ops.values())  # the bubble spread over the ops alike
+        what = f"{parts[0].what.split(':')[0]}: {microbatches} micro-batches over {par.pp} stage(s)"
+        return Breakdown(what, scaled, total, stage_s=stage)
+
     def decode(self, batch: int, context: int, par: Parallelism = SINGLE) -> Breakdown:
         """One decode step of `batch` requests, each over `context` cached tokens."""
         if batch < 1 or context < 0:

@@ -156,10 +156,11 @@ def seesaw() -> list[Check]:
         step = cm.step([Chunk(1000)] * 16, (), P(tp=tp))
         shares.append(step.op("tp_allreduce").s / step.total_s)  # type: ignore[union-attr]
     grows = shares[0] < shares[1] < shares[2]
-    # steady-state throughput: PP runs 8 micro-batches of 2 through its stages, TP the batch of 16 at once
-    prefill_pp = 16_000 / (8 * cm.step([Chunk(1000)] * 2, (), P(pp=8)).stage_s)  # type: ignore[operator]
-    prefill_tp = 16_000 / cm.step([Chunk(1000)] * 16, (), P(tp=8)).total_s
-    decode_pp = 16 / (8 * cm.decode(2, 1500, P(pp=8)).stage_s)  # type: ignore[operator]
+    # PP runs the batch of 16 as 8 micro-batches of 2 through its stages (bubble included), TP all 16 at once
+    prompts, contexts = [Chunk(1000)] * 16, [1500] * 16
+    prefill_pp = 16_000 / cm.microbatched(prompts, (), P(pp=8), 8).total_s
+    prefill_tp = 16_000 / cm.step(prompts, (), P(tp=8)).total_s
+    decode_pp = 16 / cm.microbatched((), contexts, P(pp=8), 8).total_s
     decode_tp = 16 / cm.decode(16, 1500, P(tp=8)).total_s
     return [
         Check("all-reduce share of prefill, TP2->8", "Seesaw Fig. 1", shares[0], shares[2], None, grows),

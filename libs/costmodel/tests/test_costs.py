@@ -173,3 +173,18 @@ def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         cost_main(["--help"])
     assert "max(compute, memory)" in capsys.readouterr().out
+
+
+def test_microbatched_pipeline_pays_its_bubble() -> None:
+    cm = CostModel(get_model("llama2-13b"), get_hardware("l4"))
+    prompts = [Chunk(1000)] * 16
+    one = cm.microbatched(prompts, (), P(pp=4), 1)
+    eight = cm.microbatched(prompts, (), P(pp=4), 8)
+    assert eight.total_s == pytest.approx((8 + 3) * eight.stage_s)  # type: ignore[operator]
+    assert one.total_s == pytest.approx(4 * one.stage_s)  # type: ignore[operator]
+    assert eight.total_s < one.total_s  # the stages overlap the micro-batches
+    assert eight.total_s == pytest.approx(sum(o.s for o in eight.ops))
+    flat = cm.microbatched(prompts, (), P(tp=4), 1)
+    assert flat.total_s == pytest.approx(cm.step(prompts, (), P(tp=4)).total_s)
+    with pytest.raises(ValueError, match="microbatches"):
+        cm.microbatched(prompts, (), P(pp=4), 17)

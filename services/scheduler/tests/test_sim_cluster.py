@@ -158,3 +158,18 @@ def test_the_profile_path_still_works(tmp_path: Path, capsys: pytest.CaptureFixt
     assert d["completed"] == 60 and d["strategy"].startswith("request-sp")
     assert d["cluster"]["model"] is None and d["cluster"]["num_prefill"] == 4 and d["cluster"]["nodes"] == 1
     assert "cluster: 4 prefill x TP1 + 2 decode x TP1 instances (as given" in capsys.readouterr().out
+
+
+CPU_PROFILE = Path(__file__).parents[3] / "bench" / "results" / "cpu_profile.json"
+
+
+@pytest.mark.parametrize("name", available_strategies())
+def test_every_strategy_runs_on_this_machines_fitted_device(name: str, tmp_path: Path) -> None:
+    """`--hardware` takes a `spindle profile` JSON: the cost model on this CPU's fitted efficiencies."""
+    argv = ["--model", "smollm2-135m", "--hardware", str(CPU_PROFILE), "--nodes", "4", "--gpus-per-node", "1"]
+    small = ["--workload", "loongserve-sharegpt", "--num-requests", "30", "--rate", "0.05", "--seed", "1"]
+    out = tmp_path / "sim.json"
+    assert main([*argv, *small, "--strategy", _spec(name, 2), "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["completed"] == d["num_requests"] == 30, d["strategy"]
+    assert d["cluster"]["hardware"] == "cpu" and d["cluster"]["gpus"] == 4  # the fitted device keeps its name
