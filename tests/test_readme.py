@@ -58,6 +58,8 @@ RULES = (
     Rule(r" --help$", RUN, "prints usage"),
     Rule(r"^\.venv/bin/spindle up\b.* --dry-run$", RUN, "prints the service commands"),
     Rule(r"^\.venv/bin/spindle sim --", RUN, "one simulated run of 1,000 requests: about 1 s"),
+    Rule(r"^\.venv/bin/spindle sim compare ", RUN, "every strategy on 1,000 requests at one rate: about 5 s"),
+    Rule(r"^\.venv/bin/spindle tune tetris .*--num-requests 300 ", RUN, "24 simulated runs of 300 requests: ~5 s"),
     Rule(r"^\.venv/bin/spindle cost ", RUN, "the cost model's breakdown of one operation: milliseconds"),
     Rule(r"^\.venv/bin/python -m spindle_engine\.generate ", SLOW, "loads SmolLM2 and generates: about 3 s"),
     Rule(r"^\.venv/bin/spindle verify .* --dump-kv$", SLOW, "SP 1 -> 2 -> 4 prefill, TP 2 decode: about 16 s"),

@@ -100,3 +100,10 @@ def wait_until(predicate, timeout: float, interval: float = 0.05):
         if value or time.monotonic() > deadline:
             return value
         time.sleep(interval)
+
+
+def greedy_text(base_url: str, ids: list[int], max_tokens: int = 8) -> str:
+    """A greedy completion of token ids through the gateway: its text, or the HTTP error it got."""
+    body = {"model": "smollm2", "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(base_url + "/completions", timeout=300, json=body)
+    return r.json()["choices"][0]["text"] if r.status_code == 200 else f"HTTP {r.status_code}: {r.text}"

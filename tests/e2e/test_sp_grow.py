@@ -11,10 +11,9 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from .conftest import engine_greedy, instance_blocks, start_stack, wait_until
+from .conftest import engine_greedy, greedy_text, instance_blocks, start_stack, wait_until
 from .test_sp_stack import _profile
 
 pytestmark = pytest.mark.slow
@@ -84,11 +83,7 @@ def test_a_request_starts_on_the_free_instance_and_grows(tmp_path_factory, tmp_p
         results: dict[str, str] = {}
 
         def complete(name: str, ids: list[int]) -> None:
-            body = {"model": "smollm2", "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-            r = httpx.post(stack.base_url + "/completions", timeout=300, json=body)
-            results[name] = (
-                r.json()["choices"][0]["text"] if r.status_code == 200 else f"HTTP {r.status_code}: {r.text}"
-            )
+            results[name] = greedy_text(stack.base_url, ids)
 
         before = set(otlp.traces())
         t0 = time.monotonic()

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 
 from .plan import (
+    COLOCATED_STRATEGY,
     DEFAULT_CHUNK_TOKENS,
     DISAGGREGATE_MIN_CORES,
     DTYPES,
@@ -32,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
         "profile",
         add_help=False,
         help="measure this machine's engine (prefill, decode, KV transfer) and write a latency profile JSON",
+    )
+    sub.add_parser(
+        "tune",
+        add_help=False,
+        help="search a strategy's tuning table in the simulator (`spindle tune tetris --help`)",
     )
     sub.add_parser(
         "cost",
@@ -64,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"With none of --prefill, --decode, --elastic the layout follows the machine: fewer than "
         f"{DISAGGREGATE_MIN_CORES} CPU cores (os.cpu_count(); this one has {os.cpu_count()}) -> --elastic 1 (one "
         "colocated engine: chunked prefill mixed into the decode batch); more -> --prefill 2 --decode 1 "
-        "(disaggregated). Naming --prefill/--decode gives the disaggregated layout (2 and 1 unless named).",
+        "(disaggregated). Naming --prefill/--decode, or a --strategy other than chunked (elastic instances run "
+        "only chunked), gives the disaggregated layout (2 and 1 unless named).",
     )
     c.add_argument("--prefill", type=int, default=None, help="prefill instances")
     c.add_argument("--decode", type=int, default=None, help="decode instances")
@@ -127,7 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="scheduler strategy, NAME or NAME:key=value,... (single; chunked with elastic instances)",
     )
-    c.add_argument("--profile", default=None, help="latency profile JSON (`spindle profile`) for fixed-sp / request-sp")
+    c.add_argument(
+        "--profile", default=None, help="latency profile JSON (`spindle profile`) for fixed-sp / request-sp / tetris"
+    )
     n = up.add_argument_group("network and operations")
     n.add_argument(
         "--default-max-tokens",
@@ -149,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def layout_from_args(args: argparse.Namespace, cpu_count: int | None = None) -> dict[str, int | str]:
     """The instances and strategy of `spindle up`: as named, or by the machine (plan.default_layout)."""
-    if args.elastic is None and args.prefill is None and args.decode is None:
+    named_split = args.strategy is not None and args.strategy.partition(":")[0].strip() != COLOCATED_STRATEGY
+    if args.elastic is None and args.prefill is None and args.decode is None and not named_split:
         layout = default_layout(os.cpu_count() if cpu_count is None else cpu_count)
     elif args.elastic:
         layout = {"prefill": args.prefill or 0, "decode": args.decode or 0, "elastic": args.elastic}
@@ -235,6 +245,10 @@ def main(argv: list[str] | None = None) -> None:
         from .profile.cli import main as profile_main
 
         sys.exit(profile_main(argv[1:]))
+    if argv[:1] == ["tune"]:
+        from spindle_scheduler.sim.tune import main as tune_main
+
+        sys.exit(tune_main(argv[1:]))
     if argv[:1] == ["cost"]:
         from spindle_costmodel.cli import main as cost_main
 

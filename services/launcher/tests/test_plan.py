@@ -183,6 +183,11 @@ def test_bad_elastic_config_raises(kwargs: dict, match: str) -> None:
         (["--shared-chunk-size", "0"], 2, {"prefill": 0, "decode": 0, "elastic": 1, "strategy": "chunked",
                                            "shared_chunk": 0}),
         (["--strategy", "fixed-sp:sp=2"], 16, {"prefill": 2, "decode": 1, "elastic": 0, "strategy": "fixed-sp:sp=2"}),
+        # a strategy that plans onto prefill and decode instances: their layout on any machine
+        (["--strategy", "tetris"], 2, {"prefill": 2, "decode": 1, "elastic": 0, "strategy": "tetris"}),
+        (["--strategy", "request-sp:max_sp=2"], 7, {"prefill": 2, "decode": 1, "elastic": 0,
+                                                     "strategy": "request-sp:max_sp=2"}),
+        (["--strategy", "chunked"], 2, {"prefill": 0, "decode": 0, "elastic": 1, "strategy": "chunked"}),
     ],
 )  # fmt: skip
 def test_spindle_up_layout_follows_the_machine_unless_named(argv: list[str], cpus: int, want: dict) -> None:

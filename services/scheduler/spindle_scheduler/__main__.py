@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="single",
         help="placement strategy spec, NAME or NAME:key=value,... (default: single; available: "
         + ", ".join(available_strategies())
-        + "; the others need SP prefill and run in `spindle sim`)",
+        + "; fixed-sp, request-sp and tetris plan with --profile, chunked needs elastic instances)",
     )
     p.add_argument("--profile", type=Path, help="latency profile JSON (`spindle profile`) for strategies that predict")
     p.add_argument(

@@ -9,6 +9,8 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
+import msgspec
+
 from spindle_protocol.messages import (
     DecodeStarted,
     InstanceInfo,
@@ -212,7 +214,7 @@ class SchedulerCore:
             return [
                 Reject(rid, 429, f"{len(self.state.requests)} requests in flight; try again", self.config.retry_after_s)
             ]
-        actions = self.strategy.plan(spec, self.state, now)
+        actions = self.plan(spec, now)
         plans = {a.spec.request_id: a for a in actions if isinstance(a, RunPrefill)}
         if (plan := plans.get(rid)) is not None and spec.sampling.n > 1 and self._kv_parallel(plan):
             self.state.work_done(plan.prefill_instances, rid)
@@ -243,6 +245,11 @@ class SchedulerCore:
             elif isinstance(a, FailRequest):  # a strategy may give up on a request it just admitted
                 self._forget(a.request_id)
         return actions
+
+    def plan(self, spec: RequestSpec, now: float) -> list[Action]:
+        """The one place the core calls the strategy's `plan()`: an executor may override it to observe the call
+        (the simulator times it, `plan_us`) without the core doing any I/O or timing itself."""
+        return self.strategy.plan(spec, self.state, now)
 
     def _kv_parallel(self, plan: RunPrefill) -> bool:
         inst = self.state.instances.get(plan.decode_instance)
@@ -303,6 +310,9 @@ class SchedulerCore:
                 req.preempting = False
                 req.num_preemptions += 1
                 self._expect(req)
+            case RequestFinished(num_output_tokens=outputs) if req.phase == Phase.DECODE:
+                self._released(req, outputs)
+                self._forget(req.request_id)
             case RequestFinished() | RequestFailed():
                 self._forget(req.request_id)
         return self._track(self.strategy.on_event(event, self.state, now))
@@ -317,6 +327,17 @@ class SchedulerCore:
             self._arrived(req)
             if (master := self.state.instances.get(req.decode_instance)) is not None:
                 master.mastering.discard(request_id)
+
+    def _released(self, req: RequestState, outputs: int) -> None:
+        """A decoding request returned its output: its blocks and batch place count as free at once (Tetris §5.2:
+        slot statistics refreshed on each returned output), until each instance's next heartbeat."""
+        per_choice = outputs // max(1, req.spec.sampling.n)
+        sampling = msgspec.structs.replace(req.spec.sampling, max_tokens=per_choice)
+        done = msgspec.structs.replace(req.spec, sampling=sampling)
+        for iid, tokens in decode_tokens(done, req.decode_holders()).items():
+            if (inst := self.state.instances.get(iid)) is not None:
+                inst.released_blocks += inst.blocks_for(tokens)
+                inst.released_running += 1
 
     def _expect(self, req: RequestState) -> None:
         """Count the request's decode blocks as virtual usage on its decode instances until it decodes there."""

@@ -29,6 +29,10 @@ class InstanceState:
     # "virtual usage" (Llumnix, Tetris §5.2): blocks of requests placed here for decode that have not started
     # decoding yet (prefilling, in transfer, parked), which the instance's own count does not hold yet
     incoming: dict[str, int] = field(default_factory=dict)
+    # Tetris §5.2: slot statistics refreshed on each returned output. Blocks and batch places of requests that
+    # finished here since the last heartbeat, which the instance's own count still holds
+    released_blocks: int = 0
+    released_running: int = 0
     mastering: set[str] = field(default_factory=set)  # requests whose decode it leads (KV-parallel: the master)
 
     @property
@@ -42,12 +46,13 @@ class InstanceState:
     @property
     def free_blocks(self) -> int:
         """Free KV blocks, virtual usage excluded."""
-        return self.info.kv_blocks_total - self.info.kv_blocks_used - self.planned_blocks - sum(self.incoming.values())
+        used = self.info.kv_blocks_used + self.planned_blocks - self.released_blocks
+        return self.info.kv_blocks_total - max(0, used) - sum(self.incoming.values())
 
     @property
     def freeness(self) -> float:
         """Free blocks (virtual usage excluded) per request of its active batch, those on their way included."""
-        return self.free_blocks / max(1, self.info.num_running + len(self.incoming))
+        return self.free_blocks / max(1, self.info.num_running - self.released_running + len(self.incoming))
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // (self.info.block_size or 1))
@@ -145,6 +150,7 @@ class ClusterState:
             current.info = info
             current.planned_tokens = 0  # the heartbeat now counts what we planned
             current.planned_blocks = 0
+            current.released_blocks = current.released_running = 0  # and what finished
 
     def plan_work(self, instance_ids: tuple[str, ...], request_id: str, until: float) -> None:
         """Record that `instance_ids` are busy with `request_id` until `until` (predicted)."""

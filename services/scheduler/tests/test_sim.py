@@ -58,8 +58,26 @@ def test_same_seed_same_result():
     b = simulate(trace(seed=7), "single", LATENCY, small_config())
     c = simulate(trace(seed=8), "single", LATENCY, small_config())
     assert a.records == b.records and a.events == b.events
-    assert a.summary("w", 40.0).to_json() == b.summary("w", 40.0).to_json()
+    assert a.summary("w", 40.0) == b.summary("w", 40.0)  # plan_us, a wall time, is left out of equality
+    ja, jb = (json.loads(r.summary("w", 40.0).to_json()) for r in (a, b))
+    assert set(ja.pop("plan_us")) == set(jb.pop("plan_us")) == {"mean", "p99", "max"}
+    assert ja == jb
     assert a.records != c.records
+
+
+def test_plan_time_per_request():
+    """plan_us: the wall time of each call of the strategy's plan(), one per request that reached it."""
+    result = simulate([TraceRequest(0.1 * i, 100, 5) for i in range(20)], "single", LATENCY, small_config())
+    assert all(r.state == "finished" for r in result.records)
+    assert len(result.plan_ns) == 20 and all(ns > 0 for ns in result.plan_ns)
+    p = result.summary().plan_us
+    assert 0 < p.mean <= p.max and p.p99 <= p.max == max(result.plan_ns) / 1e3
+    rejected = simulate([TraceRequest(0.0, 100, 5)] * 6, "single", LATENCY,
+                        small_config(scheduler=SchedulerConfig(max_num_requests=2)))  # fmt: skip
+    assert len(rejected.plan_ns) == 2  # the 429s never reached the strategy
+    empty = summarize([], plan_ns=[]).plan_us
+    assert math.isnan(empty.mean)
+    assert json.loads(summarize([]).to_json())["plan_us"] == dict.fromkeys(("mean", "p99", "max"))  # null: no call
 
 
 def test_rejections_are_terminal():

@@ -166,6 +166,7 @@ def test_sweep_cli_end_to_end(tmp_path, capsys):
     assert [(r["strategy"], r["rate"]) for r in d["rows"]] == [("single", 1.0), ("single", 4.0)]
     assert d["slo"] == {"ttft_s": 5.0, "tpot_s": 0.05} and d["cluster"]["num_prefill"] == 4
     assert all(r["completed"] == 60 and r["goodput_req_s"] is not None for r in d["rows"])
+    assert all(set(r["plan_us"]) == {"mean", "p99", "max"} and r["plan_us"]["mean"] > 0 for r in d["rows"])
     (load,) = d["max_load"]
     assert load["strategy"] == "single" and load["points"] and load["metric"] == "ttft_p50"
     assert png.read_bytes()[:4] == b"\x89PNG"

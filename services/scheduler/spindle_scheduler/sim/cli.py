@@ -1,5 +1,6 @@
 """`spindle sim`: one simulated run of a strategy on a workload, summary printed and written as JSON.
-`spindle sim sweep`: strategies x request rates, a table, a PNG of the load curves and the max sustainable load."""
+`spindle sim sweep`: strategies x request rates, a table, a PNG of the load curves and the max sustainable load.
+`spindle sim compare` (compare.py): strategies side by side on one trace and cluster."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from ..workloads import make_workload
 from .cluster import SimConfig
 from .executor import simulate
 from .loadsearch import MaxLoad, max_sustainable_load
-from .metrics import Slo, strict_json, summarize
+from .metrics import Slo, format_plan_us, strict_json
 from .named_cluster import DEFAULT_NODES, ClusterSpec, SimSetup, given_shape, named_cluster
 from .sweep import METRICS, PERCENTILES, SweepRow, format_table, rows_to_dicts, sweep
 
@@ -44,7 +45,7 @@ CLUSTER_HELP = (
 
 
 def _add_run_args(p: argparse.ArgumentParser, num_requests: int) -> None:
-    """Workload, cluster, latency source and SLO flags shared by `spindle sim` and `spindle sim sweep`."""
+    """Workload, cluster, latency source and SLO flags shared by `spindle sim`, `sim sweep` and `sim compare`."""
     p.add_argument("--workload", default="tetris-short", help="workload name (spindle_scheduler.workloads)")
     p.add_argument("--arrival", default="poisson", choices=["poisson", "gamma"])
     p.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of gamma inter-arrivals")
@@ -105,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
         "cost model for a named cluster (--hardware; e.g. `spindle sim --model llama3-70b --hardware h100-sxm "
         "--nodes 4 --strategy request-sp`). "
         "For load curves over several rates and strategies, and the max sustainable load, see "
-        "`spindle sim sweep --help`.",
+        "`spindle sim sweep --help`; for every strategy side by side on one trace and cluster (a table, a PNG, "
+        "one JSON), `spindle sim compare --help`.",
         epilog=f"{SPEC_HELP} Known strategies: {', '.join(available_strategies())}.",
     )
     p.add_argument("--strategy", default="single", help="strategy spec (default: single), e.g. fixed-sp:sp=8")
@@ -144,6 +146,12 @@ def build_sweep_parser() -> argparse.ArgumentParser:
         help="write every run's summary, the max loads and the cluster (the first strategy's shape; "
         "by_strategy: each one's) here",
     )
+    _add_max_load_args(p)
+    return p
+
+
+def _add_max_load_args(p: argparse.ArgumentParser) -> None:
+    """The max-sustainable-load search flags shared by `spindle sim sweep` and `spindle sim compare`."""
     g = p.add_argument_group("max sustainable load")
     g.add_argument("--max-load", action="store_true", help="search each strategy's max sustainable load")
     g.add_argument("--metric", default="ttft", choices=METRICS, help="latency the SLO is on (default ttft)")
@@ -158,7 +166,30 @@ def build_sweep_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-load-slo", type=float, help="an absolute SLO in seconds instead, the same for every strategy")
     g.add_argument("--rel-tol", type=float, default=0.05, help="bisection stops at this relative rate gap")
     g.add_argument("--max-rate", type=float, default=1e4, help="highest rate probed (req/s)")
-    return p
+
+
+def _trace_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The trace flags, as `sweep` and `max_sustainable_load` take them."""
+    return {"num_requests": args.num_requests, "seed": args.seed, "arrival": args.arrival, "cv": args.cv}
+
+
+def _max_load(spec: str, setup: SimSetup, args: argparse.Namespace) -> MaxLoad:
+    """`spec`'s max sustainable load on `setup`, the search as the max-load flags say."""
+    return max_sustainable_load(
+        spec,
+        args.workload,
+        setup.latency,
+        setup.config,
+        metric=args.metric,
+        percentile=args.percentile,
+        light_rate=args.light_rate,
+        slo_scale=args.slo_scale,
+        slo_s=args.max_load_slo,
+        start_rate=args.start_rate,
+        rel_tol=args.rel_tol,
+        max_rate=args.max_rate,
+        **_trace_args(args),
+    )
 
 
 def _latency(args: argparse.Namespace) -> LatencyModel:
@@ -280,13 +311,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["sweep"]:
         return sweep_main(argv[1:])
+    if argv[:1] == ["compare"]:
+        from .compare import compare_main
+
+        return compare_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         spec = _strategy_spec(args)
         setup = setups(args, [spec])[spec]
         trace = make_workload(args.workload, args.num_requests, args.rate, args.seed, args.arrival, args.cv)
         result = simulate(trace, spec, setup.latency, setup.config)
-        summary = summarize(result.records, result.strategy, args.workload, args.rate, _slo(args))
+        summary = result.summary(args.workload, args.rate, _slo(args))
     except ValueError as e:
         print(f"spindle sim: {e}", file=sys.stderr)
         return 2
@@ -301,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     norm = [d[k]["mean"] for k in ("normalized_input_latency_s", "normalized_output_latency_s")]
     print(f"  normalised latency (mean s/token): input {_f(norm[0], 6)}  output {_f(norm[1], 6)}")
     print(f"  throughput {d['throughput_tok_s']:.1f} tok/s ({result.events} events, {result.wall_s:.2f} s wall)")
+    print(f"  plan() per request: {format_plan_us(d['plan_us'])} ({len(result.plan_ns)} calls)")
     if summary.slo is not None:
         print(
             f"  goodput {d['goodput_req_s']:.3f} req/s, {d['goodput_tok_s']:.1f} tok/s; "
@@ -337,31 +373,14 @@ def sweep_main(argv: list[str]) -> int:
         specs = split_specs(args.strategies)
         by_spec = setups(args, specs)
         _print_shapes(by_spec)
-        common = {"num_requests": args.num_requests, "seed": args.seed, "arrival": args.arrival, "cv": args.cv}
         if args.rates is not None:
             rates = parse_rates(args.rates)
             for spec, s in by_spec.items():
-                rows += sweep([spec], rates, args.workload, s.latency, s.config, slo=_slo(args), **common)
+                rows += sweep([spec], rates, args.workload, s.latency, s.config, slo=_slo(args), **_trace_args(args))
             print(format_table(rows))
         if args.max_load:
             for spec, s in by_spec.items():
-                loads.append(
-                    max_sustainable_load(
-                        spec,
-                        args.workload,
-                        s.latency,
-                        s.config,
-                        metric=args.metric,
-                        percentile=args.percentile,
-                        light_rate=args.light_rate,
-                        slo_scale=args.slo_scale,
-                        slo_s=args.max_load_slo,
-                        start_rate=args.start_rate,
-                        rel_tol=args.rel_tol,
-                        max_rate=args.max_rate,
-                        **common,
-                    )
-                )
+                loads.append(_max_load(spec, s, args))
                 print(_describe_max_load(loads[-1]))
         if args.plot is not None:
             from .plot import plot_sweep, sweep_title

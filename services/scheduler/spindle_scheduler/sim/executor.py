@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from spindle_protocol.messages import (
     Prompt,
@@ -30,7 +30,7 @@ from spindle_protocol.messages import (
 )
 
 from ..actions import Action, Admit, FailRequest, Preempt, Reject, RunPrefill, ScaleDownKVP, TransferKV
-from ..core import SchedulerCore
+from ..core import SchedulerConfig, SchedulerCore
 from ..latency import LatencyModel
 from ..strategy import Strategy, create_strategy
 from ..workloads import TraceRequest
@@ -50,9 +50,26 @@ class SimResult:
     events: int  # events processed
     end_time: float  # virtual time of the last event
     wall_s: float
+    plan_ns: list[int] = field(default_factory=list)  # wall time of each call of the strategy's plan()
 
     def summary(self, workload: str = "", rate: float | None = None, slo: Slo | None = None) -> SimSummary:
-        return summarize(self.records, self.strategy, workload, rate, slo)
+        return summarize(self.records, self.strategy, workload, rate, slo, self.plan_ns)
+
+
+class TimedCore(SchedulerCore):
+    """The core, with the wall time of each call of the strategy's `plan()` noted in `plan_ns` (the core's
+    `plan` seam: the timing stays out of the pure core)."""
+
+    def __init__(self, strategy: Strategy, config: SchedulerConfig | None = None) -> None:
+        super().__init__(strategy, config)
+        self.plan_ns: list[int] = []
+
+    def plan(self, spec: RequestSpec, now: float) -> list[Action]:
+        started = time.perf_counter_ns()
+        try:
+            return super().plan(spec, now)
+        finally:
+            self.plan_ns.append(time.perf_counter_ns() - started)
 
 
 class Simulator(PrefillSide, DecodeSide, Swaps):
@@ -72,7 +89,7 @@ class Simulator(PrefillSide, DecodeSide, Swaps):
             if missing := [k for k in need if k not in latency.decode.coeffs]:
                 raise ValueError(f"the decode latency model has no (tp, kvp) = {missing[0]} configuration")
         self.latency = latency
-        self.core = SchedulerCore(
+        self.core = TimedCore(
             create_strategy(strategy, latency) if isinstance(strategy, str) else strategy, cfg.scheduler
         )
         ctx, bs = cfg.context_len(), cfg.block_size
@@ -144,6 +161,7 @@ class Simulator(PrefillSide, DecodeSide, Swaps):
             events=events,
             end_time=q.now,
             wall_s=time.perf_counter() - started,
+            plan_ns=list(self.core.plan_ns),
         )
 
     def _periodic(self, now: float, kind: EventKind, every: float) -> None:

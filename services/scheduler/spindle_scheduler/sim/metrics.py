@@ -1,10 +1,11 @@
 """Per-request records and the summary metrics of a simulated run: TTFT, TBT/TPOT, E2E, throughput, goodput
-under an SLO and LoongServe's normalised latencies."""
+under an SLO, LoongServe's normalised latencies, and the wall time of the strategy's `plan()` calls."""
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -72,6 +73,30 @@ class Stats:
 
 
 @dataclass(frozen=True)
+class PlanTimes:
+    """Wall time of the strategy's `plan()` calls in a run, in microseconds (one call per request the admission
+    limits let through). Measured on this machine's clock, so it varies run to run; NaN when plan() never ran."""
+
+    mean: float
+    p99: float
+    max: float
+
+    @classmethod
+    def of(cls, ns: Sequence[int]) -> PlanTimes:
+        """From per-call durations in nanoseconds."""
+        if not len(ns):
+            nan = float("nan")
+            return cls(nan, nan, nan)
+        us = np.asarray(ns, dtype=float) / 1e3
+        return cls(float(us.mean()), float(np.percentile(us, 99)), float(us.max()))
+
+
+def format_plan_us(d: dict[str, float | None]) -> str:
+    """'mean 41 µs, p99 180 µs, max 950 µs' from a plan_us dict (None: no call)."""
+    return ", ".join(f"{k} {'-' if d[k] is None else f'{d[k]:.0f}'} µs" for k in ("mean", "p99", "max"))
+
+
+@dataclass(frozen=True)
 class Slo:
     """A per-request latency objective (DistServe's, as LoongServe's goodput uses): a request meets it when it
     finished, its TTFT <= ttft_s and its TPOT (mean time per output token after the first) <= tpot_s. A limit
@@ -135,6 +160,8 @@ class SimSummary:
     moves: int = 0  # parked requests moved to another decode instance, all requests
     scale_ups: int = 0  # KV-parallel tails moved to a member holding none of the request, all requests
     scale_downs: int = 0  # KV-parallel shards merged into another holder, all requests
+    # wall time of each plan() call; not part of equality, so the same seed still gives equal summaries
+    plan_us: PlanTimes = field(default_factory=lambda: PlanTimes.of([]), compare=False)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -149,7 +176,9 @@ def summarize(
     workload: str = "",
     rate: float | None = None,
     slo: Slo | None = None,
+    plan_ns: Sequence[int] = (),
 ) -> SimSummary:
+    """The run's metrics; `plan_ns`: the wall time of each plan() call (ns), reported as `plan_us`."""
     done = [r for r in records if r.state == "finished"]
     gaps = [np.diff(r.token_times) for r in done if len(r.token_times) > 1]
     ends = [r.finished_at for r in records if r.finished_at is not None]
@@ -190,4 +219,5 @@ def summarize(
         moves=sum(r.moves for r in records),
         scale_ups=sum(r.scale_ups for r in records),
         scale_downs=sum(r.scale_downs for r in records),
+        plan_us=PlanTimes.of(plan_ns),
     )

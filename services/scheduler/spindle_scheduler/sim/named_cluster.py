@@ -277,14 +277,15 @@ def named_cluster(spec: ClusterSpec, colocated: bool, **sim: Any) -> SimSetup:
     return SimSetup(_shape(spec, cm, counts, ptp, dtp), _latency(cm, n_p, ptp, dtp), config)
 
 
-def given_shape(config: SimConfig) -> ClusterShape:
-    """The shape of a cluster given as instance counts (no named hardware): nodes as the instances pack."""
+def given_shape(config: SimConfig, how: str = "as given") -> ClusterShape:
+    """The shape of a cluster given as instance counts (no named hardware): nodes as the instances pack; `how`
+    says where the counts came from."""
     c = config
     widths = c.instance_widths()
     nodes = -(-packed_gpus(widths, c.gpus_per_node) // c.gpus_per_node)
     roles = (("prefill", c.num_prefill, c.prefill_tp), ("decode", c.num_decode, c.decode_tp))
     roles += (("colocated", c.num_colocated, c.colocated_tp),)
     instances = " + ".join(f"{n} {role} x TP{tp}" for role, n, tp in roles if n)
-    text = f"{instances} instances (as given; packed on {nodes} nodes of {c.gpus_per_node} GPUs)"
+    text = f"{instances} instances ({how}; packed on {nodes} nodes of {c.gpus_per_node} GPUs)"
     counts = (c.num_prefill, c.prefill_tp, c.num_decode, c.decode_tp, c.num_colocated, c.colocated_tp)
     return ClusterShape(None, None, nodes, c.gpus_per_node, *counts, text)

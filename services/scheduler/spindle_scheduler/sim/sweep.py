@@ -61,7 +61,7 @@ def run_point(
     slo: Slo | None = None,
 ) -> SimSummary:
     result = simulate(trace, strategy, latency, config)
-    return summarize(result.records, strategy, workload, rate, slo)
+    return summarize(result.records, strategy, workload, rate, slo, result.plan_ns)
 
 
 def sweep(

@@ -1,0 +1,372 @@
+"""`spindle sim compare`: strategies side by side on one trace and one cluster (STRATEGIES.md §4).
+
+Every strategy (by default every registered one) replays the same trace at one rate (--rate) and/or has its max
+sustainable load searched (--max-load, the rule and machinery of `sim sweep --max-load`); a table, one JSON and
+one PNG put them side by side.
+- Shapes: on a named cluster (--hardware) each strategy gets the GPUs shaped as it runs (named_cluster.py). On a
+  cluster given as instance counts, a colocated strategy (`chunked`) gets the same GPUs as colocated instances of
+  --decode-tp when none were given, and a disaggregated one gets half of them as prefill and the rest as decode
+  instances when all the given ones are colocated; otherwise the instances are used as given.
+- Options: a bare name whose default `sp` does not fit the cluster (fixed-sp's 8 on 4 prefill instances, or where
+  the latency model has no SP-8 fit) runs with the largest SP size that does; the spec as run names it everywhere.
+- Skipped, with the reason: a strategy whose options its constructor refuses on this cluster, one the cluster
+  cannot be shaped for, or one that rejects every request of the trace. An unknown name or option, or a malformed
+  spec, is an error (exit 2).
+- JSON: {"workload": {...}, "cluster": {...}, "strategies": {SPEC: {"completed", "ttft_s", "tpot_s", "e2e_s",
+  "throughput_tok_s", "goodput_rps", "max_load_rps", "plan_us"}}}: the same keys for every strategy, null where
+  not asked for (the run's fields without --rate, goodput without an SLO, the max load without --max-load; it is
+  0 when even the light load violates the SLO). "cluster" is the shape most strategies ran on, with `by_strategy`
+  (each one's) and `skipped` (spec -> reason).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, cast
+
+from ..strategy import (
+    available_strategies,
+    create_strategy,
+    parse_strategy_spec,
+    strategy_class,
+    strategy_options,
+)
+from ..workloads import TraceRequest, make_workload
+from .cli import (
+    SPEC_HELP,
+    _add_max_load_args,
+    _add_run_args,
+    _cluster_spec,
+    _describe_max_load,
+    _latency,
+    _max_load,
+    _print_shapes,
+    _sim_config,
+    _sim_options,
+    _slo,
+    split_specs,
+)
+from .executor import simulate
+from .loadsearch import MaxLoad
+from .metrics import SimSummary, Stats, strict_json
+from .named_cluster import ClusterShape, SimSetup, given_shape, named_cluster
+
+STATS = ("mean", "p50", "p90", "p99")
+EXAMPLES = (
+    "spindle sim compare --workload tetris-medium --rate 4 --slo-ttft 2 --slo-tpot 0.1 --plot compare.png "
+    "--json compare.json",
+    "spindle sim compare --model llama3-70b --hardware h100-sxm --nodes 2 --strategies single chunked "
+    "fixed-sp:sp=2 --num-requests 300 --max-load --plot compare.png",
+)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One strategy of a comparison: what was asked, what ran, on what, and what came out."""
+
+    asked: str  # the spec as given
+    spec: str  # the spec as run (a bare name may get a fitting option)
+    setup: SimSetup | None  # None: the cluster could not be shaped for it (see `skipped`)
+    note: str = ""  # why `spec` differs from `asked`
+    skipped: str = ""  # why it did not run ("" when it did)
+    summary: SimSummary | None = None  # the run at --rate
+    max_load: MaxLoad | None = None  # the search, with --max-load
+
+
+def build_compare_parser() -> argparse.ArgumentParser:
+    description = (
+        "Run strategies (default: every registered one) on the same trace and cluster and put them side by side: "
+        "a table (TTFT, TPOT, E2E, throughput, goodput, max load, plan() time, and how each strategy's GPUs were "
+        "shaped), one PNG (--plot) and one JSON (--json). Give --rate for one load point, --max-load to search each "
+        "strategy's max sustainable load (as `spindle sim sweep --max-load`), or both. On a named cluster "
+        "(--hardware) each strategy gets the GPUs shaped as it runs; on instance counts a colocated strategy gets "
+        "the same GPUs as colocated instances. A bare name whose default SP size does not fit the cluster runs with "
+        "the largest that does; a strategy that cannot run is skipped, with the reason."
+    )
+    epilog = (
+        f"{SPEC_HELP} --strategies takes specs as `spindle sim sweep` does (`single,request-sp fixed-sp:sp=4`). "
+        f"Known strategies: {', '.join(available_strategies())}. The JSON: {{workload, cluster, strategies: {{SPEC: "
+        "{completed, ttft_s, tpot_s, e2e_s, throughput_tok_s, goodput_rps, max_load_rps, plan_us}}}, the same keys "
+        "for every strategy, null where not asked for."
+    )
+    p = argparse.ArgumentParser(
+        prog="spindle sim compare",
+        description=textwrap.fill(description, 100, break_on_hyphens=False),
+        epilog=textwrap.fill(epilog, 100, break_on_hyphens=False)
+        + "\n\nexamples:\n"
+        + "\n".join(f"  {e}" for e in EXAMPLES),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--strategies", nargs="+", metavar="SPEC", help="strategy specs (default: every registered strategy)"
+    )
+    p.add_argument("--rate", type=float, help="one load point: mean arrival rate, requests/s (inf: all at once)")
+    _add_run_args(p, num_requests=1000)
+    p.add_argument("--plot", type=Path, help="write a PNG of the strategies side by side here")
+    p.add_argument("--json", type=Path, help="write the comparison here")
+    _add_max_load_args(p)
+    return p
+
+
+def check_spec(spec: str) -> None:
+    """A known strategy with only options it has (ValueError otherwise); their values are checked when built."""
+    name, options = parse_strategy_spec(spec)
+    strategy_class(spec)
+    allowed = strategy_options(name)
+    if unknown := sorted(set(options) - set(allowed)):
+        have = ", ".join(f"{k}={v}" for k, v in allowed.items()) or "none"
+        raise ValueError(f"strategy {name!r} has no option {', '.join(unknown)} (options: {have})")
+
+
+def reshaped(setup: SimSetup, colocated: bool) -> SimSetup:
+    """A cluster given as instance counts, for a strategy that runs colocated (`colocated`) or disaggregated: the
+    same GPUs as colocated instances, or half prefill and the rest decode, when the given ones do not suit it."""
+    c = setup.config
+    gpus = sum(c.instance_widths())
+    if colocated and not c.num_colocated:
+        config = replace(c, num_prefill=0, num_decode=0, num_colocated=gpus // c.colocated_tp)
+        how = f"the given {gpus} GPUs as colocated instances"
+    elif not colocated and not (c.num_prefill and c.num_decode):
+        n_p = gpus // 2 // c.prefill_tp
+        n_d = (gpus - n_p * c.prefill_tp) // c.decode_tp
+        config = replace(c, num_prefill=n_p, num_decode=n_d, num_colocated=0)
+        how = f"the given {gpus} GPUs split: half prefill, the rest decode"
+    else:
+        return setup
+    return SimSetup(given_shape(config, how), setup.latency, config)
+
+
+def fit_spec(spec: str, setup: SimSetup) -> tuple[str, str]:
+    """(spec to run, why it differs): a bare name whose default `sp` the cluster cannot run gets the largest SP size
+    that fits its prefill instances and has a latency fit."""
+    name, options = parse_strategy_spec(spec)
+    default = strategy_options(name).get("sp")
+    prefill, n = setup.latency.prefill, setup.config.num_prefill
+    if options or not isinstance(default, int) or prefill is None:
+        return spec, ""
+    sizes = [s for s in prefill.sp_sizes() if s <= n]
+    if default in sizes or not sizes:
+        return spec, ""
+    if default > n:
+        why = f"the default sp={default} needs {default} prefill instances, the cluster has {n}"
+    else:
+        why = f"the default sp={default} has no latency fit (SP sizes {', '.join(map(str, prefill.sp_sizes()))})"
+    return f"{name}:sp={max(sizes)}", why
+
+
+def prepare(args: argparse.Namespace, specs: list[str]) -> list[Entry]:
+    """Each spec's cluster shape and the spec it runs as; those that cannot run are marked skipped."""
+    named = _cluster_spec(args)
+    given: SimSetup | None = None
+    if named is None:
+        config = _sim_config(args)
+        given = SimSetup(given_shape(config), _latency(args), config)
+
+    def shape(colocated: bool) -> SimSetup:
+        if given is not None:
+            return reshaped(given, colocated)
+        assert named is not None
+        return named_cluster(named, colocated, **_sim_options(args))
+
+    built: dict[bool, SimSetup | str] = {}
+    entries: list[Entry] = []
+    ran: dict[str, str] = {}  # spec as run -> as asked
+    for asked in specs:
+        colocated = strategy_class(asked).colocated
+        if colocated not in built:
+            try:
+                built[colocated] = shape(colocated)
+            except ValueError as e:
+                built[colocated] = f"the cluster cannot be shaped for it: {e}"
+        setup = built[colocated]
+        if isinstance(setup, str):
+            entries.append(Entry(asked, asked, None, skipped=setup))
+            continue
+        spec, note = fit_spec(asked, setup)
+        skipped = f"the same as {ran[spec]}" if spec in ran else ""
+        try:
+            create_strategy(spec, setup.latency)
+        except ValueError as e:
+            skipped = str(e)
+        ran.setdefault(spec, asked)
+        entries.append(Entry(asked, spec, setup, note, skipped))
+    return entries
+
+
+def run_entry(entry: Entry, args: argparse.Namespace, trace: list[TraceRequest] | None) -> Entry:
+    """The run at --rate on `trace` (when given), then the max-load search (with --max-load)."""
+    if entry.skipped or entry.setup is None:
+        return entry
+    s = entry.setup
+    if trace is not None:
+        result = simulate(trace, entry.spec, s.latency, s.config)
+        if result.records and all(r.state == "rejected" for r in result.records):
+            return replace(entry, skipped=f"rejects every request ({result.records[0].reason})")
+        entry = replace(entry, summary=result.summary(args.workload, args.rate, _slo(args)))
+    if args.max_load:
+        entry = replace(entry, max_load=_max_load(entry.spec, s, args))
+    return entry
+
+
+def _stats(s: Stats) -> dict[str, float]:
+    return {k: getattr(s, k) for k in STATS}
+
+
+def strategy_dict(entry: Entry) -> dict[str, Any]:
+    """One strategy's JSON: the same keys always, None where not asked for."""
+    s, m = entry.summary, entry.max_load
+    return {
+        "completed": None if s is None else s.completed,
+        "ttft_s": None if s is None else _stats(s.ttft_s),
+        "tpot_s": None if s is None else _stats(s.tpot_s),
+        "e2e_s": None if s is None else _stats(s.e2e_s),
+        "throughput_tok_s": None if s is None else s.throughput_tok_s,
+        "goodput_rps": None if s is None else s.goodput_req_s,
+        "max_load_rps": None if m is None else (m.rate if m.rate is not None else 0.0),
+        "plan_us": None if s is None else asdict(s.plan_us),
+    }
+
+
+def compare_doc(args: argparse.Namespace, entries: list[Entry]) -> dict[str, Any]:
+    slo = _slo(args)
+    rule = None
+    if args.max_load:
+        rule = {"metric": f"{args.metric}_{args.percentile}", "slo_scale": args.slo_scale, "slo_s": args.max_load_slo}
+    workload = {
+        "name": args.workload,
+        "num_requests": args.num_requests,
+        "rate": args.rate,
+        "arrival": args.arrival,
+        "cv": args.cv,
+        "seed": args.seed,
+        "slo": None if slo is None else asdict(slo),
+        "max_load": rule,
+    }
+    ran = [e for e in entries if not e.skipped]
+    by_strategy = {e.spec: e.setup.shape.as_dict() for e in ran if e.setup is not None}
+    shaped = [e.setup.shape.as_dict() for e in entries if e.setup is not None]
+    shapes = list(by_strategy.values()) or shaped
+    first = max(shapes, key=shapes.count) if shapes else {}  # the shape most strategies ran on (ties: the first)
+    skipped = {e.spec: e.skipped for e in entries if e.skipped}
+    cluster = first | {"by_strategy": by_strategy, "skipped": skipped}
+    doc = {"workload": workload, "cluster": cluster, "strategies": {e.spec: strategy_dict(e) for e in ran}}
+    return cast(dict[str, Any], strict_json(doc))
+
+
+def short_shape(shape: ClusterShape) -> str:
+    """'16 prefill + 16 decode, TP1', '2 prefill TP4 + 2 decode TP8', '32 colocated, TP1'."""
+    roles = [
+        (role, n, tp)
+        for role, n, tp in (
+            ("prefill", shape.num_prefill, shape.prefill_tp),
+            ("decode", shape.num_decode, shape.decode_tp),
+            ("colocated", shape.num_colocated, shape.colocated_tp),
+        )
+        if n
+    ]
+    if len({tp for _, _, tp in roles}) == 1:
+        return " + ".join(f"{n} {role}" for role, n, _ in roles) + f", TP{roles[0][2]}"
+    return " + ".join(f"{n} {role} TP{tp}" for role, n, tp in roles)
+
+
+def _num(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None or x != x else f"{x:.{digits}f}"
+
+
+def _max_load_text(m: MaxLoad | None, rate: float | None) -> str:
+    """The max load column: '6.75', '>= 64' when never violated up to the highest rate probed, '-'."""
+    if m is None or rate is None:
+        return "-"
+    return f"{'>= ' if m.rate is not None and not m.saturated else ''}{rate:.3g}"
+
+
+def format_compare_table(entries: list[Entry], doc: dict[str, Any]) -> str:
+    """A fixed-width table, one strategy a row; skipped ones say why."""
+    head = ["strategy", "GPUs", "done", "ttft p50", "ttft p99", "tpot p50", "tpot p99", "e2e p50", "tok/s"]
+    head += ["goodput req/s", "max load req/s", "plan µs mean/p99"]
+    rows, notes = [], []
+    for e in entries:
+        shape = "-" if e.setup is None else short_shape(e.setup.shape)
+        if e.skipped:
+            notes.append(f"{e.spec}: skipped: {e.skipped}")
+            continue
+        d = doc["strategies"][e.spec]
+        ttft, tpot, e2e, plan = (d[k] or {} for k in ("ttft_s", "tpot_s", "e2e_s", "plan_us"))
+        done = "-" if d["completed"] is None else f"{d['completed']}/{doc['workload']['num_requests']}"
+        rows.append(
+            [
+                e.spec,
+                shape,
+                done,
+                *(_num(x.get(p)) for x, p in ((ttft, "p50"), (ttft, "p99"), (tpot, "p50"), (tpot, "p99"))),
+                _num(e2e.get("p50")),
+                _num(d["throughput_tok_s"], 1),
+                _num(d["goodput_rps"]),
+                _max_load_text(e.max_load, d["max_load_rps"]),
+                "-" if not plan else f"{_num(plan['mean'], 0)}/{_num(plan['p99'], 0)}",
+            ]
+        )
+        if e.note:
+            notes.append(f"{e.spec}: {e.note}")
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    fmt = "  ".join(f"{{:<{w}}}" if i < 2 else f"{{:>{w}}}" for i, w in enumerate(widths))
+    return "\n".join([*(fmt.format(*r) for r in [head, *rows]), *notes])
+
+
+def compare_title(doc: dict[str, Any]) -> str:
+    w, c = doc["workload"], doc["cluster"]
+    where = "the given instances"
+    if c.get("model"):
+        where = f"{c['model']} on {c['nodes']} x {c['gpus_per_node']} {c['hardware']}"
+    at = "" if w["rate"] is None else f" at {w['rate']:g} req/s"
+    return f"{w['name']}, {w['num_requests']} requests{at} - {where} ({c.get('gpus', '?')} GPUs)"
+
+
+def compare_main(argv: list[str]) -> int:
+    p = build_compare_parser()
+    args = p.parse_args(argv)
+    if args.rate is None and not args.max_load:
+        p.error("give --rate, --max-load or both")
+    started = time.perf_counter()
+    try:
+        specs = split_specs(args.strategies) if args.strategies else available_strategies()
+        for spec in specs:
+            check_spec(spec)
+        if args.rate is not None and not args.rate > 0:
+            raise ValueError(f"--rate must be > 0 requests/s, got {args.rate}")
+        _slo(args)  # a bad SLO fails before any run
+        entries = prepare(args, specs)
+        _print_shapes({e.spec: e.setup for e in entries if e.setup is not None})
+        trace = None
+        if args.rate is not None:
+            trace = make_workload(args.workload, args.num_requests, args.rate, args.seed, args.arrival, args.cv)
+        done = []
+        for entry in entries:
+            done.append(run_entry(entry, args, trace))
+            if done[-1].max_load is not None:
+                print(_describe_max_load(done[-1].max_load))
+        if all(e.skipped for e in done):
+            raise ValueError("no strategy could run: " + "; ".join(f"{e.spec}: {e.skipped}" for e in done))
+        doc = compare_doc(args, done)
+        print(format_compare_table(done, doc))
+        if args.json is not None:
+            args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        if args.plot is not None:
+            from .compare_plot import plot_compare
+
+            shapes = {e.spec: short_shape(e.setup.shape) for e in done if e.setup is not None}
+            unsaturated = frozenset(e.spec for e in done if e.max_load and e.max_load.rate and not e.max_load.saturated)
+            plot_compare(doc, args.plot, compare_title(doc), shapes, unsaturated)
+            print(f"plot: {args.plot}")
+    except (ValueError, RuntimeError) as e:
+        print(f"spindle sim compare: {e}", file=sys.stderr)
+        return 2
+    ran = sum(not e.skipped for e in done)
+    print(f"{ran} strateg{'y' if ran == 1 else 'ies'} compared in {time.perf_counter() - started:.1f} s wall")
+    return 0

@@ -1,0 +1,130 @@
+"""`spindle sim compare`: strategies side by side on one trace and cluster, its JSON schema, shapes, skips and PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from spindle_scheduler.sim.cli import main
+from spindle_scheduler.strategy import available_strategies, parse_strategy_spec
+
+SMALL = ["--workload", "tetris-short", "--num-requests", "40", "--seed", "1"]
+GIVEN = ["--instances", "4", "--decode-instances", "2"]
+KEYS = {"completed", "ttft_s", "tpot_s", "e2e_s", "throughput_tok_s", "goodput_rps", "max_load_rps", "plan_us"}
+STATS = {"mean", "p50", "p90", "p99"}
+
+
+def _compare(tmp_path: Path, *argv: str) -> dict:
+    out = tmp_path / "compare.json"
+    assert main(["compare", *argv, "--json", str(out)]) == 0
+    text = out.read_text()
+    assert "NaN" not in text and "Infinity" not in text  # strict JSON
+    return json.loads(text)
+
+
+def test_json_schema_same_keys_for_every_strategy_nulls_where_not_asked(tmp_path: Path) -> None:
+    strategies = ["single,request-sp", "fixed-sp:sp=2"]
+    d = _compare(tmp_path, "--strategies", *strategies, *GIVEN, *SMALL, "--rate", "2")
+    assert set(d) == {"workload", "cluster", "strategies"}
+    assert list(d["strategies"]) == ["single", "request-sp", "fixed-sp:sp=2"]
+    for spec, s in d["strategies"].items():
+        assert set(s) == KEYS, spec
+        assert s["completed"] == 40 and s["throughput_tok_s"] > 0
+        assert all(set(s[k]) == STATS and s[k]["p50"] <= s[k]["p99"] for k in ("ttft_s", "tpot_s", "e2e_s"))
+        assert s["goodput_rps"] is None and s["max_load_rps"] is None  # no SLO, no --max-load
+        assert set(s["plan_us"]) == {"mean", "p99", "max"} and 0 < s["plan_us"]["mean"] <= s["plan_us"]["max"]
+    w = d["workload"]
+    assert (w["name"], w["num_requests"], w["rate"], w["seed"], w["slo"], w["max_load"]) == (
+        "tetris-short", 40, 2.0, 1, None, None
+    )  # fmt: skip
+    assert set(d["cluster"]["by_strategy"]) == set(d["strategies"]) and d["cluster"]["skipped"] == {}
+
+    d = _compare(tmp_path, "--strategies", "single", *GIVEN, *SMALL, "--rate", "2", "--slo-ttft", "5")
+    assert d["strategies"]["single"]["goodput_rps"] > 0 and d["workload"]["slo"] == {"ttft_s": 5.0, "tpot_s": None}
+
+
+def test_default_is_every_strategy_each_shaped_as_it_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d = _compare(tmp_path, *GIVEN, *SMALL, "--rate", "2")
+    printed = capsys.readouterr().out
+    assert sorted(parse_strategy_spec(s)[0] for s in d["strategies"]) == available_strategies()
+    assert all(s["completed"] == 40 for s in d["strategies"].values())
+    # fixed-sp's default sp=8 does not fit 4 prefill instances: it runs with the largest SP size that does
+    assert "fixed-sp:sp=4" in d["strategies"] and "the default sp=8 needs 8 prefill instances" in printed
+    by = d["cluster"]["by_strategy"]
+    assert (by["chunked"]["num_colocated"], by["chunked"]["num_prefill"]) == (6, 0)  # the same 6 GPUs, colocated
+    assert (by["single"]["num_prefill"], by["single"]["num_decode"]) == (4, 2)  # as given
+    assert "6 colocated, TP1" in printed and "4 prefill + 2 decode, TP1" in printed  # the table says how
+
+
+def test_named_cluster_and_the_default_calibration(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    named = ["--model", "llama3-70b", "--hardware", "h100-sxm", "--nodes", "2"]
+    d = _compare(tmp_path, *named, "--strategies", "single,chunked,fixed-sp", *SMALL, "--rate", "1")
+    c = d["cluster"]
+    assert (c["model"], c["hardware"], c["gpus"]) == ("llama3-70b", "h100-sxm", 16)
+    assert c["by_strategy"]["chunked"]["num_colocated"] * c["by_strategy"]["chunked"]["colocated_tp"] == 16
+    assert c["by_strategy"]["single"]["num_prefill"] == 2 and "fixed-sp:sp=2" in d["strategies"]
+    assert "2 prefill x TP4 + 2 decode x TP4 instances" in capsys.readouterr().out
+
+    d = _compare(tmp_path, "--strategies", "single", "--num-requests", "30", "--rate", "4")  # calibration, 32 + 8
+    c = d["cluster"]
+    assert (c["model"], c["num_prefill"], c["num_decode"]) == (None, 32, 8)
+    assert d["strategies"]["single"]["completed"] == 30
+
+
+def test_max_load_on_a_small_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--strategies", "single,request-sp", *GIVEN, *SMALL, "--max-load", "--max-rate", "32"]
+    d = _compare(tmp_path, *argv)
+    assert "max sustainable load" in capsys.readouterr().out
+    assert d["workload"]["max_load"] == {"metric": "ttft_p50", "slo_scale": 25.0, "slo_s": None}
+    for s in d["strategies"].values():
+        assert set(s) == KEYS and 0 < s["max_load_rps"] <= 32
+        assert s["completed"] is None and s["ttft_s"] is None and s["plan_us"] is None  # no --rate: no run
+
+
+def test_the_png_is_written(tmp_path: Path) -> None:
+    png = tmp_path / "compare.png"
+    argv = ["--strategies", "single,chunked", *GIVEN, *SMALL, "--rate", "2", "--slo-ttft", "5"]
+    _compare(tmp_path, *argv, "--max-load", "--max-rate", "16", "--plot", str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+
+def test_a_strategy_that_cannot_run_is_skipped_with_the_reason(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    argv = ["--strategies", "single", "fixed-sp:sp=16", "chunked:chunk_size=0", *GIVEN, *SMALL, "--rate", "2"]
+    d = _compare(tmp_path, *argv)
+    assert list(d["strategies"]) == ["single"]
+    skipped = d["cluster"]["skipped"]
+    assert "fewer than sp=16 live prefill instances" in skipped["fixed-sp:sp=16"]
+    assert "chunk_size must be >= 1" in skipped["chunked:chunk_size=0"]
+    assert "skipped" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("strategies", "says"),
+    [
+        (["nope"], "unknown strategy 'nope'"),
+        (["single:foo=1"], "has no option foo"),
+        (["fixed-sp:sp"], "is not key=value"),
+        (["single", "single"], "listed twice"),
+        (["fixed-sp:sp=32"], "no strategy could run"),  # every one skipped
+    ],
+)
+def test_a_bad_spec_is_a_clear_error(strategies: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compare", "--strategies", *strategies, *GIVEN, *SMALL, "--rate", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("spindle sim compare: ") and says in err and "Traceback" not in err
+
+
+def test_help_and_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["compare", *SMALL])  # neither --rate nor --max-load
+    assert e.value.code == 2 and "give --rate, --max-load or both" in capsys.readouterr().err
+    assert main(["compare", "--strategies", "single", *GIVEN, *SMALL, "--rate", "0"]) == 2
+    assert "--rate must be > 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["compare", "--help"])
+    assert "examples:\n  spindle sim compare --workload " in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "spindle sim compare" in capsys.readouterr().out.replace("\n", " ")
