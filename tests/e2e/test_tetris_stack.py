@@ -32,6 +32,7 @@ from .test_sp_stack import _profile
 
 if TYPE_CHECKING:
     from spindle_engine import Engine
+    from spindle_launcher.stack import Stack
     from spindle_model import Tokenizer
 
 STRATEGY = "tetris:improvement_rate=0,min_chunk=64,align=16"
@@ -159,6 +160,20 @@ def _settled(spans: list[ReceivedSpan], before: set[str]) -> bool:
 
 
 @pytest.mark.slow
+async def _prefill_nodes(stack: Stack) -> dict[str, str]:
+    """The node each prefill instance reports in its heartbeats, as the scheduler sees them."""
+    from spindle_protocol import subjects
+    from spindle_protocol.bus import Bus
+    from spindle_protocol.messages import ClusterStatus, StatusQuery
+
+    bus = await Bus.connect(stack.nats_url, "test-tetris-nodes")
+    try:
+        status = await bus.request(subjects.STATUS, StatusQuery(), ClusterStatus)
+    finally:
+        await bus.close()
+    return {i.instance_id: i.node for i in status.instances if i.role == "prefill"}
+
+
 def test_tetris_grows_a_plan_from_the_free_instance_to_both(
     tmp_path_factory: pytest.TempPathFactory,
     tmp_path: Path,
@@ -174,8 +189,10 @@ def test_tetris_grows_a_plan_from_the_free_instance_to_both(
         strategy=STRATEGY,
         profile=_tetris_profile(tmp_path),
         otlp_endpoint=otlp.endpoint,
+        prefill_per_node=1,  # two virtual nodes: GetGroup extends across them when the first has no room
     )
     try:
+        assert asyncio.run(_prefill_nodes(stack)) == {"prefill-0": "node-0", "prefill-1": "node-1"}
         busy_ids, long_ids = _prompts(tokenizer, [BUSY, LONG])
         baseline = wait_until(lambda: instance_blocks(stack), 5)
         assert baseline and not any(baseline.values()), baseline

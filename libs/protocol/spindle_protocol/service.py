@@ -56,6 +56,11 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
         default="tcp://127.0.0.1:29500",
         help="torch.distributed rendezvous address of rank 0 (default %(default)s)",
     )
+    g.add_argument(
+        "--node",
+        default="",
+        help="the node this instance reports (strategies keep SP groups inside a node); default: the host name",
+    )
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -104,6 +104,7 @@ class InstanceConfig:
     engine: EngineConfig
     otlp_endpoint: str | None = None
     tp_size: int = 1  # tensor-parallel ranks of this instance: this one (the leader) and the next tp_size - 1
+    node: str = ""  # the node it reports in its heartbeats ("": the host name)
 
     def __post_init__(self) -> None:
         subjects.check_token(self.instance_id, "instance id")
@@ -125,6 +126,7 @@ class InstanceConfig:
             engine,
             args.otlp_endpoint,
             getattr(args, "tp_size", 1),
+            getattr(args, "node", ""),
         )
 
 
@@ -250,7 +252,7 @@ class Instance:
             num_waiting=snap.num_waiting,
             queued_tokens=snap.waiting_tokens,
             max_model_len=self.engine.max_model_len,
-            node=socket.gethostname(),
+            node=self.config.node or socket.gethostname(),
             tp_size=self.config.tp_size,
         )
 

@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> None:
         memory_bytes=int(args.memory_gb * 2**30),
         otlp_endpoint=args.otlp_endpoint,
         dist_timeout_s=args.dist_timeout,
+        node=args.node,
     )
     service.run(KVStoreService(config).run, args.parent_pid)
 

@@ -65,6 +65,7 @@ class KVStoreConfig:
     memory_bytes: int
     otlp_endpoint: str | None = None
     dist_timeout_s: float = 300.0
+    node: str = ""  # the node it reports ("": the host name)
 
     def __post_init__(self) -> None:
         subjects.check_token(self.instance_id, "instance id")
@@ -165,7 +166,7 @@ class KVStoreService:
             kv_bytes_total=self.store.budget_bytes,
             kv_bytes_used=self.store.bytes_used,
             num_running=len(self.receiving),
-            node=socket.gethostname(),
+            node=self.config.node or socket.gethostname(),
         )
 
     # ---- handlers ----

@@ -99,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(the instance's default, 512; 0 = no cap)",
     )
     c.add_argument(
+        "--prefill-per-node",
+        type=int,
+        default=0,
+        help="prefill instances per (virtual) node: they report nodes node-0, node-1, ..., which node-aware "
+        "strategies (tetris) keep SP groups inside; 0: all report this host (%(default)s)",
+    )
+    c.add_argument(
         "--decode-tp",
         type=int,
         default=1,
@@ -191,6 +198,7 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         **layout_from_args(args),  # type: ignore[arg-type]
         decode_tp=args.decode_tp,
         decode_kvp=args.decode_kvp,
+        prefill_per_node=args.prefill_per_node,
         kvp_tokens=args.kvp_tokens,
         kvp_scale_down_tokens=args.kvp_scale_down_tokens,
         host=args.host,

@@ -47,6 +47,9 @@ class StackConfig:
     shared_chunk: int | None = None  # elastic: one prompt's tokens per step while others share the instance
     decode_tp: int = 1  # tensor-parallel ranks (processes) of each decode instance
     decode_kvp: int = 1  # KV-parallel members (processes) of each decode instance (with decode_tp 1)
+    # > 0: prefill instances report nodes "node-0", "node-1", ... of this many instances each (strategies keep SP
+    # groups inside a node: Tetris's GetGroup); 0: every instance reports the host name
+    prefill_per_node: int = 0
     kvp_tokens: int = 0  # per-member KV token limit of a new request on a KVP group (the strategy's kvp_tokens)
     kvp_scale_down_tokens: int = 0  # KVP ranges shorter than this merge into a neighbour with room; 0 = never
     host: str = "127.0.0.1"  # gateway bind address
@@ -93,6 +96,8 @@ class StackConfig:
             for what, n in (("prefill", self.prefill), ("decode", self.decode)):
                 if not isinstance(n, int) or n < 1:
                     raise ValueError(f"need at least one {what} instance (or elastic > 0), got {n!r}")
+        if not isinstance(self.prefill_per_node, int) or self.prefill_per_node < 0:
+            raise ValueError(f"prefill_per_node must be a non-negative integer, got {self.prefill_per_node!r}")
         if not isinstance(self.decode_tp, int) or self.decode_tp < 1:
             raise ValueError(f"decode_tp must be a positive integer, got {self.decode_tp!r}")
         if not isinstance(self.decode_kvp, int) or self.decode_kvp < 1:
@@ -232,7 +237,8 @@ def build_plan(config: StackConfig, runtime: Runtime, python: str = sys.executab
         scheduler += ["--profile", str(config.profile)]
     add("scheduler", "scheduler", scheduler)
     for i in range(config.prefill):
-        add(f"prefill-{i}", "prefill", worker(f"prefill-{i}", 1 + i) + engine(config.kv_cache_tokens))
+        node = ["--node", f"node-{i // config.prefill_per_node}"] if config.prefill_per_node else []
+        add(f"prefill-{i}", "prefill", worker(f"prefill-{i}", 1 + i) + node + engine(config.kv_cache_tokens))
     decode_tokens = config.decode_kv_cache_tokens or config.kv_cache_tokens
     for i in range(config.decode):
         rank = config.decode_rank(i)

@@ -202,3 +202,12 @@ def test_chunk_size_needs_elastic_instances() -> None:
     for flag in ("--chunk-size", "--shared-chunk-size"):
         with pytest.raises(ValueError, match="elastic"):
             layout_from_args(build_parser().parse_args(["up", flag, "64"]), cpu_count=16)
+
+
+def test_prefill_instances_report_virtual_nodes() -> None:
+    specs = {s.name: s for s in build_plan(StackConfig(prefill=5, prefill_per_node=2), RT)}
+    nodes = [specs[f"prefill-{i}"].args[specs[f"prefill-{i}"].args.index("--node") + 1] for i in range(5)]
+    assert nodes == ["node-0", "node-0", "node-1", "node-1", "node-2"]
+    assert "--node" not in specs["decode-0"].args and "--node" not in build_plan(StackConfig(), RT)[2].args
+    with pytest.raises(ValueError, match="prefill_per_node"):
+        StackConfig(prefill_per_node=-1)

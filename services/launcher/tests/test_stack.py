@@ -56,7 +56,9 @@ def test_not_ready_names_what_is_missing(stand_ins: ModuleType) -> None:
 
 def test_child_death_during_start(stand_ins: ModuleType, tmp_path: Path) -> None:
     def plan(config, runtime):
-        specs = stand_ins.stand_in_plan(config, runtime)
+        # decode-0 never registers, so the stack cannot be ready before the crasher's exit is seen (on a loaded
+        # machine the interpreter may take longer to exit than the other stand-ins take to come up)
+        specs = stand_ins.stand_in_plan(config, runtime, live=["kvstore-0", "prefill-0"])
         return [*specs, type(specs[0])("crasher", (sys.executable, "-c", "raise SystemExit(7)"), {})]
 
     stack = Stack(StackConfig(prefill=1, decode=1, port=0, log_dir=str(tmp_path)), plan=plan, prepare_model=False)
