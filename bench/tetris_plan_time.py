@@ -89,7 +89,7 @@ def strategy_times(latency: object, cap: int, lengths: list[int], rng: np.random
     times = []
     for i, n in enumerate(lengths):
         for iid, q in zip(ids, rng.uniform(0, 10, 128), strict=True):
-            core.state.instances[iid].planned.clear()
+            core.state.work_done((iid,), "earlier")
             core.state.plan_work((iid,), "earlier", float(q))
         spec = request_spec(f"r{i}", prompt=n, out=1)
         t0 = time.perf_counter_ns()

@@ -26,6 +26,7 @@ class InstanceState:
     planned_tokens: int = 0  # prompt tokens we sent since its last heartbeat (it has not counted them yet)
     planned_blocks: int = 0  # KV blocks we expect it to take for requests planned onto it (until a heartbeat)
     planned: dict[str, float] = field(default_factory=dict)  # request id -> predicted end of its prefill work here
+    planned_until: float = float("-inf")  # max(planned.values()): kept by ClusterState.plan_work / work_done
     # "virtual usage" (Llumnix, Tetris §5.2): blocks of requests placed here for decode that have not started
     # decoding yet (prefilling, in transfer, parked), which the instance's own count does not hold yet
     incoming: dict[str, int] = field(default_factory=dict)
@@ -63,7 +64,7 @@ class InstanceState:
 
     def busy_until(self, now: float) -> float:
         """Predicted time this instance finishes the prefill work planned onto it (`now` when idle)."""
-        return max(now, max(self.planned.values(), default=now))
+        return now if self.planned_until < now else self.planned_until
 
 
 @dataclass
@@ -156,12 +157,13 @@ class ClusterState:
         """Record that `instance_ids` are busy with `request_id` until `until` (predicted)."""
         for iid in instance_ids:
             inst = self.instances[iid]
-            inst.planned[request_id] = max(until, inst.planned.get(request_id, until))
+            inst.planned[request_id] = end = max(until, inst.planned.get(request_id, until))
+            inst.planned_until = max(inst.planned_until, end)
 
     def work_done(self, instance_ids: tuple[str, ...], request_id: str) -> None:
         for iid in instance_ids:
-            if (inst := self.instances.get(iid)) is not None:
-                inst.planned.pop(request_id, None)
+            if (inst := self.instances.get(iid)) is not None and inst.planned.pop(request_id, None) is not None:
+                inst.planned_until = max(inst.planned.values(), default=float("-inf"))
 
     def max_model_len(self) -> int:
         lens = [i.info.max_model_len for i in self.instances.values() if i.alive and i.info.max_model_len > 0]

@@ -18,7 +18,7 @@ class GroupFinder:
 
     def __init__(self, members: Sequence[int], node_of: Sequence[str]) -> None:
         self.by_node: dict[str, list[int]] = {}
-        for i in sorted(members):
+        for i in members if isinstance(members, range) else sorted(members):
             self.by_node.setdefault(node_of[i], []).append(i)  # ascending index = ascending queue
         self.node_of = node_of
         self.size = len(members)

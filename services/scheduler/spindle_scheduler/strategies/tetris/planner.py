@@ -82,7 +82,8 @@ class CDSPPlanner:
         if not sizes:
             raise ValueError(f"no SP size fits {len(self.queues)} prefill instances")
         pool = tuple(range(len(self.queues)))
-        ttft, chunks = self._search(self._finder(pool), tokens, 0, (), sizes, 0.0)
+        self.finders[pool] = GroupFinder(range(len(self.queues)), self.nodes)
+        ttft, chunks = self._search(self.finders[pool], tokens, 0, (), sizes, 0.0)
         return CDSPPlan(chunks, ttft)
 
     def _single(self, finder: GroupFinder, tokens: int, history: int, initial: Group, sizes: Sequence[int],
