@@ -28,14 +28,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spindle_costmodel import CostModel, Parallelism, get_hardware, get_model
 from tqdm import tqdm
 
-from spindle_scheduler.calibration import latency_from_cost_model, load_paper_calibration
+from spindle_scheduler.calibration import load_paper_calibration
 from spindle_scheduler.core import SchedulerConfig
 from spindle_scheduler.latency import LatencyModel
 from spindle_scheduler.sim import SimConfig
 from spindle_scheduler.sim.loadsearch import max_sustainable_load
+from spindle_scheduler.sim.named_cluster import ClusterSpec, named_cluster
 from spindle_scheduler.sim.sweep import SweepRow, sweep
 from spindle_scheduler.sim.tune import tune_tetris
 
@@ -75,16 +75,11 @@ def cluster_8b() -> tuple[LatencyModel, SimConfig]:
 
 
 def cluster_70b() -> tuple[LatencyModel, SimConfig]:
-    cm = CostModel(get_model("llama3-70b"), get_hardware("a100-80g"))
-    prefill, decode = Parallelism(tp=4), Parallelism(tp=8)
-    latency = latency_from_cost_model(cm, (1, 2, 4, 8), prefill=prefill, decode=(decode,), transfer_links=4)
-    blocks = cm.max_kv_tokens(prefill) // 16, cm.max_kv_tokens(decode) // 16
-    config = SimConfig(
-        num_prefill=8, num_decode=4, prefill_tp=4, decode_tp=8, gpus_per_node=8,
-        prefill_kv_blocks=blocks[0], decode_kv_blocks=blocks[1], kv_bytes_per_token=cm.model.kv_bytes_per_token,
-        scheduler=SchedulerConfig(max_num_requests=10**5),
-    )  # fmt: skip
-    return latency, config
+    spec = ClusterSpec(
+        "a100-80g", "llama3-70b", nodes=8, prefill_tp=4, decode_tp=8, num_prefill=8, num_decode=4, num_colocated=0
+    )
+    setup = named_cluster(spec, colocated=False, scheduler=SchedulerConfig(max_num_requests=10**5))
+    return setup.latency, setup.config
 
 
 def _p(row: SweepRow, q: str) -> float:

@@ -52,6 +52,7 @@ class CostModel:
             raise ValueError(f"mem_utilization must be in (0, 1], got {mem_utilization}")
         self.model, self.hw, self.mem_utilization = model, hardware, mem_utilization
         self.iteration = lru_cache(maxsize=65536)(self._iteration)  # type: ignore[method-assign]
+        self._chunked = lru_cache(maxsize=4096)(self._chunked_prefill)  # type: ignore[method-assign]
 
     def __repr__(self) -> str:
         return f"CostModel({self.model.name} on {self.hw.name})"
@@ -218,8 +219,7 @@ class CostModel:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         return self._chunked(tokens, history, par, chunk_size, keep)
 
-    @lru_cache(maxsize=4096)  # noqa: B019 - the model lives as long as its cache needs to
-    def _chunked(self, tokens: int, history: int, par: Parallelism, chunk_size: int, keep: float) -> Breakdown:
+    def _chunked_prefill(self, tokens: int, history: int, par: Parallelism, chunk_size: int, keep: float) -> Breakdown:
         steps = []
         for start in range(0, tokens, chunk_size):
             steps.append(self.iteration((Chunk(min(chunk_size, tokens - start), history + start),), 0, 0, par, keep))

@@ -78,23 +78,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _floats(text: str, what: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise ValueError(f"{what}: expected comma-separated numbers, got {text!r}") from e
-    if not values:
-        raise ValueError(f"{what}: no value given")
-    return values
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    from .cli import setups
+    from .cli import parse_rates, setups
 
     args = build_parser().parse_args(argv)
     try:
-        rates = _floats(args.rates, "--rates")
-        candidates = _floats(args.improvement_rates, "--improvement-rates")
+        rates = parse_rates([args.rates])
+        try:
+            candidates = parse_rates([args.improvement_rates])
+        except ValueError as e:
+            raise ValueError(f"--improvement-rates: expected comma-separated numbers ({e})") from None
         setup = setups(args, [args.base])[args.base]
         start = time.perf_counter()
         table = tune_tetris(
