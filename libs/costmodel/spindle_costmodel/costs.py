@@ -204,6 +204,14 @@ class CostModel:
             raise ValueError(f"decode needs batch >= 1 and context >= 0, got {batch}, {context}")
         return self.iteration((), batch, batch * context, par, 1.0)
 
+    def multi_master_decode(self, batch: int, context: int, par: Parallelism = SINGLE) -> Breakdown:
+        """One decode step of `batch` requests on a group of `par.kvp` instances that each master a share of
+        them (LoongServe's multi-master distributed decoding): each runs the dense layers of its share, and the
+        attention of every request is split over the members holding its KV (the query exchange as KVP's)."""
+        if batch < 1 or context < 0:
+            raise ValueError(f"decode needs batch >= 1 and context >= 0, got {batch}, {context}")
+        return self.iteration((), math.ceil(batch / par.kvp), batch * context, par, 1.0)
+
     def prefill(
         self,
         tokens: int,

@@ -68,3 +68,16 @@ def decode_samples(
                 continue
             rows.append((par.tp, par.kvp, b, b * ctx, cm.decode(b, ctx, par).total_s))
     return rows
+
+
+def multi_master_decode_samples(
+    cm: CostModel, par: Parallelism, batches: Sequence[int], contexts: Sequence[int]
+) -> list[tuple[int, int, int, int, float]]:
+    """As `decode_samples`, for a group of `par.kvp` instances that each master a share of the batch."""
+    rows = []
+    for b in batches:
+        for ctx in contexts:
+            if not cm.memory(par, b * ctx, b).fits:
+                continue
+            rows.append((par.tp, par.kvp, b, b * ctx, cm.multi_master_decode(b, ctx, par).total_s))
+    return rows

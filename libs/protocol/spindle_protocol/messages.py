@@ -113,6 +113,7 @@ class InstanceInfo(msgspec.Struct, frozen=True, kw_only=True):
     # the KV-parallel group it steps with in lockstep (its leader's id; "" = none): the scheduler splits a request's
     # KV only over instances of one group; every member registers as its own decode instance, with its own blocks
     kvp_group: str = ""
+    kv_bytes_per_token: int = 0  # bytes of one token's KV on this instance (all layers; 0 = not reported)
 
 
 class ClusterStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -437,6 +438,26 @@ class KVPShards(msgspec.Struct, frozen=True, kw_only=True, tag="kvp_shards"):
     shards: list[KVShardSpec]
 
 
+class IterationDone(msgspec.Struct, frozen=True, kw_only=True, tag="iteration_done"):
+    """A group of elastic instances finished the iteration the scheduler sent (`RunBatch` `batch_id`): its members
+    are free for the next one. The event is the group's, not a request's (`request_id` empty)."""
+
+    instance_id: str  # the group's first member
+    batch_id: int
+    seconds: float  # measured: the iteration's time on the group
+    request_id: str = ""
+
+
+class KVMigrated(msgspec.Struct, frozen=True, kw_only=True, tag="kv_migrated"):
+    """A decoding request's KV held on `src` moved to `dst` (the scheduler's `MigrateKV`)."""
+
+    request_id: str
+    instance_id: str  # src
+    dst: str
+    num_tokens: int
+    seconds: float
+
+
 WorkerEvent = (
     PrefillProgress
     | PrefillDone
@@ -444,6 +465,8 @@ WorkerEvent = (
     | DecodeStarted
     | Preempted
     | KVPShards
+    | IterationDone
+    | KVMigrated
     | RequestFinished
     | RequestFailed
 )

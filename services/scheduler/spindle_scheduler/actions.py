@@ -185,4 +185,76 @@ class ScaleDownKVP:
     into: str
 
 
-Action = Admit | Reject | RunPrefill | FailRequest | Preempt | TransferKV | ScaleDownKVP
+@dataclass(frozen=True)
+class PrefillPart:
+    """Prompt tokens [start, end) of `spec`, computed in one iteration by a group (sequence-parallel over its
+    members). `retain`: where that KV stays when the iteration ends, tiling [start, end) over members of the
+    group (LoongServe's proactive scale-down: members keep ranges as the ring passes the KV by, so nothing moves
+    afterwards); the last holder takes the request's new tokens unless a DecodePart names another master."""
+
+    spec: RequestSpec
+    start: int
+    end: int
+    retain: tuple[KVShard, ...]
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.start < self.end <= self.spec.prompt.num_tokens, f"bad part [{self.start}, {self.end})"
+        r = self.retain
+        assert r and r[0].start == self.start and r[-1].end == self.end, f"retain must tile the part: {r}"
+        assert all(a.end == b.start for a, b in itertools.pairwise(r)) and all(x.start < x.end for x in r), r
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def last(self) -> bool:
+        """The part ends the prompt: the iteration samples the first token."""
+        return self.end == self.spec.prompt.num_tokens
+
+
+@dataclass(frozen=True)
+class DecodePart:
+    """One new token of a decoding request; `master` runs its dense layers and stores the token's KV, every
+    holder of its KV computes its share of the attention (multi-master distributed decoding)."""
+
+    request_id: str
+    master: str
+
+
+@dataclass(frozen=True)
+class RunBatch:
+    """One iteration on a group of elastic (colocated) instances: the prefill parts as one SP batch over
+    `instances` and the decodes as one multi-master decode batch. Every member is free (its last iteration
+    reported done) when it is sent; the group reports `IterationDone(batch_id)` when it ends."""
+
+    batch_id: int
+    instances: tuple[str, ...]
+    prefills: tuple[PrefillPart, ...] = ()
+    decodes: tuple[DecodePart, ...] = ()
+
+    def __post_init__(self) -> None:
+        members = set(self.instances)
+        assert self.instances and len(members) == len(self.instances), f"bad group {self.instances}"
+        assert self.prefills or self.decodes, "an iteration runs something"
+        assert all(s.instance in members for p in self.prefills for s in p.retain), "KV retained outside the group"
+        assert all(d.master in members for d in self.decodes), "a master outside the group"
+        ids = [p.request_id for p in self.prefills] + [d.request_id for d in self.decodes]
+        assert len(set(ids)) == len(ids), "a request twice in one iteration"
+
+
+@dataclass(frozen=True)
+class MigrateKV:
+    """Move the KV a decoding request holds on `src` to `dst`; answered by KVMigrated. Neither `src` nor the request
+    runs an iteration meanwhile (`dst` may). LoongServe's allocation step frees an instance for a prefill so."""
+
+    request_id: str
+    src: str
+    dst: str
+
+
+Action = Admit | Reject | RunPrefill | FailRequest | Preempt | TransferKV | ScaleDownKVP | RunBatch | MigrateKV

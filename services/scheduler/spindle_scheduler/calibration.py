@@ -13,7 +13,13 @@ from typing import Any
 
 from spindle_costmodel import PAPER_FIGURES, CostModel, Parallelism
 from spindle_costmodel.costs import SINGLE
-from spindle_costmodel.fast_forms import batch_prefill_samples, decode_samples, length_grid, prefill_samples
+from spindle_costmodel.fast_forms import (
+    batch_prefill_samples,
+    decode_samples,
+    length_grid,
+    multi_master_decode_samples,
+    prefill_samples,
+)
 
 from .latency import BatchPrefillModel, DecodeStepModel, LatencyModel, PrefillLatencyModel, TransferModel
 
@@ -75,11 +81,13 @@ def latency_from_cost_model(
     max_tokens: int = 1 << 20,
     decode_batches: Sequence[int] = (1, 4, 16, 64, 256),
     transfer_links: int = 1,
+    multi_master: Sequence[Parallelism] = (),
 ) -> LatencyModel:
     """The strategies' fast forms fitted to the cost model of one (model, hardware): Tetris Eq. 1 and LoongServe
     Eq. 7 per SP size (prefill instances shaped like `prefill`, e.g. its TP), the decode step per decode
     instance shape in `decode`, and the transfer over the link between nodes, `transfer_links` GPUs sending their
-    share of the KV in parallel (a TP instance's GPUs each hold their KV heads)."""
+    share of the KV in parallel (a TP instance's GPUs each hold their KV heads). `multi_master`: decode steps of
+    elastic groups (LoongServe's multi-master decoding over `kvp` instances), fitted under their (TP, KVP) key."""
     if transfer_links < 1:
         raise ValueError(f"transfer_links must be >= 1, got {transfer_links}")
     lengths = length_grid(max_tokens)
@@ -95,6 +103,8 @@ def latency_from_cost_model(
         if len(rows) < 3:
             raise ValueError(f"{cm}: decode on {par.label()} does not fit in memory")
         decode_rows += rows
+    for par in multi_master:
+        decode_rows += multi_master_decode_samples(cm, par, decode_batches, lengths)
     link = cm.hw.inter
     return LatencyModel(
         prefill=PrefillLatencyModel.fit(prefill_rows),

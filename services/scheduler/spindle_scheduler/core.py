@@ -14,6 +14,8 @@ import msgspec
 from spindle_protocol.messages import (
     DecodeStarted,
     InstanceInfo,
+    IterationDone,
+    KVMigrated,
     KVPShards,
     Preempted,
     PrefillDone,
@@ -31,8 +33,10 @@ from .actions import (
     Admit,
     FailRequest,
     KVShard,
+    MigrateKV,
     Preempt,
     Reject,
+    RunBatch,
     RunPrefill,
     ScaleDownKVP,
     TransferKV,
@@ -110,7 +114,28 @@ class SchedulerCore:
                 req = self.state.requests.get(a.request_id)
                 assert req is not None and req.phase is Phase.DECODE, f"scaling down a request not decoding: {a}"
                 req.merging = True
+            elif isinstance(a, RunBatch):
+                self._batch_planned(a)
+            elif isinstance(a, MigrateKV):
+                req = self.state.requests.get(a.request_id)
+                assert req is not None and a.src in req.decode_instances(), f"migrating KV the request lacks: {a}"
+                req.moving = True
         return actions
+
+    def _batch_planned(self, batch: RunBatch) -> None:
+        """A per-iteration strategy sent an iteration: its prefill parts' requests are held by the group until
+        their KV is retained, then by the holders the parts name (what an instance loss fails)."""
+        for part in batch.prefills:
+            req = self.state.requests.get(part.request_id)
+            assert req is not None, f"an iteration for a request the core does not track: {part}"
+            req.prefill_instances = tuple(dict.fromkeys((*req.prefill_instances, *batch.instances)))
+            kept = tuple(s for s in req.decode_shards if s.end <= part.start) + part.retain
+            req.decode_shards, req.decode_instance = kept, kept[0].instance
+
+    def _migrated(self, req: RequestState, event: KVMigrated) -> None:
+        shards = [KVShard(event.dst if s.instance == event.instance_id else s.instance, s.start, s.end)
+                  for s in req.decode_shards]  # fmt: skip
+        req.decode_shards, req.decode_instance, req.moving = tuple(shards), shards[0].instance, False
 
     def scaled_down(self, request_id: str, instance: str, into: str) -> None:
         """A ScaleDownKVP was carried out: `instance`'s shard is `into`'s now."""
@@ -244,6 +269,7 @@ class SchedulerCore:
                     master.mastering.add(rid)
             elif isinstance(a, FailRequest):  # a strategy may give up on a request it just admitted
                 self._forget(a.request_id)
+        self._track([a for a in actions if isinstance(a, RunBatch | MigrateKV)])  # a per-iteration strategy's work
         return actions
 
     def plan(self, spec: RequestSpec, now: float) -> list[Action]:
@@ -283,6 +309,8 @@ class SchedulerCore:
         return ""
 
     def on_event(self, event: WorkerEvent, now: float) -> list[Action]:
+        if isinstance(event, IterationDone):  # a group's event: only the strategy keeps groups
+            return self._track(self.strategy.on_event(event, self.state, now))
         req = self.state.requests.get(event.request_id)
         if req is None:
             return []
@@ -304,6 +332,8 @@ class SchedulerCore:
                 req.decoding_since = now
             case KVPShards():
                 self._kvp_placed(req, event)
+            case KVMigrated():
+                self._migrated(req, event)
             case Preempted():
                 req.phase = Phase.TRANSFER
                 req.parked_since, req.decoding_since = now, None

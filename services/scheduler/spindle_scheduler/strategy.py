@@ -35,6 +35,10 @@ class Strategy(ABC):
     # True: plans onto colocated (elastic) instances that prefill and decode; False: a prefill/decode split.
     # `spindle sim` on a named cluster shapes the GPUs by it.
     colocated: bool = False
+    # True: plans per iteration (LoongServe): `plan()` admits without placing, and RunBatch actions from
+    # `on_event`/`on_tick` say what each group of colocated instances runs next; the instances report each
+    # iteration done (IterationDone). Implies `colocated`.
+    elastic: bool = False
 
     def __init__(self, latency: LatencyModel | None = None) -> None:
         if self.needs_latency and (latency is None or latency.prefill is None):

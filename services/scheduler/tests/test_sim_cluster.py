@@ -13,7 +13,7 @@ from spindle_scheduler.sim.cli import _cluster_spec, build_parser, build_sweep_p
 from spindle_scheduler.sim.cluster import SimConfig, pack_nodes
 from spindle_scheduler.sim.executor import Simulator
 from spindle_scheduler.sim.named_cluster import ClusterSpec, default_tp, named_cluster, sp_sizes
-from spindle_scheduler.strategy import available_strategies
+from spindle_scheduler.strategy import available_strategies, strategy_class
 
 CLUSTERS = {
     "70b-h100x16": ["--model", "llama3-70b", "--hardware", "h100-sxm", "--nodes", "2"],
@@ -121,7 +121,7 @@ def test_every_strategy_runs_on_a_named_cluster(name: str, cluster: str, tmp_pat
     assert d["completed"] == d["num_requests"] == 60, d["strategy"]
     c = d["cluster"]
     assert c["model"] == argv[1] and c["hardware"] == argv[3] and c["nodes"] == int(argv[5]) and c["gpus_per_node"] == 8
-    if name == "chunked":  # colocated: every GPU
+    if strategy_class(name).colocated:  # colocated (chunked, loongserve): every GPU
         assert c["num_prefill"] == c["num_decode"] == 0 and c["num_colocated"] * c["colocated_tp"] == c["gpus"]
     else:  # disaggregated: half and half
         assert c["num_prefill"] * c["prefill_tp"] == c["num_decode"] * c["decode_tp"] == c["gpus"] // 2

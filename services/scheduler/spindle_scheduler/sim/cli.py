@@ -249,13 +249,14 @@ def setups(args: argparse.Namespace, specs: list[str]) -> dict[str, SimSetup]:
         config = _sim_config(args)
         setup = SimSetup(given_shape(config), _latency(args), config)
         return dict.fromkeys(specs, setup)
-    built: dict[bool, SimSetup] = {}
+    built: dict[tuple[bool, bool], SimSetup] = {}
     out = {}
     for spec in specs:
-        colocated = strategy_class(spec).colocated
-        if colocated not in built:
-            built[colocated] = named_cluster(cluster, colocated, **_sim_options(args))
-        out[spec] = built[colocated]
+        cls = strategy_class(spec)
+        kind = (cls.colocated, cls.elastic)
+        if kind not in built:
+            built[kind] = named_cluster(cluster, *kind, **_sim_options(args))
+        out[spec] = built[kind]
     return out
 
 

@@ -137,6 +137,7 @@ class SimInstance:
     held: dict[str, int] = field(default_factory=dict)  # request id -> blocks
     busy_spans: list[tuple[float, float]] = field(default_factory=list)  # prefill chunk runs, for invariant checks
     node: str = ""
+    kv_bytes_per_token: int = 0
 
     def alloc(self, rid: str, blocks: int) -> None:
         assert self.used_blocks + blocks <= self.total_blocks, f"KV capacity of {self.id} exceeded"
@@ -166,6 +167,7 @@ class SimInstance:
             node=self.node,
             tp_size=getattr(self, "tp", 1),
             kvp_group=getattr(self, "kvp_group", ""),
+            kv_bytes_per_token=self.kv_bytes_per_token,
             **self._load(),
         )
 

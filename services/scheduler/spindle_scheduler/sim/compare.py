@@ -168,23 +168,24 @@ def prepare(args: argparse.Namespace, specs: list[str]) -> list[Entry]:
         config = _sim_config(args)
         given = SimSetup(given_shape(config), _latency(args), config)
 
-    def shape(colocated: bool) -> SimSetup:
+    def shape(colocated: bool, elastic: bool) -> SimSetup:
         if given is not None:
             return reshaped(given, colocated)
         assert named is not None
-        return named_cluster(named, colocated, **_sim_options(args))
+        return named_cluster(named, colocated, elastic, **_sim_options(args))
 
-    built: dict[bool, SimSetup | str] = {}
+    built: dict[tuple[bool, bool], SimSetup | str] = {}
     entries: list[Entry] = []
     ran: dict[str, str] = {}  # spec as run -> as asked
     for asked in specs:
-        colocated = strategy_class(asked).colocated
-        if colocated not in built:
+        cls = strategy_class(asked)
+        kind = (cls.colocated, cls.elastic)
+        if kind not in built:
             try:
-                built[colocated] = shape(colocated)
+                built[kind] = shape(*kind)
             except ValueError as e:
-                built[colocated] = f"the cluster cannot be shaped for it: {e}"
-        setup = built[colocated]
+                built[kind] = f"the cluster cannot be shaped for it: {e}"
+        setup = built[kind]
         if isinstance(setup, str):
             entries.append(Entry(asked, asked, None, skipped=setup))
             continue

@@ -16,6 +16,8 @@ class EventKind(enum.IntEnum):
     DECODE_STEP = 5  # a decode (or colocated mixed) step finished
     SWAP_OUT_DONE = 6  # a preempted request's KV reached the kvstore; its decode blocks free
     SWAP_IN_DONE = 7  # a preempted request's KV is back on its decode instance; it rejoins the batch
+    ITERATION_DONE = 8  # an elastic group's iteration (RunBatch) ended
+    MIGRATE_DONE = 9  # a decoding request's KV moved between elastic instances (MigrateKV)
 
 
 class EventQueue:

@@ -10,6 +10,9 @@ in parallel -> wait (parked, FIFO) for decode blocks -> continuous-batching deco
 comes back) when its blocks are free.
 Colocated lifecycle (plan and decode on one elastic instance): chunks are mixed one per step into the
 instance's decode batches; the KV never moves.
+Per-iteration lifecycle (an `elastic` strategy, LoongServe): arrival -> Admit without placement -> the
+strategy sends each group of colocated instances its next iteration (RunBatch) as the last one ends
+(iteration_side.py).
 
 This file holds the loop, arrivals and failures; the prefill side is in prefill_side.py, the decode side in
 decode_side.py, preemption and moves of parked requests in swaps.py (mixins over the state in base.py).
@@ -29,7 +32,18 @@ from spindle_protocol.messages import (
     WorkerEvent,
 )
 
-from ..actions import Action, Admit, FailRequest, Preempt, Reject, RunPrefill, ScaleDownKVP, TransferKV
+from ..actions import (
+    Action,
+    Admit,
+    FailRequest,
+    MigrateKV,
+    Preempt,
+    Reject,
+    RunBatch,
+    RunPrefill,
+    ScaleDownKVP,
+    TransferKV,
+)
 from ..core import SchedulerConfig, SchedulerCore
 from ..latency import LatencyModel
 from ..strategy import Strategy, create_strategy
@@ -37,6 +51,7 @@ from ..workloads import TraceRequest
 from .cluster import ChunkJob, SimColocated, SimConfig, SimDecode, SimInstance, SimPrefill, pack_nodes
 from .decode_side import DecodeSide
 from .events import EventKind, EventQueue
+from .iteration_side import IterationSide
 from .metrics import RequestRecord, SimSummary, Slo, summarize
 from .prefill_side import PrefillSide
 from .swaps import Swaps
@@ -72,7 +87,7 @@ class TimedCore(SchedulerCore):
             self.plan_ns.append(time.perf_counter_ns() - started)
 
 
-class Simulator(PrefillSide, DecodeSide, Swaps):
+class Simulator(PrefillSide, DecodeSide, Swaps, IterationSide):
     """One simulated run. A chunk takes `latency.prefill.predict(sp, start, length)`; decode steps use
     `latency.decode` at (config.decode_tp, 1) — (config.colocated_tp, 1) on colocated instances — or
     `config.decode_step_s` when it is absent; a mixed colocated step costs its chunk (the SP-1 prefill model,
@@ -109,6 +124,7 @@ class Simulator(PrefillSide, DecodeSide, Swaps):
         ordered: list[SimInstance] = [*prefills, *decodes, *colocated]
         for inst, node in zip(ordered, pack_nodes(cfg.instance_widths(), cfg.gpus_per_node), strict=True):
             inst.node = f"node-{node}"  # an instance never straddles two nodes
+            inst.kv_bytes_per_token = cfg.kv_bytes_per_token
         # the kvstore only appears in the registry: parked KV waits in decode FIFOs, its memory is not modelled
         kvstore = [SimInstance("kvstore-0", "kvstore", 0, 0, bs, 0)] if cfg.with_kvstore else []
         self.instances: dict[str, SimInstance] = {i.id: i for i in [*kvstore, *prefills, *decodes, *colocated]}
@@ -121,6 +137,10 @@ class Simulator(PrefillSide, DecodeSide, Swaps):
         self._split_masters: set[SimDecode] = set()  # masters whose queue head waits for blocks elsewhere
         self._tails: dict[str, SimDecode] = {}
         self._scaled_up: dict[str, SimDecode] = {}
+        self._elastic_kv: dict[str, dict[str, int]] = {}
+        self._in_batch: dict[str, int] = {}
+        self._batch_of: dict[str, int] = {}
+        self._migrations: dict[str, int] = {}
         self._remaining = 0
         self._ran = False
 
@@ -147,6 +167,8 @@ class Simulator(PrefillSide, DecodeSide, Swaps):
             EventKind.DECODE_STEP: self._on_step,
             EventKind.SWAP_OUT_DONE: self._on_swap_out_done,
             EventKind.SWAP_IN_DONE: self._on_swap_in_done,
+            EventKind.ITERATION_DONE: self._on_iteration_done,
+            EventKind.MIGRATE_DONE: self._on_migrate_done,
         }
         events = 0
         while q:
@@ -194,6 +216,10 @@ class Simulator(PrefillSide, DecodeSide, Swaps):
                 self._move_parked(a, now)
             elif isinstance(a, ScaleDownKVP):
                 self._scale_down(a, now)
+            elif isinstance(a, RunBatch):
+                self._run_batch(a, now)
+            elif isinstance(a, MigrateKV):
+                self._migrate(a, now)
             elif not isinstance(a, Admit):  # Admit only answers the gateway; RunPrefill carries the placement
                 raise AssertionError(f"unexpected action {a!r}")
 
@@ -252,6 +278,9 @@ class Simulator(PrefillSide, DecodeSide, Swaps):
             return
         self._end(rec, "failed", now, reason)
         rid = rec.request_id
+        if self.core.strategy.elastic:
+            self._fail_elastic(rec)
+            return
         if rid not in self.plans:
             return
         d = self.instances[rec.decode_instance]

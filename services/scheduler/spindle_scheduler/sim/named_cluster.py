@@ -235,16 +235,22 @@ def _shape(spec: ClusterSpec, cm: CostModel, counts: tuple[int, int, int, int], 
     return replace(shape, text=text)
 
 
-def _latency(cm: CostModel, n_p: int, ptp: int, dtp: int) -> LatencyModel:
+def _latency(cm: CostModel, n_p: int, ptp: int, dtp: int, n_elastic: int = 0) -> LatencyModel:
+    """`n_elastic` > 0: colocated instances that form SP groups and multi-master decode groups (elastic), so
+    prefill SP sizes and decode group sizes run up to their count."""
     prefill = Parallelism(tp=ptp if n_p else dtp)  # a colocated instance prefills at its own TP
     links = min(ptp, dtp, cm.model.kv_heads)  # GPUs sending (and receiving) their KV heads' share in parallel
     decode = (Parallelism(tp=dtp),)
-    return latency_from_cost_model(cm, sp_sizes(n_p), prefill=prefill, decode=decode, transfer_links=links)
+    elastic = range(2, min(n_elastic, MAX_SP) + 1)  # every group size: the manager picks any DoP
+    groups = tuple(Parallelism(tp=dtp, kvp=k) for k in elastic)
+    sizes = sorted({*sp_sizes(n_p), 1, *elastic})
+    return latency_from_cost_model(cm, sizes, prefill=prefill, decode=decode, transfer_links=links, multi_master=groups)
 
 
-def named_cluster(spec: ClusterSpec, colocated: bool, **sim: Any) -> SimSetup:
+def named_cluster(spec: ClusterSpec, colocated: bool, elastic: bool = False, **sim: Any) -> SimSetup:
     """The shape, latency model and simulator config of `spec` for a strategy that runs on colocated
-    instances (`colocated`) or on a prefill/decode split. `sim`: further SimConfig fields (decode_step_s, ...)."""
+    instances (`colocated`; `elastic`: grouped into SP prefill and multi-master decode groups, LoongServe) or on
+    a prefill/decode split. `sim`: further SimConfig fields (decode_step_s, ...)."""
     hw = get_hardware(spec.hardware)
     gpn = spec.gpus_per_node or hw.gpus_per_node
     cm = CostModel(get_model(spec.model), replace(hw, gpus_per_node=gpn))  # links span nodes of this size
@@ -274,7 +280,7 @@ def named_cluster(spec: ClusterSpec, colocated: bool, **sim: Any) -> SimSetup:
         kv_bytes_per_token=cm.model.kv_bytes_per_token,
         **sim,
     )
-    return SimSetup(_shape(spec, cm, counts, ptp, dtp), _latency(cm, n_p, ptp, dtp), config)
+    return SimSetup(_shape(spec, cm, counts, ptp, dtp), _latency(cm, n_p, ptp, dtp, n_c if elastic else 0), config)
 
 
 def given_shape(config: SimConfig, how: str = "as given") -> ClusterShape:

@@ -18,7 +18,9 @@ from .cluster import SimConfig
 from .executor import simulate
 from .metrics import SimSummary, Slo, strict_json, summarize
 
-METRICS = ("ttft", "tbt", "tpot", "e2e")
+METRICS = ("ttft", "tbt", "tpot", "e2e", "normalized", "normalized_input", "normalized_output")
+# LoongServe's normalised latencies (per token: E2E / (input + output), prefill time / input, decode / output)
+_FIELDS = {m: f"{m}_latency_s" for m in METRICS if m.startswith("normalized")}
 PERCENTILES = ("mean", "p50", "p90", "p99")
 
 
@@ -39,7 +41,7 @@ def check_metric(metric: str, percentile: str) -> None:
 def metric_value(summary: SimSummary, metric: str = "ttft", percentile: str = "p50") -> float:
     """``summary.<metric>_s.<percentile>``, e.g. ("ttft", "p50"); NaN when no request completed."""
     check_metric(metric, percentile)
-    return float(getattr(getattr(summary, f"{metric}_s"), percentile))
+    return float(getattr(getattr(summary, _FIELDS.get(metric, f"{metric}_s")), percentile))
 
 
 def check_rates(rates: Sequence[float]) -> list[float]:

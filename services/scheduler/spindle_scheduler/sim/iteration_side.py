@@ -1,0 +1,208 @@
+"""The simulator's elastic side: iterations a per-iteration strategy sends (`RunBatch`) on groups of colocated
+instances, and KV migrations between them (`MigrateKV`).
+
+An iteration takes its group's members until it ends; its prefill parts take, from its start, the KV their plan
+retains on the members that keep it (LoongServe's proactive scale-down: nothing moves afterwards), and each
+decode adds a token's KV on its master. When it ends: a part that ends the prompt samples the first token
+(PrefillDone, then DecodeStarted), a decode whose last token it was finishes (RequestFinished, its KV freed on
+every holder), and the group reports IterationDone, after which the strategy sends the next iteration.
+
+Times (virtual): a prefill batch on a group of s takes the Eq. 7 form at s (`latency.batch_prefill`; parts
+after cached tokens, or sizes it lacks, take the Eq. 1 form per part); a decode batch of b requests over K
+cached tokens on a group of k takes the decode step at (TP, KVP = k) (fitted to multi-master decoding on a named
+elastic cluster; without that key, k masters each step b/k requests over K/k tokens); both in one iteration
+add. A migration of n tokens takes the transfer model's time for their bytes.
+"""
+
+from __future__ import annotations
+
+import math
+
+from spindle_protocol.messages import (
+    DecodeStarted,
+    IterationDone,
+    KVMigrated,
+    PrefillDone,
+    PrefillProgress,
+    RequestFinished,
+)
+
+from ..actions import MigrateKV, RunBatch
+from .base import SimBase
+from .cluster import SimColocated
+from .events import EventKind
+from .metrics import RequestRecord
+
+
+class IterationSide(SimBase):
+    _elastic_kv: dict[str, dict[str, int]]  # request id -> {instance: KV tokens it holds there}
+    _in_batch: dict[str, int]  # instance -> batch id it runs now (or migrating: -1)
+    _batch_of: dict[str, int]  # request id -> batch id of the iteration it is in now (migrating: -1)
+    _migrations: dict[str, int]  # instance -> migrations off it in flight
+
+    def _member(self, iid: str) -> SimColocated:
+        inst = self.instances[iid]
+        assert isinstance(inst, SimColocated), f"{iid} is not an elastic instance"
+        return inst
+
+    def _hold(self, rid: str, iid: str, tokens: int) -> None:
+        """`iid` holds `tokens` more KV tokens of `rid` (blocks taken as the token count crosses them)."""
+        held = self._elastic_kv.setdefault(rid, {})
+        before = held.get(iid, 0)
+        held[iid] = before + tokens
+        blocks = self.config.blocks(before + tokens) - self.config.blocks(before)
+        if blocks:
+            self._member(iid).alloc(rid, blocks)
+
+    def _free_elastic(self, rid: str) -> None:
+        for iid in self._elastic_kv.pop(rid, {}):
+            self._member(iid).free(rid)
+
+    # ---- iterations ----
+
+    def _run_batch(self, a: RunBatch, now: float) -> None:
+        busy = [i for i in a.instances if i in self._in_batch]
+        assert not busy, f"batch {a.batch_id} sent to {busy}, which are still running batch(es) {busy}"
+        live = lambda rid: self.records[rid].state == "pending"  # noqa: E731
+        prefills = [p for p in a.prefills if live(p.request_id)]
+        decodes = [d for d in a.decodes if live(d.request_id)]
+        for p in prefills:
+            rec = self.records[p.request_id]
+            assert rec.request_id not in self._batch_of, f"{rec.request_id} in two iterations at once"
+            if p.start == 0:
+                rec.prefill_start = now
+                rec.prefill_instance, rec.decode_instance = a.instances[0], p.retain[-1].instance
+            rec.prefill_instances = tuple(dict.fromkeys((*rec.prefill_instances, *a.instances)))
+            rec.max_sp = max(rec.max_sp, len(a.instances))
+            for shard in p.retain:
+                self._hold(rec.request_id, shard.instance, shard.end - shard.start)
+        for d in decodes:
+            assert d.request_id not in self._batch_of, f"{d.request_id} in two iterations at once"
+            held = self._elastic_kv.get(d.request_id, {})
+            assert held and self.records[d.request_id].token_times, f"{d.request_id} decodes before its prefill"
+            assert set(held) <= set(a.instances), f"{d.request_id}'s KV on {sorted(held)} outside {a.instances}"
+        seconds = self._iteration_seconds(a, prefills, decodes)
+        for rid in [p.request_id for p in prefills] + [d.request_id for d in decodes]:
+            self._batch_of[rid] = a.batch_id
+        for iid in a.instances:
+            self._in_batch[iid] = a.batch_id
+            self._member(iid).busy_spans.append((now, now + seconds))
+        kept = RunBatch(a.batch_id, a.instances, tuple(prefills), tuple(decodes)) if prefills or decodes else None
+        self.queue.push(now + seconds, EventKind.ITERATION_DONE, (a, kept, seconds))
+
+    def _iteration_seconds(self, a: RunBatch, prefills: list, decodes: list) -> float:  # type: ignore[type-arg]
+        s, lat, tp = len(a.instances), self.latency, self.config.colocated_tp
+        seconds = 0.0
+        if prefills:
+            batch = lat.batch_prefill
+            if batch is not None and s in batch.coeffs and all(p.start == 0 for p in prefills):
+                seconds += batch.predict(s, [p.num_tokens for p in prefills])
+            else:
+                assert lat.prefill is not None
+                seconds += sum(lat.prefill.predict(s, p.start, p.num_tokens) for p in prefills)
+        if decodes:
+            kv = sum(sum(self._elastic_kv[d.request_id].values()) for d in decodes)
+            b = len(decodes)
+            if lat.decode is None:
+                seconds += self.config.decode_step_s
+            elif (tp, s) in lat.decode.coeffs:
+                seconds += lat.decode.predict(b, kv, tp, s)
+            else:
+                seconds += lat.decode.predict(math.ceil(b / s), kv / s, tp, 1)
+        return seconds
+
+    def _on_iteration_done(self, now: float, payload: tuple[RunBatch, RunBatch | None, float]) -> None:
+        sent, ran, seconds = payload
+        for iid in sent.instances:
+            del self._in_batch[iid]
+        for p in ran.prefills if ran else ():
+            rid = p.request_id
+            del self._batch_of[rid]
+            rec = self.records[rid]
+            if rec.state != "pending":
+                self._free_elastic(rid)
+            elif not p.last:
+                progress = PrefillProgress(
+                    request_id=rid, instance_id=sent.instances[0], tokens_done=p.end,
+                    tokens_total=rec.num_prefill_tokens, chunk_seconds=seconds,
+                )  # fmt: skip
+                self._emit(progress, now)
+            else:
+                self._first_token(rec, sent.instances[0], now)
+        for d in ran.decodes if ran else ():
+            rid = d.request_id
+            del self._batch_of[rid]
+            rec = self.records[rid]
+            if rec.state != "pending":
+                self._free_elastic(rid)
+                continue
+            self._hold(rid, d.master, 1)
+            rec.token_times.append(now)
+            if len(rec.token_times) >= rec.num_decode_tokens:
+                self._finish_elastic(rec, d.master, now)
+        self._emit(IterationDone(instance_id=sent.instances[0], batch_id=sent.batch_id, seconds=seconds), now)
+
+    def _first_token(self, rec: RequestRecord, instance_id: str, now: float) -> None:
+        rid = rec.request_id
+        rec.prefill_end = now
+        rec.token_times.append(now)
+        finished = rec.num_decode_tokens <= 1
+        seconds = now - (rec.prefill_start or now)
+        self._emit(PrefillDone(request_id=rid, instance_id=instance_id, seconds=seconds, finished=finished), now)
+        if finished:
+            self._free_elastic(rid)
+            if rec.state == "pending":
+                self._end(rec, "finished", now)
+            return
+        if rec.state != "pending":
+            self._free_elastic(rid)
+            return
+        rec.transfer_end = rec.decode_start = now
+        self._emit(DecodeStarted(request_id=rid, instance_id=rec.decode_instance), now)
+
+    def _finish_elastic(self, rec: RequestRecord, master: str, now: float) -> None:
+        self._free_elastic(rec.request_id)
+        self._end(rec, "finished", now)
+        done = RequestFinished(
+            request_id=rec.request_id, instance_id=master, finish_reason="length",
+            num_output_tokens=len(rec.token_times),
+        )  # fmt: skip
+        self._emit(done, now)
+
+    def _fail_elastic(self, rec: RequestRecord) -> None:
+        """An ended request's KV frees now, or when the iteration it is in ends."""
+        if rec.request_id not in self._batch_of:
+            self._free_elastic(rec.request_id)
+
+    # ---- migrations ----
+
+    def _migrate(self, a: MigrateKV, now: float) -> None:
+        """The source runs nothing meanwhile; the destination may (the copy lands beside its iterations)."""
+        assert self._in_batch.get(a.src, -1) == -1, f"migrating {a.request_id} off {a.src}, which runs an iteration"
+        assert a.request_id not in self._batch_of, f"migrating {a.request_id} while it runs an iteration"
+        tokens = self._elastic_kv.get(a.request_id, {}).get(a.src, 0)
+        seconds = 0.0
+        if tokens and self.latency.transfer is not None:
+            seconds = self.latency.transfer.predict(tokens * self.config.kv_bytes_per_token)
+        if tokens:
+            self._hold(a.request_id, a.dst, tokens)  # the destination's room is taken from the start
+        self._in_batch[a.src] = -1
+        self._migrations[a.src] = self._migrations.get(a.src, 0) + 1
+        self._batch_of[a.request_id] = -1
+        self.queue.push(now + seconds, EventKind.MIGRATE_DONE, (a, tokens, seconds))
+
+    def _on_migrate_done(self, now: float, payload: tuple[MigrateKV, int, float]) -> None:
+        a, tokens, seconds = payload
+        self._migrations[a.src] -= 1
+        if not self._migrations[a.src]:
+            del self._in_batch[a.src], self._migrations[a.src]
+        del self._batch_of[a.request_id]
+        rec = self.records[a.request_id]
+        held = self._elastic_kv.get(a.request_id, {})
+        if a.src in held:
+            self._member(a.src).free(a.request_id)
+            del held[a.src]
+        if rec.state != "pending":
+            self._free_elastic(a.request_id)
+        moved = KVMigrated(request_id=a.request_id, instance_id=a.src, dst=a.dst, num_tokens=tokens, seconds=seconds)
+        self._emit(moved, now)

@@ -1,0 +1,81 @@
+"""LoongServe's unified distributed KV pool as the global manager keeps it: which instance holds how many KV
+tokens of which request, the room reserved for each request's future tokens on its master, and the decode
+groups (ESP groups running a decoding batch).
+
+Room is counted in each instance's blocks: a request's entry on an instance (its KV there, plus, on its master,
+the tokens it may still generate) takes ceil(tokens / block_size) blocks, so a plan that fits here fits the
+instance. Reserving every request's remaining tokens at dispatch is how the manager never forces an eviction
+(§5.1's memory constraint); scale-up for memory is then never needed, and scale-up is for compute only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Member:
+    """An elastic instance."""
+
+    id: str
+    node: str
+    rank: int
+    total_blocks: int
+    block_size: int
+    held: dict[str, int] = field(default_factory=dict)  # request id -> KV tokens here now
+    reserved: dict[str, int] = field(default_factory=dict)  # request id -> future tokens it masters here
+    busy: bool = False  # running an iteration (or a migration) now
+    group: int | None = None  # the decode group it belongs to (None: idle between iterations)
+
+    def blocks(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def used_blocks(self) -> int:
+        rids = self.held.keys() | self.reserved.keys()
+        return sum(self.blocks(self.held.get(r, 0) + self.reserved.get(r, 0)) for r in rids)
+
+    def free_tokens(self) -> int:
+        """Tokens a new request's entry could take here."""
+        return max(0, self.total_blocks - self.used_blocks()) * self.block_size
+
+    def room_for(self, rid: str, tokens: int) -> bool:
+        """`tokens` more (KV or reservation) for `rid` fit here."""
+        have = self.held.get(rid, 0) + self.reserved.get(rid, 0)
+        extra = self.blocks(have + tokens) - self.blocks(have)
+        return self.used_blocks() + extra <= self.total_blocks
+
+    def kv_tokens(self) -> int:
+        return sum(self.held.values())
+
+    def drop(self, rid: str) -> None:
+        self.held.pop(rid, None)
+        self.reserved.pop(rid, None)
+
+
+@dataclass
+class Decoding:
+    """A request in its decoding phase, as the manager tracks it."""
+
+    rid: str
+    prompt: int
+    max_tokens: int
+    master: str
+    started: float  # when it started decoding
+    outputs: int = 1  # tokens out (the prefill's first one included)
+
+    @property
+    def left(self) -> int:
+        """Tokens it may still generate."""
+        return max(0, self.max_tokens - self.outputs)
+
+
+@dataclass
+class Group:
+    """An ESP group running one decoding batch, iteration after iteration."""
+
+    id: int
+    members: list[str]
+    requests: list[str]
+    running: int | None = None  # batch id of the iteration in flight
+    paused_for: int | None = None  # batch id of the prefill it lent its instances to (§5.1 preemption)
+    migrating: int = 0  # MigrateKV in flight off its members (§5.2)
