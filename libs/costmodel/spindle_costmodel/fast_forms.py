@@ -58,26 +58,15 @@ def batch_prefill_samples(
 
 
 def decode_samples(
-    cm: CostModel, par: Parallelism, batches: Sequence[int], contexts: Sequence[int]
+    cm: CostModel, par: Parallelism, batches: Sequence[int], contexts: Sequence[int], multi_master: bool = False
 ) -> list[tuple[int, int, int, int, float]]:
-    """(tp, kvp, batch, total KV tokens, seconds) for decode steps that fit in memory."""
+    """(tp, kvp, batch, total KV tokens, seconds) for decode steps that fit in memory; `multi_master`: on a group
+    of `par.kvp` instances that each master a share of the batch (`CostModel.multi_master_decode`)."""
+    step = cm.multi_master_decode if multi_master else cm.decode
     rows = []
     for b in batches:
         for ctx in contexts:
             if not cm.memory(par, b * ctx, b).fits:
                 continue
-            rows.append((par.tp, par.kvp, b, b * ctx, cm.decode(b, ctx, par).total_s))
-    return rows
-
-
-def multi_master_decode_samples(
-    cm: CostModel, par: Parallelism, batches: Sequence[int], contexts: Sequence[int]
-) -> list[tuple[int, int, int, int, float]]:
-    """As `decode_samples`, for a group of `par.kvp` instances that each master a share of the batch."""
-    rows = []
-    for b in batches:
-        for ctx in contexts:
-            if not cm.memory(par, b * ctx, b).fits:
-                continue
-            rows.append((par.tp, par.kvp, b, b * ctx, cm.multi_master_decode(b, ctx, par).total_s))
+            rows.append((par.tp, par.kvp, b, b * ctx, step(b, ctx, par).total_s))
     return rows

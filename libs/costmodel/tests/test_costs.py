@@ -121,6 +121,17 @@ def test_decode_tp_kvp_and_mixed_batches() -> None:
         cm.step([], [])
 
 
+def test_multi_master_decode_splits_the_dense_work_over_the_masters() -> None:
+    """LoongServe §4.2: k masters each run their share of the batch's dense layers, so a large batch steps
+    faster than on one master over the same split KV; one instance is plain decode."""
+    cm = CostModel(get_model("lwm-1m-text"), get_hardware("a100-80g"))
+    assert cm.multi_master_decode(64, 4000, P(tp=2)).total_s == cm.decode(64, 4000, P(tp=2)).total_s
+    one, four = cm.decode(1024, 4000, P(tp=2, kvp=4)), cm.multi_master_decode(1024, 4000, P(tp=2, kvp=4))
+    assert four.total_s < 0.9 * one.total_s and four.op("kvp_exchange").s > 0  # type: ignore[union-attr]
+    with pytest.raises(ValueError):
+        cm.multi_master_decode(0, 10)
+
+
 def test_memory_refuses_plans_that_do_not_fit() -> None:
     cm = CostModel(get_model("llama3-70b"), get_hardware("a100-40g"))
     assert not cm.memory(P(), 0, 1).fits and cm.max_kv_tokens(P()) == 0

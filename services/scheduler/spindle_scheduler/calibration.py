@@ -13,13 +13,7 @@ from typing import Any
 
 from spindle_costmodel import PAPER_FIGURES, CostModel, Parallelism
 from spindle_costmodel.costs import SINGLE
-from spindle_costmodel.fast_forms import (
-    batch_prefill_samples,
-    decode_samples,
-    length_grid,
-    multi_master_decode_samples,
-    prefill_samples,
-)
+from spindle_costmodel.fast_forms import batch_prefill_samples, decode_samples, length_grid, prefill_samples
 
 from .latency import BatchPrefillModel, DecodeStepModel, LatencyModel, PrefillLatencyModel, TransferModel
 
@@ -104,7 +98,7 @@ def latency_from_cost_model(
             raise ValueError(f"{cm}: decode on {par.label()} does not fit in memory")
         decode_rows += rows
     for par in multi_master:
-        decode_rows += multi_master_decode_samples(cm, par, decode_batches, lengths)
+        decode_rows += decode_samples(cm, par, decode_batches, lengths, multi_master=True)
     link = cm.hw.inter
     return LatencyModel(
         prefill=PrefillLatencyModel.fit(prefill_rows),
