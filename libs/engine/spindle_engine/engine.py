@@ -22,7 +22,7 @@ from .kv_cache import BlockAllocator, KVCache
 from .model_runner import ModelRunner
 from .sampler import TokenLogprobs, sample
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from .sequence import CHOICE_SEP, Sequence, SequenceStatus, choice_id, split_choice, stop_reason
 
 log = logging.getLogger("spindle.engine")
@@ -146,6 +146,7 @@ class Engine:
         )
         self.requests: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # prefilled, KV kept for a hand-off
+        self.directed: dict[str, Sequence] = {}  # stepped only when the caller names them (step_directed)
         self.reserved: dict[str, list[int]] = {}  # block tables reserved for incoming KV
         log.info(
             "engine ready in %.2fs on %s (%s attention, decode graphs: %s): %d KV blocks x %d tokens (%.2f GiB)",
@@ -171,6 +172,8 @@ class Engine:
     def _check_new_id(self, request_id: str) -> None:
         if request_id in self.requests or request_id in self.held or request_id in self.reserved:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if request_id in self.directed:
+            raise ValueError(f"request id {request_id!r} is already in use")
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prefill_only: bool = False
@@ -186,6 +189,53 @@ class Engine:
         seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=prefill_only)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+
+    # ---- directed steps: the caller (a per-iteration scheduler) names what each step computes ----
+
+    def add_directed(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Hold a request that only `step_directed` runs (the engine's own scheduler never does): an elastic
+        instance whose iterations the cluster scheduler plans (LoongServe). Takes no blocks yet."""
+        if params.n > 1:
+            raise ValueError("directed requests decode one choice (n = 1)")
+        self._check_new_id(request_id)
+        self.validate_prompt(prompt_token_ids)
+        seq = Sequence(request_id, list(prompt_token_ids), params)
+        seq.status = SequenceStatus.RUNNING
+        self.directed[request_id] = seq
+
+    def directed_room(self, prefill: dict[str, int], decode: list[str]) -> int:
+        """Blocks `step_directed(prefill, decode)` would take beyond what its requests hold."""
+        need = 0
+        for rid, n in [*prefill.items(), *((r, 1) for r in decode)]:
+            seq = self.directed[rid]
+            need += -(-(seq.num_computed_tokens + n) // self.config.block_size) - len(seq.block_table)
+        return need
+
+    def step_directed(self, prefill: dict[str, int], decode: list[str]) -> list[StepOutput]:
+        """One step on exactly these directed requests: `prefill` maps a request to the prompt tokens it computes
+        now (its next ones), `decode` gives each of its requests one token. A request that ends (stop, length)
+        frees its blocks. ValueError, and nothing run, when one is unknown, out of order, or the blocks do not
+        fit."""
+        for rid, n in prefill.items():
+            seq = self.directed.get(rid)
+            if seq is None or not 0 < n <= seq.num_prompt_tokens - seq.num_computed_tokens:
+                raise ValueError(f"no {n} prompt tokens of {rid!r} left to prefill")
+        for rid in decode:
+            seq = self.directed.get(rid)
+            prefilled = seq is not None and seq.num_computed_tokens >= seq.num_prompt_tokens
+            if seq is None or not prefilled or seq.num_uncomputed != 1 or rid in prefill:
+                raise ValueError(f"{rid!r} is not a decoding directed request")
+        if self.directed_room(prefill, decode) > self.allocator.num_free:
+            raise ValueError(f"no KV room for the step: {self.directed_room(prefill, decode)} blocks needed, "
+                             f"{self.allocator.num_free} free")  # fmt: skip
+        chunks = []
+        for rid, n in [*prefill.items(), *((r, 1) for r in decode)]:
+            seq = self.directed[rid]
+            self.allocator.allocate(rid, seq.num_computed_tokens + n, seq.block_table)
+            chunks.append(ScheduledChunk(seq, n))
+        if not chunks:
+            return []
+        return self._run(chunks)
 
     # ---- KV hand-off: the prefill side ----
 
@@ -350,6 +400,9 @@ class Engine:
         """End a request now and free its blocks (queued, running, held or reserved; every choice). False if
         unknown."""
         found = False
+        if (seq := self.directed.pop(request_id, None)) is not None:
+            self.allocator.free(request_id, seq.block_table)
+            seq.status, seq.finish_reason, found = SequenceStatus.FINISHED, "abort", True
         for sid in self._sequence_ids(request_id, self.requests):
             self.scheduler.finish(self.requests.pop(sid), "abort")
             found = True
@@ -387,6 +440,10 @@ class Engine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        return self._run(chunks)
+
+    def _run(self, chunks: list[ScheduledChunk]) -> list[StepOutput]:
+        """Compute the chunks, sample where a chunk completes its sequence's tokens, and end what stops."""
         logits, rows = self.runner.run(chunks)
         for c in chunks:
             c.seq.num_computed_tokens += c.num_tokens
@@ -402,7 +459,11 @@ class Engine:
             reason = self._stop_reason(seq, token)
             if seq.prefill_only and seq.params.n > 1:
                 reason = None  # its choices are sampled where it decodes: never ends at this token
-            if reason is not None:
+            if reason is not None and seq.request_id in self.directed:
+                self.allocator.free(seq.request_id, seq.block_table)
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+                del self.directed[seq.request_id]
+            elif reason is not None:
                 self.scheduler.finish(seq, reason)
                 del self.requests[seq.request_id]
             elif seq.prefill_only:
