@@ -280,6 +280,8 @@ def named_cluster(spec: ClusterSpec, colocated: bool, elastic: bool = False, **s
         kv_bytes_per_token=cm.model.kv_bytes_per_token,
         **sim,
     )
+    if elastic and not config.max_model_len:  # a request's KV spreads over the pool, so the pool bounds a request
+        config = replace(config, max_model_len=n_c * config.decode_kv_blocks * bs)
     return SimSetup(_shape(spec, cm, counts, ptp, dtp), _latency(cm, n_p, ptp, dtp, n_c if elastic else 0), config)
 
 

@@ -77,5 +77,5 @@ class Group:
     members: list[str]
     requests: list[str]
     running: int | None = None  # batch id of the iteration in flight
-    paused_for: int | None = None  # batch id of the prefill it lent its instances to (§5.1 preemption)
+    paused_for: set[int] = field(default_factory=set)  # prefills (batch ids) it lent instances to (§5.1)
     migrating: int = 0  # MigrateKV in flight off its members (§5.2)

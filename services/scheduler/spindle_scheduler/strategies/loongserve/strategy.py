@@ -220,13 +220,13 @@ class LoongServeStrategy(Strategy):
         return [Admit(rid, (), ""), *self._schedule(now)]
 
     def on_event(self, event: WorkerEvent, state: ClusterState, now: float) -> list[Action]:
+        if isinstance(event, RequestFinished) and (d := self.decoding.get(event.request_id)) is not None:
+            self._decode_times.append(now - d.started)  # AvgLat_d (Eq. 2), before _sync forgets it
         self._sync(state)
         match event:
             case IterationDone(batch_id=bid):
                 self._iteration_done(bid, now)
             case RequestFinished(request_id=rid):
-                if (d := self.decoding.get(rid)) is not None:
-                    self._decode_times.append(now - d.started)
                 self._drop(rid)
                 self._release_empty()
             case RequestFailed(request_id=rid):
@@ -294,9 +294,8 @@ class LoongServeStrategy(Strategy):
             self.decoding[rid] = Decoding(rid, part.spec.prompt.num_tokens, part.spec.sampling.max_tokens, master, now)
             holders |= {s.instance for s in part.retain} | {master}
             started.append(rid)
-        for gid in run.lent:
-            if (g := self.groups.get(gid)) is not None:
-                g.paused_for = None
+        for g in self.groups.values():  # by batch id: a lent group may have merged into another since
+            g.paused_for.discard(bid)
         if started:
             self._join_groups(started, holders)
         self._release_empty()
@@ -306,21 +305,23 @@ class LoongServeStrategy(Strategy):
         merged = {self.members[h].group for h in holders if h in self.members} - {None}
         members = set(holders)
         requests = list(rids)
+        paused: set[int] = set()
         for gid in sorted(merged):  # type: ignore[type-var]
             g = self.groups.pop(gid)  # type: ignore[arg-type]
             assert g.running is None, f"merging group {gid} while it runs"
             members |= set(g.members)
             requests = g.requests + requests
+            paused |= g.paused_for  # still lent to another prefill: the merged group waits for it too
         gid = next(self._ids)
         ordered = sorted((m for m in members if m in self.members), key=lambda m: self.members[m].rank)
-        self.groups[gid] = Group(gid, ordered, requests)
+        self.groups[gid] = Group(gid, ordered, requests, paused_for=paused)
         for m in ordered:
             self.members[m].group = gid
 
     def _release_empty(self) -> None:
         """Members of a group between iterations that hold and master nothing go idle; empty groups end."""
         for gid, g in list(self.groups.items()):
-            if g.running is not None or g.paused_for is not None or g.migrating:
+            if g.running is not None or g.paused_for or g.migrating:
                 continue
             masters = {self.decoding[r].master for r in g.requests if r in self.decoding}
             keep = [m for m in g.members if m in self.members and (self.members[m].held or m in masters)]
@@ -338,16 +339,20 @@ class LoongServeStrategy(Strategy):
         group `dst` belongs to (from that group's next iteration), or alone there."""
         rid, src, dst = event.request_id, event.instance_id, event.dst
         self._moving.pop((rid, src), None)
+        waiting = {i for r in self.waiting for i in r.batch.instances}  # e_min stays taken for its prefill
         if (m := self.members.get(src)) is not None and not any(k[1] == src for k in self._moving):
-            m.busy = False
+            m.busy = src in waiting
         t = self.members.get(dst)
         if rid not in self.decoding or t is None:
             return
         if t.group is not None and t.group in self.groups:
             self.groups[t.group].requests.append(rid)
             return
-        gid = next(self._ids)
-        self.groups[gid] = Group(gid, [dst], [rid])
+        gid = next(self._ids)  # its group ended meanwhile: it decodes there alone, after any prefill using dst
+        runs = [*self.prefills.values(), *self.waiting]
+        self.groups[gid] = Group(
+            gid, [dst], [rid], paused_for={r.batch.batch_id for r in runs if dst in r.batch.instances}
+        )
         t.group = gid
 
     # ---- one scheduling round ----
@@ -355,10 +360,11 @@ class LoongServeStrategy(Strategy):
     def _schedule(self, now: float) -> list[Action]:
         actions: list[Action] = []
         actions += self._start_waiting()
-        if self.pending and not self.waiting:
+        if self.pending and not self.waiting and not self._moving:
             actions += self._dispatch(now)
         for g in list(self.groups.values()):
-            if g.running is None and g.paused_for is None and not g.migrating and g.requests:
+            busy = any(self.members[m].busy for m in g.members)  # a member still in a prefill or migration
+            if g.running is None and not g.paused_for and not g.migrating and g.requests and not busy:
                 self._maybe_scale_up(g)
                 actions.append(self._decode_iteration(g))
         return actions
@@ -448,9 +454,11 @@ class LoongServeStrategy(Strategy):
         if not moves:
             return self._start(runs)
         self.waiting.extend(runs)
-        for r in runs:  # paused now: their members wait for the prefill, not for their next decode
+        for r in runs:  # their members wait for the prefill (lent groups pause, idle members are taken)
             for gid in r.lent:
-                self.groups[gid].paused_for = r.batch.batch_id
+                self.groups[gid].paused_for.add(r.batch.batch_id)
+            for mid in r.batch.instances:
+                self.members[mid].busy = True
         return moves
 
     def _pool_head(self) -> list[Pending]:
@@ -493,7 +501,7 @@ class LoongServeStrategy(Strategy):
         """Step 1, Eq. 1-2: decoding groups between iterations lent to this prefill when it gains more input
         latency than it costs the paused decodes (static hybrid: always)."""
         lent: list[Group] = []
-        free = [g for g in self.groups.values() if g.running is None and g.paused_for is None and not g.migrating]
+        free = [g for g in self.groups.values() if g.running is None and not g.paused_for and not g.migrating]
         free.sort(key=lambda g: -sum(self.members[m].free_tokens() for m in g.members))
         avg = sum(self._decode_times) / len(self._decode_times) if self._decode_times else 0.0
         group = list(idle)
@@ -531,11 +539,13 @@ class LoongServeStrategy(Strategy):
         while len(taken) < cap:
             cands = []
             for g in self.groups.values():
-                if g.running is not None or g.paused_for is not None or g.migrating:
+                if g.running is not None or g.paused_for or g.migrating:
                     continue
+                mine = set(g.requests)
                 for mid in g.members:
                     e = self.members[mid]
-                    if mid in taken or e.busy or not all(self._only_on(r, mid) for r in g.requests if r in e.held):
+                    here = e.held.keys() | e.reserved.keys()
+                    if mid in taken or e.busy or not here <= mine or not all(self._only_on(r, mid) for r in here):
                         continue
                     cands.append((e.kv_tokens(), e.rank, e, g))
             if not cands:
@@ -610,9 +620,8 @@ class LoongServeStrategy(Strategy):
             if run is None:
                 continue
             runs.append(run)
-        used = {m for r in runs for m in r.batch.instances}
-        for run in runs:  # a lent group is paused by the first prefill that uses one of its members
-            run.lent = [gid for gid in run.lent if used & set(self.groups[gid].members)]
+        for run in runs:  # a lent group pauses until every prefill using one of its members ends
+            run.lent = [gid for gid in run.lent if set(run.batch.instances) & set(self.groups[gid].members)]
         return runs
 
     def _retain(self, reqs: list[Pending], members: list[Member], lent: list[int]) -> PrefillRun | None:
@@ -679,7 +688,7 @@ class LoongServeStrategy(Strategy):
             for mid in run.batch.instances:
                 self.members[mid].busy = True
             for gid in run.lent:
-                self.groups[gid].paused_for = run.batch.batch_id
+                self.groups[gid].paused_for.add(run.batch.batch_id)
             actions.append(run.batch)
         return actions
 
