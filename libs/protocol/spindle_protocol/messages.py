@@ -172,6 +172,31 @@ class KVShardSpec(msgspec.Struct, frozen=True, kw_only=True):
     end: int
 
 
+class IterationPrefill(msgspec.Struct, frozen=True, kw_only=True):
+    """Prompt tokens [start, end) of `request` in an iteration; `retain`: the members that keep which of that KV."""
+
+    request: RequestSpec
+    start: int
+    end: int
+    retain: list[KVShardSpec]
+
+
+class IterationDecode(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    master: str  # runs its dense layers and stores its new token's KV
+
+
+class RunIteration(msgspec.Struct, frozen=True, kw_only=True):
+    """One iteration of a group of elastic instances, sent to every member (`ranks`: their data-plane ranks);
+    the first member reports IterationDone(`batch_id`) when it ends."""
+
+    batch_id: int
+    members: list[str]
+    ranks: dict[str, int] = {}
+    prefills: list[IterationPrefill] = []
+    decodes: list[IterationDecode] = []
+
+
 class PlaceKVP(msgspec.Struct, frozen=True, kw_only=True):
     """scheduler -> the leader of a KV-parallel decode group, before the prefill starts: where the request's KV
     goes. `shards` cover the prompt in order, the first on the master (which samples the request's tokens), the

@@ -42,6 +42,11 @@ def prefill_run(instance_id: str) -> str:
     return f"{PREFIX}.prefill.{check_token(instance_id, 'instance id')}.run"
 
 
+def elastic_iteration(instance_id: str) -> str:
+    """The scheduler -> an elastic instance: its next iteration (RunIteration), in the order sent."""
+    return f"{PREFIX}.elastic.{check_token(instance_id)}.iteration"
+
+
 def prefill_sp_chunk_done(instance_id: str) -> str:
     """prefill -> a prefill instance joining an SP plan at the next chunk, publish: SPChunkDone."""
     return f"{PREFIX}.prefill.{check_token(instance_id, 'instance id')}.sp_chunk_done"

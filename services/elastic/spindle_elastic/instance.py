@@ -9,20 +9,34 @@ at the first token; every token streams to the gateway from here.
 
 A request of n > 1 choices is computed once (`prefill_only`) and its choices fork from that KV here
 (`Engine.decode_held`).
+
+Under a per-iteration strategy (`loongserve`) the scheduler names every iteration instead (`RunIteration`): the
+prefill parts and decodes of the step, run with `Engine.step_directed` outside the engine's own batching, in the
+order the commands arrive; the instance answers `IterationDone` with the step's measured time. So far a group
+is this instance alone: an iteration naming other members fails its requests (501).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from nats.aio.msg import Msg
 
-from spindle_engine import StepOutput
+from spindle_engine import Engine, StepOutput
 from spindle_protocol import subjects
-from spindle_protocol.messages import DecodeStarted, PrefillDone, RunPrefill
+from spindle_protocol.messages import (
+    DecodeStarted,
+    IterationDone,
+    PrefillDone,
+    RequestSpec,
+    RunIteration,
+    RunPrefill,
+)
+from spindle_protocol.prompts import load_prompt
 from spindle_telemetry import extract
-from spindle_worker import Instance, Job
+from spindle_worker import Instance, Job, sampling_params
 
 log = logging.getLogger("spindle.elastic")
 
@@ -37,6 +51,65 @@ class ElasticInstance(Instance):
 
     async def serve(self) -> None:
         await self.bus.subscribe(subjects.prefill_run(self.id), RunPrefill, self._on_run)
+        # one subscription runs its handler a message at a time: iterations keep the scheduler's order
+        await self.bus.subscribe(subjects.elastic_iteration(self.id), RunIteration, self._on_iteration)
+
+    # ---- per-iteration work (the scheduler names each step) ----
+
+    async def _on_iteration(self, cmd: RunIteration, raw: Msg) -> None:
+        t0 = time.perf_counter()
+        for part in cmd.prefills:
+            if part.start == 0:
+                await self._admit_directed(part.request, raw, alone=cmd.members == [self.id])
+        prefill = {p.request.request_id: p.end - p.start for p in cmd.prefills if p.request.request_id in self.jobs}
+        decode = [d.request_id for d in cmd.decodes if d.request_id in self.jobs]
+
+        def step(engine: Engine) -> list[StepOutput]:  # requests aborted meanwhile are left out
+            alive = {r: n for r, n in prefill.items() if r in engine.directed}
+            return engine.step_directed(alive, [r for r in decode if r in engine.directed])
+
+        outputs: list[StepOutput] = []
+        try:
+            outputs = await self.call(step)
+        except ValueError as e:  # the scheduler's plan does not fit this engine: its requests fail, not the instance
+            for rid in [*prefill, *decode]:
+                if (job := self.jobs.get(rid)) is not None:
+                    await self.fail(job, 500, f"iteration {cmd.batch_id} on {self.id}: {e}")
+        for out in outputs:
+            job = self.jobs.get(out.request_id)
+            if not isinstance(job, ElasticJob):
+                continue
+            if not job.prefilled:
+                job.prefilled = True
+                job.stats["prefill_ms"] = (time.time() - job.started) * 1e3
+                await self._prefilled(job, finished=out.finished)
+            if out.finished:
+                job.stats["decode_ms"] = (time.time() - job.started) * 1e3 - job.stats.get("prefill_ms", 0.0)
+                await self.finish(job, out.new_token_ids, out.finish_reason or "stop", out.logprobs)
+            else:
+                await self.publish_tokens(job, out.new_token_ids, None, out.logprobs)
+        done = IterationDone(instance_id=self.id, batch_id=cmd.batch_id, seconds=time.perf_counter() - t0)
+        await self.bus.publish(subjects.EVENTS, done)
+
+    async def _admit_directed(self, spec: RequestSpec, raw: Msg, alone: bool) -> None:
+        """A request's first part: its job, its prompt loaded, held in the engine for directed steps."""
+        rid = spec.request_id
+        if rid in self.jobs or self.is_aborted(rid):
+            return
+        span = self.tracer.start_span("elastic", context=extract(raw.headers))
+        span.set_attribute("spindle.request_id", rid)
+        span.set_attribute("spindle.instance", self.id)
+        job = ElasticJob(spec, span)
+        self.jobs[rid] = job
+        if not alone:
+            await self.fail(job, 501, f"{self.id}: sequence-parallel groups of elastic instances are not served yet")
+            return
+        try:
+            prompt = await load_prompt(self.bus, spec.prompt)
+            params = sampling_params(spec.sampling)
+            await self.call(lambda e: e.add_directed(rid, prompt, params))
+        except ValueError as e:
+            await self.fail(job, 400, str(e))
 
     async def _on_run(self, cmd: RunPrefill, raw: Msg) -> None:
         spec = cmd.request

@@ -10,10 +10,10 @@ import sys
 from collections.abc import Callable
 
 from .plan import (
-    COLOCATED_STRATEGY,
     DEFAULT_CHUNK_TOKENS,
     DISAGGREGATE_MIN_CORES,
     DTYPES,
+    ELASTIC_STRATEGIES,
     Runtime,
     StackConfig,
     build_plan,
@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"With none of --prefill, --decode, --elastic the layout follows the machine: fewer than "
         f"{DISAGGREGATE_MIN_CORES} CPU cores (os.cpu_count(); this one has {os.cpu_count()}) -> --elastic 1 (one "
         "colocated engine: chunked prefill mixed into the decode batch); more -> --prefill 2 --decode 1 "
-        "(disaggregated). Naming --prefill/--decode, or a --strategy other than chunked (elastic instances run "
-        "only chunked), gives the disaggregated layout (2 and 1 unless named).",
+        "(disaggregated). Naming --prefill/--decode, or a --strategy other than chunked and loongserve (the "
+        "strategies of elastic instances), gives the disaggregated layout (2 and 1 unless named).",
     )
     c.add_argument("--prefill", type=int, default=None, help="prefill instances")
     c.add_argument("--decode", type=int, default=None, help="decode instances")
@@ -139,10 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--strategy",
         default=None,
-        help="scheduler strategy, NAME or NAME:key=value,... (single; chunked with elastic instances)",
+        help="scheduler strategy, NAME or NAME:key=value,... (single; chunked with elastic instances, or "
+        "loongserve:max_dop=1,migrate=0 with --profile: the scheduler names each iteration)",
     )
     c.add_argument(
-        "--profile", default=None, help="latency profile JSON (`spindle profile`) for fixed-sp / request-sp / tetris"
+        "--profile", default=None, help="latency profile JSON (`spindle profile`) for fixed-sp / request-sp / tetris / loongserve"
     )
     n = up.add_argument_group("network and operations")
     n.add_argument(
@@ -165,9 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def layout_from_args(args: argparse.Namespace, cpu_count: int | None = None) -> dict[str, int | str]:
     """The instances and strategy of `spindle up`: as named, or by the machine (plan.default_layout)."""
-    named_split = args.strategy is not None and args.strategy.partition(":")[0].strip() != COLOCATED_STRATEGY
+    name = args.strategy.partition(":")[0].strip() if args.strategy is not None else ""
+    named_split = bool(name) and name not in ELASTIC_STRATEGIES
     if args.elastic is None and args.prefill is None and args.decode is None and not named_split:
         layout = default_layout(os.cpu_count() if cpu_count is None else cpu_count)
+        if name and not layout["elastic"]:  # a strategy of elastic instances on a machine that defaults to a split
+            layout = {"prefill": 0, "decode": 0, "elastic": layout["prefill"] + layout["decode"], "strategy": name}
     elif args.elastic:
         layout = {"prefill": args.prefill or 0, "decode": args.decode or 0, "elastic": args.elastic}
         layout["strategy"] = "chunked"

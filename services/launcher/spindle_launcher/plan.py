@@ -17,15 +17,16 @@ from spindle_protocol.service import STACK_TOKEN_ENV
 
 DTYPES = ("float32", "bfloat16", "float16")
 ROLES = ("kvstore", "scheduler", "prefill", "decode", "elastic", "gateway")
-COLOCATED_STRATEGY = "chunked"  # the strategy that plans onto elastic instances
+COLOCATED_STRATEGY = "chunked"  # the strategy that plans onto elastic instances by default
+ELASTIC_STRATEGIES = (COLOCATED_STRATEGY, "loongserve")  # those that plan onto elastic instances
 
 
 def _sim_only(strategy: str) -> str:
     """Why the services cannot run a registered strategy yet ("" when they can, or the name is unknown)."""
-    from spindle_scheduler.strategy import strategy_class
+    from spindle_scheduler.strategy import parse_strategy_spec, strategy_class
 
     try:
-        return strategy_class(strategy).real_stack_gap
+        return strategy_class(strategy).stack_gap(dict(parse_strategy_spec(strategy)[1]))
     except ValueError:
         return ""  # the scheduler service reports an unknown name
 
@@ -99,10 +100,10 @@ class StackConfig:
                     "elastic instances serve alone: set prefill = decode = 0 with elastic > 0 (a pool mixing "
                     "elastic with prefill/decode instances needs a strategy that plans over both)"
                 )
-            if self.strategy.partition(":")[0] != COLOCATED_STRATEGY:
+            if self.strategy.partition(":")[0] not in ELASTIC_STRATEGIES:
                 raise ValueError(
-                    f"elastic instances run the {COLOCATED_STRATEGY!r} strategy (it plans prefill and decode onto "
-                    f"one instance), got strategy {self.strategy!r}"
+                    f"elastic instances run the {' or '.join(map(repr, ELASTIC_STRATEGIES))} strategy (they plan "
+                    f"prefill and decode onto the same instances), got strategy {self.strategy!r}"
                 )
             if self.decode_tp > 1 or self.decode_kvp > 1 or self.kvp_tokens or self.kvp_scale_down_tokens:
                 raise ValueError("decode_tp, decode_kvp and the kvp options apply to decode instances, not elastic")
@@ -322,7 +323,8 @@ def _num(value: float) -> str:
 def scheduler_strategy(config: StackConfig) -> str:
     """The scheduler's strategy spec: `kvp_tokens` comes from `config.kvp_tokens` unless the spec sets it, and with
     elastic instances `chunk_size` is their per-step token budget unless the spec sets it."""
-    if config.elastic and "chunk_size=" not in config.strategy.replace("-", "_"):
+    chunked = config.strategy.partition(":")[0] == COLOCATED_STRATEGY  # per-iteration strategies name each step
+    if config.elastic and chunked and "chunk_size=" not in config.strategy.replace("-", "_"):
         return with_option(config.strategy, "chunk_size", config.chunk_tokens)
     if not config.kvp_tokens or "kvp_tokens=" in config.strategy:
         return config.strategy

@@ -157,7 +157,7 @@ def test_elastic_plan_is_one_colocated_engine_per_instance() -> None:
     "kwargs, match",
     [
         ({"elastic": 1, "strategy": "chunked"}, "serve alone"),  # prefill 2 / decode 1 by default
-        ({"prefill": 0, "decode": 0, "elastic": 1}, "run the 'chunked' strategy"),
+        ({"prefill": 0, "decode": 0, "elastic": 1}, "run the 'chunked' or 'loongserve' strategy"),
         ({"prefill": 0, "decode": 0, "elastic": 1, "strategy": "chunked", "decode_kvp": 2}, "not elastic"),
         ({"prefill": 0, "decode": 0, "elastic": -1, "strategy": "chunked"}, "non-negative"),
         ({"prefill": 0, "decode": 0}, "or elastic > 0"),
@@ -188,6 +188,11 @@ def test_bad_elastic_config_raises(kwargs: dict, match: str) -> None:
         (["--strategy", "request-sp:max_sp=2"], 7, {"prefill": 2, "decode": 1, "elastic": 0,
                                                      "strategy": "request-sp:max_sp=2"}),
         (["--strategy", "chunked"], 2, {"prefill": 0, "decode": 0, "elastic": 1, "strategy": "chunked"}),
+        # a per-iteration strategy of elastic instances: elastic instances on any machine
+        (["--strategy", "loongserve:max_dop=1"], 16, {"prefill": 0, "decode": 0, "elastic": 3,
+                                                      "strategy": "loongserve:max_dop=1"}),
+        (["--elastic", "2", "--strategy", "loongserve"], 2, {"prefill": 0, "decode": 0, "elastic": 2,
+                                                             "strategy": "loongserve"}),
     ],
 )  # fmt: skip
 def test_spindle_up_layout_follows_the_machine_unless_named(argv: list[str], cpus: int, want: dict) -> None:

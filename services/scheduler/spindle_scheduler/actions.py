@@ -48,8 +48,8 @@ class Admit:
 
     @property
     def prefill_instance(self) -> str:
-        """The instance the gateway reports (the first of the plan)."""
-        return self.prefill_instances[0]
+        """The instance the gateway reports (the first of the plan; "" until a per-iteration strategy places it)."""
+        return self.prefill_instances[0] if self.prefill_instances else ""
 
 
 @dataclass(frozen=True)

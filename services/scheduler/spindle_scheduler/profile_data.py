@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from spindle_costmodel.hardware import hardware_from_dict
 
-from .latency import DecodeStepModel, LatencyModel, PrefillLatencyModel, TransferModel
+from .latency import BatchPrefillModel, DecodeStepModel, LatencyModel, PrefillLatencyModel, TransferModel
 
 SP_NOT_MEASURED = "prefill for SP > 1 not measured (pass sp_sizes / --sp-sizes, e.g. 1,2,4)"
 SAMPLE_COLUMNS = {
@@ -67,7 +67,12 @@ def fit_profile(
             transfer = TransferModel.fit([tuple(r) for r in transfer_rows])
         except ValueError as e:
             not_measured["transfer"] = f"fit failed: {e}"
-    latency = LatencyModel(prefill=prefill, decode=decode, transfer=transfer, source=source)
+    whole = [(int(r[0]), [r[2]], r[3]) for r in prefill_rows if r[1] == 0]  # whole prompts: Eq. 7 per SP size
+    try:
+        batch = BatchPrefillModel.fit(whole)
+    except ValueError as e:
+        batch, not_measured["batch_prefill"] = None, f"fit failed: {e}"
+    latency = LatencyModel(prefill=prefill, batch_prefill=batch, decode=decode, transfer=transfer, source=source)
     fit_error: dict[str, Any] = {
         "prefill": {str(sp): e for sp, e in prefill.fit_error().items()},
         "decode": {f"tp{tp}_kvp{kvp}": e for (tp, kvp), e in decode.fit_error().items()},

@@ -20,11 +20,14 @@ from spindle_protocol.messages import (
     AdmitRequest,
     ClusterStatus,
     InstanceInfo,
+    IterationDecode,
+    IterationPrefill,
     MoveParked,
     MoveReply,
     PlaceKVP,
     PreemptDecode,
     PreemptReply,
+    RunIteration,
     ScaleDownKVP,
     ScaleDownReply,
     SPChunkSpec,
@@ -36,7 +39,7 @@ from spindle_protocol.messages import RunPrefill as RunPrefillMsg
 from spindle_protocol.registry import watch_registry
 from spindle_telemetry import extract, inject, setup, shutdown, tracer
 
-from .actions import Action, Admit, FailRequest, Preempt, Reject, RunPrefill, TransferKV, shard_specs
+from .actions import Action, Admit, FailRequest, Preempt, Reject, RunBatch, RunPrefill, TransferKV, shard_specs
 from .actions import ScaleDownKVP as ScaleDownAction
 from .core import SchedulerConfig, SchedulerCore
 from .latency import LatencyModel
@@ -61,10 +64,9 @@ class SchedulerService:
     def __init__(self, config: SchedulerServiceConfig) -> None:
         self.config = config
         strategy = create_strategy(config.strategy, config.latency)
-        if strategy.real_stack_gap:
+        if gap := type(strategy).stack_gap(strategy.options()):
             raise ValueError(
-                f"strategy {strategy.describe()!r} cannot run on the services yet: {strategy.real_stack_gap}; "
-                "use it in `spindle sim`"
+                f"strategy {strategy.describe()!r} cannot run on the services yet: {gap}; use it in `spindle sim`"
             )
         self.core = SchedulerCore(strategy, config.core)
         self.bus: Bus | None = None
@@ -179,6 +181,24 @@ class SchedulerService:
             for instance in a.prefill_instances:
                 await self.bus.publish(subjects.prefill_run(instance), msg)
 
+    async def _run_batch(self, a: RunBatch) -> None:
+        """Send the iteration to every member of its group, before any later command (their order is the plan's)."""
+        assert self.bus is not None
+        state = self.core.state
+        msg = RunIteration(
+            batch_id=a.batch_id,
+            members=list(a.instances),
+            ranks={i: state.instances[i].info.rank for i in a.instances if i in state.instances},
+            prefills=[
+                IterationPrefill(request=p.spec, start=p.start, end=p.end, retain=shard_specs(p.retain))
+                for p in a.prefills
+            ],
+            decodes=[IterationDecode(request_id=d.request_id, master=d.master) for d in a.decodes],
+        )
+        async with self._plan_lock:
+            for instance in a.instances:
+                await self.bus.publish(subjects.elastic_iteration(instance), msg)
+
     async def _preempt(self, a: Preempt) -> None:
         assert self.bus is not None
         kvstore = self.core.state.instances.get(a.kvstore_instance)
@@ -238,6 +258,8 @@ class SchedulerService:
         for a in actions:
             if isinstance(a, RunPrefill):
                 await self._run_prefill(a)
+            elif isinstance(a, RunBatch):
+                await self._run_batch(a)
             elif isinstance(a, Preempt):
                 self._spawn(self._preempt(a))  # its reply must not hold up the tick loop
             elif isinstance(a, TransferKV):

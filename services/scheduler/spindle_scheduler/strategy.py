@@ -98,6 +98,11 @@ class Strategy(ABC):
         """Extra actions when an instance dies (the core already fails the requests it held)."""
         return []
 
+    @classmethod
+    def stack_gap(cls, options: dict[str, object]) -> str:
+        """Why the services cannot run this strategy with these options yet ("" when they can)."""
+        return cls.real_stack_gap
+
     def options(self) -> dict[str, object]:
         """The options `describe` names, besides the common ones."""
         return {}

@@ -95,10 +95,6 @@ class LoongServeStrategy(Strategy):
     colocated = True
     elastic = True
     needs_latency = True
-    real_stack_gap = (
-        "the elastic instances do not run the scheduler's per-iteration work yet (RunBatch: SP prefill groups that "
-        "retain their KV shares, multi-master decode groups; MigrateKV)"
-    )
 
     def __init__(
         self,
@@ -145,6 +141,17 @@ class LoongServeStrategy(Strategy):
         self._decode_times: list[float] = []  # decode-phase time of finished requests (AvgLat_d)
         self._moving: dict[tuple[str, str], int] = {}  # (request id, src) -> group id, for MigrateKV in flight
         self._tp, self._kv_bytes = 1, 0  # the elastic instances' TP degree and KV bytes per token
+
+    @classmethod
+    def stack_gap(cls, options: dict[str, object]) -> str:
+        """The services run iterations of one instance each so far (max_dop=1, migrate=0)."""
+        if options.get("max_dop") == 1 and options.get("migrate", 1) == 0:
+            return ""
+        return (
+            "the elastic instances run iterations of one instance each so far (loongserve:max_dop=1,migrate=0); SP "
+            "prefill groups that retain their KV shares, multi-master decode groups and MigrateKV run in the "
+            "simulator only"
+        )
 
     def options(self) -> dict[str, object]:
         return {
