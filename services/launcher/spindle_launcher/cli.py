@@ -143,7 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
         "loongserve:max_dop=1,migrate=0 with --profile: the scheduler names each iteration)",
     )
     c.add_argument(
-        "--profile", default=None, help="latency profile JSON (`spindle profile`) for fixed-sp / request-sp / tetris / loongserve"
+        "--profile",
+        default=None,
+        help="latency profile JSON (`spindle profile`) for fixed-sp / request-sp / tetris / loongserve",
     )
     n = up.add_argument_group("network and operations")
     n.add_argument(
