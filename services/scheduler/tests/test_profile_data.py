@@ -54,6 +54,9 @@ def test_fit_recovers_the_models_behind_the_samples() -> None:
     assert latency.decode.predict(3, 3000) == pytest.approx(DECODE[0] + DECODE[1] * 3 + DECODE[2] * 3000)
     assert latency.transfer is not None and latency.transfer.predict(2**22) == pytest.approx(1e-4 + 2**22 / 1e9)
     assert fit.not_measured == {}
+    assert latency.batch_prefill is not None and sorted(latency.batch_prefill.coeffs) == [1, 2]  # Eq. 7 (LoongServe)
+    for sp, (a, b, _, d) in PREFILL.items():  # whole prompts: Eq. 7 of one request is Eq. 1 without history
+        assert latency.batch_prefill.predict(sp, [700]) == pytest.approx(a + b * 700 + d * 700**2, rel=1e-6)
     assert set(fit.fit_error["prefill"]) == {"1", "2"} and set(fit.fit_error["decode"]) == {"tp1_kvp1"}
     assert max(fit.fit_error["prefill"].values()) < 1e-6 and fit.fit_error["transfer"] < 1e-6
 
