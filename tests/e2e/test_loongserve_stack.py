@@ -133,3 +133,35 @@ def test_disconnect_while_decoding_and_while_prefilling_frees_every_block(loong_
     assert wait_until(lambda: no_blocks_held(loong_stack), 10), instance_blocks(loong_stack)
     ok = httpx.post(loong_stack.base_url + "/completions", json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_killed_instance_ends_its_requests_and_the_other_serves_on(loong_stack):
+    """Last in this module: it leaves the stack with one elastic instance."""
+    import signal
+
+    from .sse import read_events
+
+    body = {"model": "smollm2", "prompt": "Count to a thousand", "max_tokens": 3000, "ignore_eos": True,
+            "temperature": 0, "stream": True}  # fmt: skip
+    with httpx.stream("POST", loong_stack.base_url + "/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+        holder = wait_until(lambda: next((i for i, q in instance_blocks(loong_stack).items() if q), None), 10)
+        assert holder, "the request holds blocks while it decodes"
+        t0 = time.monotonic()
+        loong_stack.processes[holder].send_signal(signal.SIGKILL)
+
+        class _Lines:
+            def iter_lines(self):
+                return lines
+
+        events = read_events(_Lines())
+    assert time.monotonic() - t0 < 10
+    assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
+    survivors = wait_until(lambda: [i for i in instance_blocks(loong_stack) if i != holder], 10)
+    assert survivors, "the other elastic instance should still report"
+    hi = {"model": "smollm2", "prompt": "Hi", "max_tokens": 3}
+    ok = wait_until(lambda: httpx.post(loong_stack.base_url + "/completions", json=hi, timeout=60), 10)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3, ok.text
+    assert wait_until(lambda: not any(v for i, v in instance_blocks(loong_stack).items() if i != holder), 5)

@@ -205,7 +205,7 @@ class SchedulerCore:
             # the group's leader knows where each request's KV is now (it re-places reservations and scales tails
             # up past this plan): it fails exactly those that had a part on the dead member
             log.warning("%s was a member of KV-parallel group %s: its leader fails what it held", instance_id, group)
-            return self.strategy.on_instance_lost(instance_id, self.state, now)
+            return self._track(self.strategy.on_instance_lost(instance_id, self.state, now))
         lost = {instance_id}
         if group == instance_id:  # a dead leader takes its members' parts with it
             lost |= {i.id for i in self.state.instances.values() if i.info.kvp_group == group}
@@ -214,7 +214,7 @@ class SchedulerCore:
             if lost & req.holders():
                 self._forget(req.request_id)
                 actions.append(FailRequest(req.request_id, 503, f"{inst.role} instance {instance_id} was lost"))
-        return actions + self.strategy.on_instance_lost(instance_id, self.state, now)
+        return actions + self._track(self.strategy.on_instance_lost(instance_id, self.state, now))
 
     # ---- requests ----
 

@@ -236,3 +236,22 @@ def test_loaded_pool_keeps_every_invariant(workload: str, rate: float, spec: str
     assert result.summary(workload).completed == 200
     strategy = sim.core.strategy
     assert len(strategy._decode_times) == 200  # AvgLat_d (Eq. 2) sees every finished request
+
+
+def test_a_lost_instance_fails_what_it_held_and_the_pool_plans_on_without_it() -> None:
+    from spindle_protocol.messages import RequestFinished
+
+    core = elastic_core(n=2, blocks=2000, max_dop=1, migrate=0)
+    (pa,) = batches(core.admit(request_spec("a", prompt=500, out=5), 0.0))
+    (pb,) = batches(core.admit(request_spec("b", prompt=400, out=2), 0.0))
+    lost = pa.instances[0]
+    acts = core.on_instance_left(lost, 0.5)  # "a" was prefilling there
+    assert [(type(a).__name__, a.request_id) for a in acts] == [("FailRequest", "a")]
+    assert "a" not in core.state.requests
+    (db,) = batches(finish_prefill(core, pb, 1.0))
+    assert db.instances == pb.instances and db.decodes[0].request_id == "b"
+    assert not batches(core.admit(request_spec("c", prompt=300, out=3), 1.1))  # the survivor decodes "b"
+    core.on_event(RequestFinished(request_id="b", instance_id=db.instances[0], finish_reason="length",
+                                  num_output_tokens=2), 1.2)  # fmt: skip
+    (pc,) = batches(core.on_event(IterationDone(instance_id=db.instances[0], batch_id=db.batch_id, seconds=0.1), 1.2))
+    assert pc.instances == pb.instances and pc.prefills[0].request_id == "c"  # never the lost instance

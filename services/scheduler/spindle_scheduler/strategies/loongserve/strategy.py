@@ -52,7 +52,7 @@ from spindle_protocol.messages import (
     WorkerEvent,
 )
 
-from ...actions import Action, Admit, DecodePart, KVShard, MigrateKV, PrefillPart, Reject, RunBatch
+from ...actions import Action, Admit, DecodePart, FailRequest, KVShard, MigrateKV, PrefillPart, Reject, RunBatch
 from ...latency import LatencyModel
 from ...state import ClusterState
 from ...strategy import Strategy, register_strategy
@@ -251,14 +251,53 @@ class LoongServeStrategy(Strategy):
         return self._schedule(now)
 
     def on_instance_lost(self, instance_id: str, state: ClusterState, now: float) -> list[Action]:
-        """The core failed the requests the instance held; its group and reservations go."""
-        self.members.pop(instance_id, None)
+        """The core failed the requests the instance held. Iterations it was part of never report: their groups
+        free, the prefills they lent instances to end, and prefills not yet started give their requests back to
+        the queue; the pool plans on without it."""
+        lost = self.members.pop(instance_id, None)
+        for bid, run in list(self.prefills.items()):
+            if instance_id in run.batch.instances:
+                del self.prefills[bid]
+                self._end_run(run)
+        for run in [r for r in self.waiting if instance_id in r.batch.instances]:
+            self.waiting.remove(run)
+            self._end_run(run)
+            for part in reversed(run.batch.prefills):  # never sent: they wait again, first in line
+                for m in self.members.values():
+                    m.drop(part.request_id)
+                if part.request_id in state.requests:
+                    self.pending.appendleft(Pending(part.spec, now))
+        for bid, (gid, _) in list(self.decode_batches.items()):
+            g = self.groups.get(gid)
+            if g is None or instance_id in g.members:
+                del self.decode_batches[bid]
+                if g is not None:
+                    g.running = None
+                    for m in g.members:
+                        if m in self.members:
+                            self.members[m].busy = False
+        failed: list[Action] = []
+        for key in [k for k in self._moving if instance_id in k[1:] or (lost and k[0] in lost.held)]:
+            del self._moving[key]
+            if key[1] != instance_id and key[0] in state.requests:  # its KV was on its way to the lost instance
+                failed.append(FailRequest(key[0], 503, f"elastic instance {instance_id} was lost"))
         for g in self.groups.values():
             if instance_id in g.members:
                 g.members.remove(instance_id)
+            g.migrating = sum(1 for gid in self._moving.values() if gid == g.id)
         self._sync(state)
+        for a in failed:
+            self._drop(a.request_id)  # type: ignore[attr-defined]
         self._release_empty()
-        return []
+        return failed + self._schedule(now)
+
+    def _end_run(self, run: PrefillRun) -> None:
+        """A prefill that will never report: the groups it paused go on, its members are free."""
+        for g in self.groups.values():
+            g.paused_for.discard(run.batch.batch_id)
+        for mid in run.batch.instances:
+            if mid in self.members:
+                self.members[mid].busy = False
 
     # ---- iterations ending ----
 
