@@ -9,13 +9,15 @@ of instances runs, in four steps (`_dispatch`):
    instance). A decoding group between iterations may be preempted for more requests when Eq. 2's gain (their
    wait for decodes to end, per input token) exceeds Eq. 1's cost (the prefill's time, per output token of
    the paused decodes).
-2. Elastic instance allocation (§5.2): idle instances first; then, while Eq. 3's gain (the prefill's time
-   saved, per input token) exceeds Eq. 4's cost (migrating the KV off it, per input token), the decoding
-   instance with the fewest used slots (`e_min`) whose KV fits on the other members of its group, which
-   migrate it (MigrateKV) before the prefill starts.
+2. Elastic instance allocation (§5.2): idle instances first (and the lent groups'); then, while Eq. 3's gain
+   (the prefill's time saved, per input token; unbounded while the prefill has no instance) exceeds Eq. 4's
+   cost (migrating the KV off it, per input token), the decoding instance with the fewest used slots (`e_min`)
+   among those that hold and master their requests whole: each request's KV migrates (MigrateKV) to the
+   decoding instance outside the prefill with the most room, and decodes in that one's group afterwards; the
+   prefill starts when every migration has landed (`migrate=0`: never).
 3. Batching (§5.3): the dynamic program of Eq. 5 with Eq. 6's bounds (batching.py) splits the requests
    (longest first) and instances (by node, then unused slots ascending) into batches and their groups.
-4. Elastic scaling plan (§5.4): each batch's KV is retained (proactive scale-down, RunPrefill's `retain`) on
+4. Elastic scaling plan (§5.4): each batch's KV is retained (proactive scale-down, PrefillPart's `retain`) on
    the fewest members that hold it: the master of each request (most room first) reserves its future tokens,
    the prompt fills members in order of room. After the prefill its requests decode on those members (merged
    into a group they share); the rest go idle. A decoding group scales up by an idle instance when its batch
@@ -34,6 +36,7 @@ Choices the paper leaves open, and the options for the other choice:
 - The DP's search: `exact_dp=0` exhaustive while small, Eq. 6's bounds beyond (batching.py says why); 1 always
   exhaustive, 2 always bounded.
 - Delay execution (Appendix A) is not modelled; requests with n > 1 choices are refused (400).
+- Losing an instance ends the iterations it was in; prefills not yet sent go back to the head of the queue.
 """
 
 from __future__ import annotations
@@ -520,9 +523,8 @@ class LoongServeStrategy(Strategy):
         """Step 1: pending requests (FCFS, or out of order up to `max_ooe` times) whose whole future KV fits the
         room left on `members` and in the pool, until the batch passes the tipping point."""
         taken = {p.rid for p in already}
-        room = sum(m.free_tokens() for m in members)
-        pool = sum(m.free_tokens() for m in self.members.values())
-        pool -= sum(p.need for p in already)
+        room = sum(m.free_tokens() for m in members) - sum(p.need for p in already)  # `already` lands on them
+        pool = sum(m.free_tokens() for m in self.members.values()) - sum(p.need for p in already)
         tokens = sum(p.prompt for p in already)
         width = max(1, len(members))
         out: list[Pending] = []
