@@ -36,3 +36,14 @@ def test_sim_from_calibration_and_from_profile(tmp_path, capsys):
 def test_sim_bad_input_is_a_clear_error(capsys):
     assert main(["--workload", "nope", "--num-requests", "5"]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_a_colocated_strategy_gets_the_given_gpus_as_colocated_instances(tmp_path, capsys):
+    """Instance counts for a prefill/decode split, and a strategy of colocated instances (`chunked`, `loongserve`):
+    the same GPUs run it as colocated instances instead of refusing every request."""
+    for strategy in ("chunked", "loongserve"):
+        out = tmp_path / f"{strategy}.json"
+        args = ["--strategy", strategy, "--workload", "tetris-short", "--rate", "1", "--instances", "2"]
+        assert main([*args, "--decode-instances", "2", "--num-requests", "20", "--json", str(out)]) == 0
+        assert _check(out)["completed"] == 20
+        assert "4 colocated x TP1 instances (the given 4 GPUs as colocated instances" in capsys.readouterr().out

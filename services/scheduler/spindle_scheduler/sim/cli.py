@@ -22,7 +22,7 @@ from .cluster import SimConfig
 from .executor import simulate
 from .loadsearch import MaxLoad, max_sustainable_load
 from .metrics import Slo, format_plan_us, strict_json
-from .named_cluster import DEFAULT_NODES, ClusterSpec, SimSetup, given_shape, named_cluster
+from .named_cluster import DEFAULT_NODES, ClusterSpec, SimSetup, given_shape, named_cluster, reshaped
 from .sweep import METRICS, PERCENTILES, SweepRow, format_table, rows_to_dicts, sweep
 
 NAMED_ONLY = ("model", "nodes", "gpus_per_node", "prefill_tp")  # flags that only a named cluster takes
@@ -245,10 +245,10 @@ def setups(args: argparse.Namespace, specs: list[str]) -> dict[str, SimSetup]:
     """Each strategy's cluster shape, latency model and config: on a named cluster, the GPUs shaped as it runs
     (one build per shape); otherwise the same instances and latency source for all."""
     cluster = _cluster_spec(args)
-    if cluster is None:
+    if cluster is None:  # the given instances; their GPUs reshaped for a strategy they do not suit
         config = _sim_config(args)
         setup = SimSetup(given_shape(config), _latency(args), config)
-        return dict.fromkeys(specs, setup)
+        return {spec: reshaped(setup, strategy_class(spec).colocated) for spec in specs}
     built: dict[tuple[bool, bool], SimSetup] = {}
     out = {}
     for spec in specs:

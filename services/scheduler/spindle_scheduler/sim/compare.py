@@ -55,7 +55,7 @@ from .cli import (
 from .executor import simulate
 from .loadsearch import MaxLoad
 from .metrics import SimSummary, Stats, strict_json
-from .named_cluster import ClusterShape, SimSetup, given_shape, named_cluster
+from .named_cluster import ClusterShape, SimSetup, given_shape, named_cluster, reshaped
 
 STATS = ("mean", "p50", "p90", "p99")
 EXAMPLES = (
@@ -122,24 +122,6 @@ def check_spec(spec: str) -> None:
     if unknown := sorted(set(options) - set(allowed)):
         have = ", ".join(f"{k}={v}" for k, v in allowed.items()) or "none"
         raise ValueError(f"strategy {name!r} has no option {', '.join(unknown)} (options: {have})")
-
-
-def reshaped(setup: SimSetup, colocated: bool) -> SimSetup:
-    """A cluster given as instance counts, for a strategy that runs colocated (`colocated`) or disaggregated: the
-    same GPUs as colocated instances, or half prefill and the rest decode, when the given ones do not suit it."""
-    c = setup.config
-    gpus = sum(c.instance_widths())
-    if colocated and not c.num_colocated:
-        config = replace(c, num_prefill=0, num_decode=0, num_colocated=gpus // c.colocated_tp)
-        how = f"the given {gpus} GPUs as colocated instances"
-    elif not colocated and not (c.num_prefill and c.num_decode):
-        n_p = gpus // 2 // c.prefill_tp
-        n_d = (gpus - n_p * c.prefill_tp) // c.decode_tp
-        config = replace(c, num_prefill=n_p, num_decode=n_d, num_colocated=0)
-        how = f"the given {gpus} GPUs split: half prefill, the rest decode"
-    else:
-        return setup
-    return SimSetup(given_shape(config, how), setup.latency, config)
 
 
 def fit_spec(spec: str, setup: SimSetup) -> tuple[str, str]:

@@ -297,3 +297,21 @@ def given_shape(config: SimConfig, how: str = "as given") -> ClusterShape:
     text = f"{instances} instances ({how}; packed on {nodes} nodes of {c.gpus_per_node} GPUs)"
     counts = (c.num_prefill, c.prefill_tp, c.num_decode, c.decode_tp, c.num_colocated, c.colocated_tp)
     return ClusterShape(None, None, nodes, c.gpus_per_node, *counts, text)
+
+
+def reshaped(setup: SimSetup, colocated: bool) -> SimSetup:
+    """A cluster given as instance counts, for a strategy that runs colocated (`colocated`) or disaggregated: the
+    same GPUs as colocated instances, or half prefill and the rest decode, when the given ones do not suit it."""
+    c = setup.config
+    gpus = sum(c.instance_widths())
+    if colocated and not c.num_colocated:
+        config = replace(c, num_prefill=0, num_decode=0, num_colocated=gpus // c.colocated_tp)
+        how = f"the given {gpus} GPUs as colocated instances"
+    elif not colocated and not (c.num_prefill and c.num_decode):
+        n_p = gpus // 2 // c.prefill_tp
+        n_d = (gpus - n_p * c.prefill_tp) // c.decode_tp
+        config = replace(c, num_prefill=n_p, num_decode=n_d, num_colocated=0)
+        how = f"the given {gpus} GPUs split: half prefill, the rest decode"
+    else:
+        return setup
+    return SimSetup(given_shape(config, how), setup.latency, config)
