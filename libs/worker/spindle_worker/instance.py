@@ -262,14 +262,18 @@ class Instance:
         """Run `fn(engine)` on the engine thread."""
         return await asyncio.wrap_future(self.thread.call(fn))
 
-    async def add_to_engine(self, job: Job, prefill_only: bool) -> None:
-        """Load `job`'s prompt and queue it in the engine; a bad prompt or sampling fails it with 400. An abort
-        that arrived while the prompt loaded is honoured (the engine would otherwise keep the request)."""
+    async def add_to_engine(self, job: Job, prefill_only: bool, directed: bool = False) -> None:
+        """Load `job`'s prompt and queue it in the engine (`directed`: hold it for `Engine.step_directed`); a bad
+        prompt or sampling fails it with 400. An abort that arrived while the prompt loaded is honoured (the engine
+        would otherwise keep the request)."""
         rid = job.request_id
         try:
             prompt = await load_prompt(self.bus, job.spec.prompt)
             params = sampling_params(job.spec.sampling)
-            await self.call(lambda e: e.add_request(rid, prompt, params, prefill_only=prefill_only))
+            if directed:
+                await self.call(lambda e: e.add_directed(rid, prompt, params))
+            else:
+                await self.call(lambda e: e.add_request(rid, prompt, params, prefill_only=prefill_only))
         except ValueError as e:
             await self.fail(job, 400, str(e))
             return

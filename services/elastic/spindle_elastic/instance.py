@@ -34,9 +34,8 @@ from spindle_protocol.messages import (
     RunIteration,
     RunPrefill,
 )
-from spindle_protocol.prompts import load_prompt
 from spindle_telemetry import extract
-from spindle_worker import Instance, Job, sampling_params
+from spindle_worker import Instance, Job
 
 log = logging.getLogger("spindle.elastic")
 
@@ -93,34 +92,30 @@ class ElasticInstance(Instance):
 
     async def _admit_directed(self, spec: RequestSpec, raw: Msg, alone: bool) -> None:
         """A request's first part: its job, its prompt loaded, held in the engine for directed steps."""
-        rid = spec.request_id
-        if rid in self.jobs or self.is_aborted(rid):
+        job = self._new_job(spec, raw)
+        if job is None:
             return
-        span = self.tracer.start_span("elastic", context=extract(raw.headers))
-        span.set_attribute("spindle.request_id", rid)
-        span.set_attribute("spindle.instance", self.id)
-        job = ElasticJob(spec, span)
-        self.jobs[rid] = job
         if not alone:
             await self.fail(job, 501, f"{self.id}: sequence-parallel groups of elastic instances are not served yet")
             return
-        try:
-            prompt = await load_prompt(self.bus, spec.prompt)
-            params = sampling_params(spec.sampling)
-            await self.call(lambda e: e.add_directed(rid, prompt, params))
-        except ValueError as e:
-            await self.fail(job, 400, str(e))
+        await self.add_to_engine(job, prefill_only=False, directed=True)
 
-    async def _on_run(self, cmd: RunPrefill, raw: Msg) -> None:
-        spec = cmd.request
+    def _new_job(self, spec: RequestSpec, raw: Msg) -> ElasticJob | None:
+        """The request's job here (None when it already has one, or was aborted)."""
         rid = spec.request_id
         if rid in self.jobs or self.is_aborted(rid):
-            return
+            return None
         span = self.tracer.start_span("elastic", context=extract(raw.headers))
         span.set_attribute("spindle.request_id", rid)
         span.set_attribute("spindle.instance", self.id)
-        job = ElasticJob(spec, span)
-        self.jobs[rid] = job
+        job = self.jobs[rid] = ElasticJob(spec, span)
+        return job
+
+    async def _on_run(self, cmd: RunPrefill, raw: Msg) -> None:
+        spec = cmd.request
+        job = self._new_job(spec, raw)
+        if job is None:
+            return
         if cmd.decode_instance != self.id or any(c.members != [self.id] for c in cmd.chunks):
             await self.fail(
                 job, 500, f"elastic instance {self.id} runs colocated plans only (prefill and decode here), not a plan "

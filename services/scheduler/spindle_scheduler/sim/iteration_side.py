@@ -27,7 +27,7 @@ from spindle_protocol.messages import (
     RequestFinished,
 )
 
-from ..actions import MigrateKV, RunBatch
+from ..actions import DecodePart, MigrateKV, PrefillPart, RunBatch
 from .base import SimBase
 from .cluster import SimColocated
 from .events import EventKind
@@ -90,7 +90,7 @@ class IterationSide(SimBase):
         kept = RunBatch(a.batch_id, a.instances, tuple(prefills), tuple(decodes)) if prefills or decodes else None
         self.queue.push(now + seconds, EventKind.ITERATION_DONE, (a, kept, seconds))
 
-    def _iteration_seconds(self, a: RunBatch, prefills: list, decodes: list) -> float:  # type: ignore[type-arg]
+    def _iteration_seconds(self, a: RunBatch, prefills: list[PrefillPart], decodes: list[DecodePart]) -> float:
         s, lat, tp = len(a.instances), self.latency, self.config.colocated_tp
         seconds = 0.0
         if prefills:

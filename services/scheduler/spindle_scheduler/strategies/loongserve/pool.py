@@ -44,6 +44,12 @@ class Member:
         extra = self.blocks(have + tokens) - self.blocks(have)
         return self.used_blocks() + extra <= self.total_blocks
 
+    def room_tokens(self, rid: str) -> int:
+        """The most tokens of `rid` that still fit here beside what it holds and reserves."""
+        have = self.held.get(rid, 0) + self.reserved.get(rid, 0)
+        free_blocks = max(0, self.total_blocks - self.used_blocks())
+        return (self.blocks(have) + free_blocks) * self.block_size - have
+
     def kv_tokens(self) -> int:
         return sum(self.held.values())
 

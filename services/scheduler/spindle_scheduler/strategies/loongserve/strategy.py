@@ -189,7 +189,7 @@ class LoongServeStrategy(Strategy):
 
     def _derive_scale_up(self) -> int:
         decode = self.latency.decode if self.latency else None
-        tp = getattr(self, "_tp", 1)
+        tp = self._tp
         if decode is None or (tp, 2) not in decode.coeffs or (tp, 1) not in decode.coeffs:
             return 1 << 30
         for b in (2**k for k in range(1, 12)):
@@ -436,7 +436,7 @@ class LoongServeStrategy(Strategy):
             return
         if (
             self.latency.decode is None
-            or (getattr(self, "_tp", 1), len(g.members) + 1)  # type: ignore[union-attr]
+            or (self._tp, len(g.members) + 1)  # type: ignore[union-attr]
             not in self.latency.decode.coeffs
         ):  # type: ignore[union-attr]
             return
@@ -478,7 +478,7 @@ class LoongServeStrategy(Strategy):
 
     def _dispatch(self, now: float) -> list[Action]:
         idle = self._idle()
-        chosen, _ = self._select(idle, [])
+        chosen = self._select(idle, [])
         lent: list[Group] = []
         if self.preempt or self.fixed_dop:
             lent, chosen = self._preempt(idle, chosen, now)
@@ -492,7 +492,7 @@ class LoongServeStrategy(Strategy):
                 moves += self._commit_drain(e, g, plan)
                 group.append(e)
             if moves and not chosen:
-                chosen, _ = self._select(group, [])
+                chosen = self._select(group, [])
         if not chosen or not group:
             return moves
         runs = self._batch(chosen, group, lent)
@@ -519,7 +519,7 @@ class LoongServeStrategy(Strategy):
         """Static hybrid parallelism: a batch runs on exactly `fixed_dop` instances or waits."""
         return sorted(group, key=lambda m: m.rank)[: self.fixed_dop] if len(group) >= self.fixed_dop else []
 
-    def _select(self, members: list[Member], already: list[Pending]) -> tuple[list[Pending], int]:
+    def _select(self, members: list[Member], already: list[Pending]) -> list[Pending]:
         """Step 1: pending requests (FCFS, or out of order up to `max_ooe` times) whose whole future KV fits the
         room left on `members` and in the pool, until the batch passes the tipping point."""
         taken = {p.rid for p in already}
@@ -543,7 +543,7 @@ class LoongServeStrategy(Strategy):
             passed = True  # the head is blocked: a younger one may go (relaxed FCFS)
         if out:
             self._ooe = self._ooe + 1 if passed else 0
-        return out, room
+        return out
 
     def _preempt(self, idle: list[Member], chosen: list[Pending], now: float) -> tuple[list[Group], list[Pending]]:
         """Step 1, Eq. 1-2: decoding groups between iterations lent to this prefill when it gains more input
@@ -555,7 +555,7 @@ class LoongServeStrategy(Strategy):
         group = list(idle)
         for g in free:
             members = [self.members[m] for m in g.members]
-            extra, _ = self._select(group + members, chosen)
+            extra = self._select(group + members, chosen)
             if not extra:
                 continue
             if not self.fixed_dop:
@@ -697,7 +697,7 @@ class LoongServeStrategy(Strategy):
             for k, m in enumerate(order):
                 if pos >= p.prompt:
                     break
-                take = shares[k] if self.fixed_dop else min(p.prompt - pos, self._room_tokens(m, rid))
+                take = shares[k] if self.fixed_dop else min(p.prompt - pos, m.room_tokens(rid))
                 if take <= 0:
                     continue
                 m.held[rid] = m.held.get(rid, 0) + take
@@ -710,18 +710,6 @@ class LoongServeStrategy(Strategy):
         bid = next(self._ids)
         ids = tuple(m.id for m in sorted(members, key=lambda m: m.rank))
         return PrefillRun(RunBatch(bid, ids, prefills=tuple(parts)), masters, lent)
-
-    @staticmethod
-    def _room_tokens(m: Member, rid: str) -> int:
-        """Tokens of `rid` that still fit on `m` beside what it holds and reserves."""
-        lo, hi = 0, m.free_tokens() + m.block_size
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if m.room_for(rid, mid):
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
 
     def _undo(self, claims: dict[str, dict[str, int]]) -> None:
         for mid, rids in claims.items():
