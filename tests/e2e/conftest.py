@@ -3,6 +3,7 @@ processes on the real model) started by the launcher, and the single-instance en
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -87,10 +88,11 @@ def engine_greedy(engine, prompts: list[list[int]], max_tokens: int) -> list[lis
 
 
 def instance_blocks(stack: Stack) -> dict[str, dict[str, int]]:
-    """instance id -> {request id: blocks held}, exact, from every instance."""
+    """instance id -> {request id: blocks held}, exact, from every instance that answers (a dead one, still
+    registered, reports an error instead)."""
     r = httpx.get(stack.url + "/v1/spindle/instances", timeout=5)
     r.raise_for_status()
-    return {i["instance_id"]: i["requests"] for i in r.json()["instances"]}
+    return {i["instance_id"]: i["requests"] for i in r.json()["instances"] if "requests" in i}
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.05):
@@ -107,3 +109,19 @@ def greedy_text(base_url: str, ids: list[int], max_tokens: int = 8) -> str:
     body = {"model": "smollm2", "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     r = httpx.post(base_url + "/completions", timeout=300, json=body)
     return r.json()["choices"][0]["text"] if r.status_code == 200 else f"HTTP {r.status_code}: {r.text}"
+
+
+def write_assumed_profile(tmp_path, batch_prefill: dict, decode: list[dict], bandwidth_bytes_per_s: float) -> str:
+    """A latency profile with assumed numbers (a strategy only compares plans with them): Eq. 7 per DoP
+    (`batch_prefill`), decode steps per (tp, kvp), a whole-prompt prefill for SP 1 and the transfer link."""
+    model = {
+        "version": 1,
+        "source": "test: assumed",
+        "prefill": {"1": {"coeffs": [0.08, 0.002, 9e-7, 1.2e-6], "fit_error": 0.0, "history_inferred": False}},
+        "batch_prefill": batch_prefill,
+        "decode": decode,
+        "transfer": {"latency_s": 0.001, "bandwidth_bytes_per_s": bandwidth_bytes_per_s},
+    }
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"model": model}))
+    return str(path)

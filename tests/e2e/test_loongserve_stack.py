@@ -1,12 +1,12 @@
-"""`loongserve` on the services, per iteration: the scheduler names every step of two elastic instances
-(`RunIteration`: prefill batches and decode batches, one instance per group so far, `max_dop=1,migrate=0`) and
-each instance runs it with `Engine.step_directed`, answering `IterationDone`. The official `openai` client gets
+"""`loongserve` on the services, per iteration, with groups of one (`max_dop=1,migrate=0`; replication, §7.4.1's
+baseline): the scheduler names every step of two elastic instances (`RunIteration`: prefill batches and decode
+batches) and each instance runs it as one `Engine.step_directed`, answering `IterationDone` (groups of several
+instances: test_loongserve_groups.py). The official `openai` client gets
 the single engine's tokens (greedy and seeded); a disconnect while decoding or prefilling frees every block;
 n > 1 is refused with a clear 400."""
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import engine_greedy, instance_blocks, start_stack, wait_until
+from .conftest import engine_greedy, instance_blocks, start_stack, wait_until, write_assumed_profile
 
 pytestmark = pytest.mark.slow
 
@@ -23,18 +23,10 @@ STRATEGY = "loongserve:max_dop=1,migrate=0"
 
 
 def _profile(tmp_path) -> str:
-    """Eq. 7 and a decode step for SP 1 (assumed: the strategy only compares batchings with them)."""
-    model = {
-        "version": 1,
-        "source": "test: assumed",
-        "prefill": {"1": {"coeffs": [0.08, 0.002, 9e-7, 1.2e-6], "fit_error": 0.0, "history_inferred": False}},
-        "batch_prefill": {"1": {"coeffs": [0.05, 2e-4, 1e-8], "fit_error": 0.0}},
-        "decode": [{"tp": 1, "kvp": 1, "coeffs": [0.04, 0.01, 1.6e-05], "fit_error": 0.0}],
-        "transfer": {"latency_s": 0.001, "bandwidth_bytes_per_s": 1.5e9},
-    }
-    path = tmp_path / "profile.json"
-    path.write_text(json.dumps({"model": model}))
-    return str(path)
+    """Eq. 7 and a decode step for SP 1."""
+    batch = {"1": {"coeffs": [0.05, 2e-4, 1e-8], "fit_error": 0.0}}
+    decode = [{"tp": 1, "kvp": 1, "coeffs": [0.04, 0.01, 1.6e-05], "fit_error": 0.0}]
+    return write_assumed_profile(tmp_path, batch, decode, 1.5e9)
 
 
 @pytest.fixture(scope="module")

@@ -53,6 +53,9 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0
     shared_prefill_chunk: int = 0  # > 0: a sequence's chunk while others share the engine (scheduler.py)
     max_model_len: int | None = None  # default: the model's context length
+    # a member of an elastic group (spindle_engine.esp) holds parts of sequences longer than its own KV cache:
+    # max_model_len is then the group's context, and only the engine's own scheduling needs a sequence to fit here
+    allow_partial_kv: bool = False
     seed: int = 0  # for requests that carry no seed of their own
     # decode-only steps replay a CUDA graph per batch bucket (CUDA with the triton backend only; see cuda_graphs.py)
     cuda_graphs: bool = True

@@ -88,7 +88,7 @@ class Engine:
             len(model.layers), model.num_local_kv_heads, model_config.head_dim, config.torch_dtype
         )
         num_blocks = config.kv_tokens(per_token) // config.block_size
-        if num_blocks * config.block_size < self.max_model_len:
+        if num_blocks * config.block_size < self.max_model_len and not config.allow_partial_kv:
             raise ValueError(
                 f"KV cache of {num_blocks * config.block_size} tokens cannot hold one {self.max_model_len}-token "
                 "sequence; raise kv_cache_tokens / kv_cache_memory_gb or lower max_model_len"
@@ -186,6 +186,12 @@ class Engine:
             raise ValueError("n > 1 needs a decode engine (Engine.resume); add one request per choice instead")
         self._check_new_id(request_id)
         self.validate_prompt(prompt_token_ids)
+        capacity = self.allocator.num_blocks * self.config.block_size
+        if min(len(prompt_token_ids) + params.max_tokens, self.max_model_len) > capacity:  # allow_partial_kv only
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds this engine's "
+                f"KV cache of {capacity} tokens (an elastic group holds longer requests in parts)"
+            )
         seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=prefill_only)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
@@ -225,6 +231,8 @@ class Engine:
             prefilled = seq is not None and seq.num_computed_tokens >= seq.num_prompt_tokens
             if seq is None or not prefilled or seq.num_uncomputed != 1 or rid in prefill:
                 raise ValueError(f"{rid!r} is not a decoding directed request")
+        if parted := [r for r in [*prefill, *decode] if self.directed[r].kv_positions is not None]:
+            raise ValueError(f"{parted} are held in parts by an elastic group: spindle_engine.esp steps them")
         if self.directed_room(prefill, decode) > self.allocator.num_free:
             raise ValueError(f"no KV room for the step: {self.directed_room(prefill, decode)} blocks needed, "
                              f"{self.allocator.num_free} free")  # fmt: skip

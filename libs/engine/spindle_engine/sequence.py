@@ -45,6 +45,9 @@ class Sequence:
     penalty_state: object | None = None  # the sampler's token counts (sampler.PenaltyState), built on first use
     grammar_state: object | None = None  # the grammar's matcher (grammar.GrammarState), built on first use
     prompt_logprobs: list = field(default_factory=list)  # params.prompt_logprobs: positions 1.. of the prompt
+    # A directed request whose KV an elastic group holds in parts (spindle_engine.esp): the absolute positions of
+    # the entries in `block_table` order, on this member. None: positions 0..num_computed_tokens-1, all here.
+    kv_positions: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

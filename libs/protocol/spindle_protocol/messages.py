@@ -197,6 +197,35 @@ class RunIteration(msgspec.Struct, frozen=True, kw_only=True):
     decodes: list[IterationDecode] = []
 
 
+class IterationAbandoned(msgspec.Struct, frozen=True, kw_only=True):
+    """An elastic instance -> the other members of an iteration it gave up (a member died mid-way): stop waiting
+    for it; its requests have failed."""
+
+    batch_id: int
+    instance_id: str
+    reason: str
+
+
+class MigrateKVIn(msgspec.Struct, frozen=True, kw_only=True):
+    """scheduler -> the destination of a KV migration (the scheduler's MigrateKV): take over the decoding request
+    `request_id` from the elastic instance `src`. It asks `src` for the KV (MigrateKVOut) and reports KVMigrated
+    when it holds the request."""
+
+    request_id: str
+    src: str
+    src_rank: int
+
+
+class MigrateKVOut(msgspec.Struct, frozen=True, kw_only=True):
+    """destination -> source of a KV migration: send `request_id`'s tokens, spec and KV to `dst_rank` under `tag`
+    over the data plane, then forget the request."""
+
+    request_id: str
+    dst: str
+    dst_rank: int
+    tag: int
+
+
 class PlaceKVP(msgspec.Struct, frozen=True, kw_only=True):
     """scheduler -> the leader of a KV-parallel decode group, before the prefill starts: where the request's KV
     goes. `shards` cover the prompt in order, the first on the master (which samples the request's tokens), the

@@ -47,6 +47,21 @@ def elastic_iteration(instance_id: str) -> str:
     return f"{PREFIX}.elastic.{check_token(instance_id)}.iteration"
 
 
+def elastic_abandoned(instance_id: str) -> str:
+    """A member of an iteration -> the other members: IterationAbandoned."""
+    return f"{PREFIX}.elastic.{check_token(instance_id)}.abandoned"
+
+
+def elastic_migrate_in(instance_id: str) -> str:
+    """The scheduler -> the elastic instance a request's KV migrates to: MigrateKVIn."""
+    return f"{PREFIX}.elastic.{check_token(instance_id)}.migrate_in"
+
+
+def elastic_migrate_out(instance_id: str) -> str:
+    """A migration's destination -> its source elastic instance: MigrateKVOut."""
+    return f"{PREFIX}.elastic.{check_token(instance_id)}.migrate_out"
+
+
 def prefill_sp_chunk_done(instance_id: str) -> str:
     """prefill -> a prefill instance joining an SP plan at the next chunk, publish: SPChunkDone."""
     return f"{PREFIX}.prefill.{check_token(instance_id, 'instance id')}.sp_chunk_done"

@@ -254,6 +254,7 @@ class Instance:
             max_model_len=self.engine.max_model_len,
             node=self.config.node or socket.gethostname(),
             tp_size=self.config.tp_size,
+            kv_bytes_per_token=self.engine.cache.k[:, 0, 0].numel() * 2 * self.engine.cache.k.element_size(),
         )
 
     # ---- engine access ----

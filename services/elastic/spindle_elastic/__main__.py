@@ -33,6 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
         "prompt then interleaves with the decodes and newer prompts instead of stalling them; alone it takes the "
         "whole --max-num-batched-tokens (%(default)s; 0 = no cap)",
     )
+    p.add_argument(
+        "--partial-kv",
+        action="store_true",
+        help="hold parts of requests longer than this instance's KV cache (a per-iteration strategy such as "
+        "loongserve spreads a request's KV over a group of elastic instances): --max-model-len is then the group's "
+        "context, not this cache's",
+    )
     service.add_common_args(p)
     return p
 
@@ -43,7 +50,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.shared_chunk < 0:
         raise SystemExit(f"--shared-chunk must be >= 0, got {args.shared_chunk}")
     config = InstanceConfig.from_args("elastic", args)
-    config = replace(config, engine=replace(config.engine, shared_prefill_chunk=args.shared_chunk))
+    engine = replace(config.engine, shared_prefill_chunk=args.shared_chunk, allow_partial_kv=args.partial_kv)
+    config = replace(config, engine=engine)
     service.run(ElasticInstance(config).run, args.parent_pid)
 
 

@@ -21,6 +21,16 @@ COLOCATED_STRATEGY = "chunked"  # the strategy that plans onto elastic instances
 ELASTIC_STRATEGIES = (COLOCATED_STRATEGY, "loongserve")  # those that plan onto elastic instances
 
 
+def _per_iteration(strategy: str) -> bool:
+    """Whether the strategy plans every iteration of groups of elastic instances (`Strategy.elastic`)."""
+    from spindle_scheduler.strategy import strategy_class
+
+    try:
+        return strategy_class(strategy).elastic
+    except ValueError:
+        return False
+
+
 def _sim_only(strategy: str) -> str:
     """Why the services cannot run a registered strategy yet ("" when they can, or the name is unknown)."""
     from spindle_scheduler.strategy import parse_strategy_spec, strategy_class
@@ -283,6 +293,8 @@ def build_plan(config: StackConfig, runtime: Runtime, python: str = sys.executab
         budget = ["--max-num-batched-tokens", str(config.chunk_tokens)]
         if config.shared_chunk is not None:
             budget += ["--shared-chunk", str(config.shared_chunk)]
+        if _per_iteration(config.strategy):  # the group holds what one instance cannot
+            budget.append("--partial-kv")
         add(f"elastic-{i}", "elastic", worker(f"elastic-{i}", rank) + engine(config.kv_cache_tokens) + budget)
     token = {STACK_TOKEN_ENV: runtime.stack_token} if runtime.stack_token else {}
     gateway = ["--host", config.host, "--port", str(runtime.port), "--model", config.model]

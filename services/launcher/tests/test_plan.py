@@ -151,6 +151,9 @@ def test_elastic_plan_is_one_colocated_engine_per_instance() -> None:
     assert "--shared-chunk" not in flags(specs[2].args)  # the instance's own default
     shared = StackConfig(prefill=0, decode=0, elastic=1, strategy="chunked", shared_chunk=0)
     assert flags(build_plan(shared, RT, python="/py")[2].args)["--shared-chunk"] == "0"
+    assert "--partial-kv" not in specs[2].args  # chunked keeps each request whole on one instance
+    loong = StackConfig(prefill=0, decode=0, elastic=3, strategy="loongserve")
+    assert all("--partial-kv" in s.args for s in build_plan(loong, RT, python="/py") if s.role == "elastic")
 
 
 @pytest.mark.parametrize(
@@ -218,6 +221,12 @@ def test_prefill_instances_report_virtual_nodes() -> None:
         StackConfig(prefill_per_node=-1)
 
 
-def test_a_strategy_the_services_cannot_run_yet_is_refused_with_why() -> None:
-    with pytest.raises(ValueError, match=r"runs in `spindle sim` only for now: the elastic instances"):
-        StackConfig(strategy="loongserve", elastic=3, prefill=0, decode=0)
+def test_a_strategy_the_services_cannot_run_yet_is_refused_with_why(monkeypatch) -> None:
+    from spindle_scheduler import strategy as registry
+
+    class Gap(registry.strategy_class("single")):  # every registered strategy runs on the services today
+        real_stack_gap = "its mechanism is not built yet"
+
+    monkeypatch.setitem(registry._REGISTRY, "gap-test", Gap)
+    with pytest.raises(ValueError, match=r"runs in `spindle sim` only for now: its mechanism is not built yet"):
+        StackConfig(strategy="gap-test")

@@ -22,6 +22,7 @@ from spindle_protocol.messages import (
     InstanceInfo,
     IterationDecode,
     IterationPrefill,
+    MigrateKVIn,
     MoveParked,
     MoveReply,
     PlaceKVP,
@@ -39,7 +40,18 @@ from spindle_protocol.messages import RunPrefill as RunPrefillMsg
 from spindle_protocol.registry import watch_registry
 from spindle_telemetry import extract, inject, setup, shutdown, tracer
 
-from .actions import Action, Admit, FailRequest, Preempt, Reject, RunBatch, RunPrefill, TransferKV, shard_specs
+from .actions import (
+    Action,
+    Admit,
+    FailRequest,
+    MigrateKV,
+    Preempt,
+    Reject,
+    RunBatch,
+    RunPrefill,
+    TransferKV,
+    shard_specs,
+)
 from .actions import ScaleDownKVP as ScaleDownAction
 from .core import SchedulerConfig, SchedulerCore
 from .latency import LatencyModel
@@ -140,6 +152,7 @@ class SchedulerService:
         )
 
     async def _on_event(self, event: WorkerEvent, raw: Msg) -> None:
+        log.debug("event: %r", event)
         await self._execute(self.core.on_event(event, time.time()))
 
     async def _on_abort(self, msg: Abort, raw: Msg) -> None:
@@ -199,6 +212,17 @@ class SchedulerService:
             for instance in a.instances:
                 await self.bus.publish(subjects.elastic_iteration(instance), msg)
 
+    async def _migrate(self, a: MigrateKV) -> None:
+        """Tell the destination; it asks the source for the KV and reports KVMigrated (or the request fails)."""
+        assert self.bus is not None
+        src = self.core.state.instances.get(a.src)
+        if src is None:  # gone meanwhile: its loss fails the request
+            log.warning("migration of %s from %s: the source is not registered", a.request_id, a.src)
+            return
+        msg = MigrateKVIn(request_id=a.request_id, src=a.src, src_rank=src.info.rank)
+        async with self._plan_lock:  # after the iterations already sent to the destination
+            await self.bus.publish(subjects.elastic_migrate_in(a.dst), msg)
+
     async def _preempt(self, a: Preempt) -> None:
         assert self.bus is not None
         kvstore = self.core.state.instances.get(a.kvstore_instance)
@@ -255,11 +279,15 @@ class SchedulerService:
 
     async def _execute(self, actions: list[Action]) -> None:
         assert self.bus is not None
+        if actions and log.isEnabledFor(logging.DEBUG):
+            log.debug("actions: %s", "; ".join(map(repr, actions)))
         for a in actions:
             if isinstance(a, RunPrefill):
                 await self._run_prefill(a)
             elif isinstance(a, RunBatch):
                 await self._run_batch(a)
+            elif isinstance(a, MigrateKV):
+                await self._migrate(a)
             elif isinstance(a, Preempt):
                 self._spawn(self._preempt(a))  # its reply must not hold up the tick loop
             elif isinstance(a, TransferKV):

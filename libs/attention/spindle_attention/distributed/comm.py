@@ -7,7 +7,10 @@ one byte buffer (`pack`/`unpack`) so each peer exchange is a single operation.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +28,7 @@ class RankGroup:
     """
 
     ranks: tuple[int, ...]
+    tag_base: int = 1 << 30  # RANK_GROUP_TAG; a caller that may abandon a group's ops gives each use its own
 
     def __post_init__(self) -> None:
         if not self.ranks or len(set(self.ranks)) != len(self.ranks) or min(self.ranks) < 0:
@@ -32,6 +36,30 @@ class RankGroup:
 
 
 RANK_GROUP_TAG = 1 << 30  # RankGroup traffic: ring steps use this tag, metadata and all-to-all the next ones
+_waits = threading.local()
+
+
+def wait(work: dist.Work) -> None:
+    """Wait for a RankGroup op: `work.wait()`, or the policy `waiting_with` installed on this thread (one that
+    can give up, e.g. when a peer abandoned the group)."""
+    policy = getattr(_waits, "policy", None)
+    if policy is None:
+        work.wait()
+    else:
+        policy(work)
+
+
+@contextlib.contextmanager
+def waiting_with(policy: Callable[[dist.Work], None]) -> Iterator[None]:
+    """Within the block, this thread's RankGroup waits go through `policy(work)`."""
+    before = getattr(_waits, "policy", None)
+    _waits.policy = policy
+    try:
+        yield
+    finally:
+        _waits.policy = before
+
+
 Group = dist.ProcessGroup | RankGroup | None
 
 
@@ -98,7 +126,7 @@ def global_rank(group: Group, rank: int) -> int:
 def p2p_args(group: Group, tag: int = 0) -> tuple[dist.ProcessGroup | None, int]:
     """(group, tag) for a `P2POp`: a RankGroup sends on the default group under its own tag range."""
     if isinstance(group, RankGroup):
-        return None, RANK_GROUP_TAG + tag
+        return None, group.tag_base + tag
     return group, tag
 
 
@@ -113,7 +141,7 @@ def exchange(sends: list[Tensor], recvs: list[Tensor], group: Group, tag: int) -
             ops += [dist.P2POp(dist.isend, sends[p], peer, pg, t), dist.P2POp(dist.irecv, recvs[p], peer, pg, t)]
     if ops:
         for work in dist.batch_isend_irecv(ops):
-            work.wait()
+            wait(work)
 
 
 def all_to_all_bytes(recv: Tensor, send: Tensor, recv_sizes: list[int], send_sizes: list[int], group: Group) -> None:

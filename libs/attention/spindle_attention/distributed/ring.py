@@ -34,7 +34,18 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..merge import merge_attn_states
-from .comm import CommStats, Group, Timer, all_gather_ints, global_rank, group_rank_size, p2p_args, pack, unpack
+from .comm import (
+    CommStats,
+    Group,
+    Timer,
+    all_gather_ints,
+    global_rank,
+    group_rank_size,
+    p2p_args,
+    pack,
+    unpack,
+    wait,
+)
 from .local import local_attention
 
 # Called with (k [n, Hkv, D], v [n, Hkv, D], positions int64 [n]) for every block that visits this rank.
@@ -192,7 +203,7 @@ def ring_attention(
                 out_acc, lse_acc = merge_attn_states(out_acc, lse_acc, o.float(), lse)
         with Timer(stats, "wait_s"):
             for r in reqs:
-                r.wait()
+                wait(r)
         if recv is not None:
             cur, src = recv, nsrc
     return out_acc.to(q.dtype), lse_acc

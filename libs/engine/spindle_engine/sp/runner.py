@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from spindle_attention.distributed import CommStats, RankGroup
+from spindle_attention.distributed.comm import RANK_GROUP_TAG
 from spindle_model import LlamaModel
 
 from ..kv_cache import BlockAllocator, KVCache
@@ -59,6 +60,11 @@ class SPPrefill:
     member: int
     ranks: dict[int, int]  # member -> data-plane (global) rank
     retain: dict[int, Tensor] | None = None  # member -> positions it keeps after the last chunk (ring only)
+    # with `retain`: keep what this member retains in `retained` (positions, KV [2, layers, n, Hkv, D]) instead
+    # of its blocks, its shard's blocks given back (an elastic group writes several prompts' ranges afterwards)
+    defer_retained: bool = False
+    retained: tuple[Tensor, Tensor] | None = None
+    tag_base: int = RANK_GROUP_TAG  # the ring's tags (an elastic group gives each iteration its own)
     reports: list[ChunkReport] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -93,7 +99,7 @@ class SPPrefill:
         if m not in chunk.members:
             return None
         t0 = time.perf_counter()
-        group = RankGroup(tuple(self.ranks[x] for x in chunk.members)) if chunk.sp > 1 else None
+        group = RankGroup(tuple(self.ranks[x] for x in chunk.members), self.tag_base) if chunk.sp > 1 else None
         num_layers = len(self.model.layers)
         rebalance = None
         if step.moves:
@@ -114,7 +120,10 @@ class SPPrefill:
             positions=positions, rebalance=rebalance, stats=stats,
             retain=self.retain.get(m, torch.empty(0, dtype=torch.int64)) if last and self.retain is not None else None,
         )  # fmt: skip
-        hidden = self.model(positions, ctx, input_ids=self._ids[positions])  # [T, H]
+        if positions.numel():
+            hidden = self.model(positions, ctx, input_ids=self._ids[positions])  # [T, H]
+        else:  # a prompt shorter than the group: no tokens here, but this member still passes the ring's KV on
+            self._attend_nothing(ctx)
         if rebalance is not None:
             rebalance.finish()
         if ctx.retain is not None:
@@ -135,6 +144,14 @@ class SPPrefill:
             )
         )  # fmt: skip
         return logits
+
+    def _attend_nothing(self, ctx: SPAttentionContext) -> None:
+        m = self.model
+        d = m.config.head_dim
+        for layer in m.layers:
+            q = torch.empty(0, m.num_local_q_heads, d, dtype=m.dtype, device=m.device)
+            kv = torch.empty(0, m.num_local_kv_heads, d, dtype=m.dtype, device=m.device)
+            ctx.attention(layer.layer_id, q, kv, kv)
 
     def run_chunk_or_release(self, index: int) -> Tensor | None:
         """`run_chunk`, giving back every block held for the request if it fails (e.g. a peer died)."""
@@ -158,6 +175,11 @@ class SPPrefill:
     def _keep_retained(self, ctx: SPAttentionContext) -> None:
         """Replace the held KV by what this member retained (possibly nothing)."""
         self.held.free()
+        if self.defer_retained:
+            pos = ctx.retained_positions if ctx.retained_positions is not None else torch.empty(0, dtype=torch.int64)
+            kv = [torch.stack([k, v]) for k, v in ctx.retained]  # per layer [2, n, Hkv, D]
+            self.retained = pos, torch.stack(kv, dim=1) if kv else torch.empty(0)
+            return
         if ctx.retained_positions is None or ctx.retained_positions.numel() == 0:
             return
         slots = self.held.grow(ctx.retained_positions)

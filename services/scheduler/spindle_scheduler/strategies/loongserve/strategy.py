@@ -145,17 +145,6 @@ class LoongServeStrategy(Strategy):
         self._moving: dict[tuple[str, str], int] = {}  # (request id, src) -> group id, for MigrateKV in flight
         self._tp, self._kv_bytes = 1, 0  # the elastic instances' TP degree and KV bytes per token
 
-    @classmethod
-    def stack_gap(cls, options: dict[str, object]) -> str:
-        """The services run iterations of one instance each so far (max_dop=1, migrate=0)."""
-        if options.get("max_dop") == 1 and options.get("migrate", 1) == 0:
-            return ""
-        return (
-            "the elastic instances run iterations of one instance each so far (loongserve:max_dop=1,migrate=0); SP "
-            "prefill groups that retain their KV shares, multi-master decode groups and MigrateKV run in the "
-            "simulator only"
-        )
-
     def options(self) -> dict[str, object]:
         return {
             "max_dop": self.max_dop, "fixed_dop": self.fixed_dop, "tipping_tokens": self.tipping_tokens,
