@@ -31,6 +31,16 @@ def _per_iteration(strategy: str) -> bool:
         return False
 
 
+def _predicts(strategy: str) -> bool:
+    """Whether the strategy needs a latency model (`Strategy.needs_latency`)."""
+    from spindle_scheduler.strategy import strategy_class
+
+    try:
+        return strategy_class(strategy).needs_latency
+    except ValueError:
+        return False
+
+
 def _sim_only(strategy: str) -> str:
     """Why the services cannot run a registered strategy yet ("" when they can, or the name is unknown)."""
     from spindle_scheduler.strategy import parse_strategy_spec, strategy_class
@@ -104,6 +114,11 @@ class StackConfig:
             raise ValueError(f"elastic must be a non-negative integer, got {self.elastic!r}")
         if gap := _sim_only(self.strategy):
             raise ValueError(f"strategy {self.strategy!r} runs in `spindle sim` only for now: {gap}")
+        if self.profile is None and _predicts(self.strategy):
+            raise ValueError(
+                f"strategy {self.strategy!r} plans with predicted times: pass --profile (a latency profile from "
+                "`spindle profile`, with the SP sizes it plans for)"
+            )
         if self.elastic:
             if self.prefill or self.decode:
                 raise ValueError(

@@ -152,7 +152,7 @@ def test_elastic_plan_is_one_colocated_engine_per_instance() -> None:
     shared = StackConfig(prefill=0, decode=0, elastic=1, strategy="chunked", shared_chunk=0)
     assert flags(build_plan(shared, RT, python="/py")[2].args)["--shared-chunk"] == "0"
     assert "--partial-kv" not in specs[2].args  # chunked keeps each request whole on one instance
-    loong = StackConfig(prefill=0, decode=0, elastic=3, strategy="loongserve")
+    loong = StackConfig(prefill=0, decode=0, elastic=3, strategy="loongserve", profile="p.json")
     assert all("--partial-kv" in s.args for s in build_plan(loong, RT, python="/py") if s.role == "elastic")
 
 
