@@ -37,7 +37,8 @@ def test_kvp_tokens_joins_the_strategys_options_unless_the_strategy_sets_it():
         return args[args.index("--strategy") + 1]
 
     assert strategy() == "single"
-    assert strategy(kvp_tokens=300, strategy="request-sp:max_sp=2") == "request-sp:max_sp=2,kvp_tokens=300"
+    sp = strategy(kvp_tokens=300, strategy="request-sp:max_sp=2", profile="p.json")
+    assert sp == "request-sp:max_sp=2,kvp_tokens=300"
     assert strategy(kvp_tokens=300, strategy="single:kvp_tokens=900") == "single:kvp_tokens=900"
 
 
