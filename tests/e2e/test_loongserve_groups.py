@@ -77,12 +77,12 @@ def test_concurrent_prompts_scale_up_hand_over_and_equal_the_engine(groups_stack
     rng = random.Random(5)
     lengths = [700, 40, 1200, 90, 300, 15]
     prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in lengths]
-    want = engine_greedy(reference_engine, prompts, max_tokens=24)
+    want = engine_greedy(reference_engine, prompts, max_tokens=16)
     got: dict[int, list[str]] = {}
 
     def run(i: int) -> None:
         time.sleep(0.15 * i)
-        got[i] = _complete(groups_stack, prompts[i], 24)
+        got[i] = _complete(groups_stack, prompts[i], 16)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for th in threads:
@@ -99,7 +99,7 @@ def test_a_decoding_request_migrates_off_the_instance_a_long_prefill_takes(group
     (e_min), whose request's KV moves to the other decoding instance (MigrateKV) and decodes on there."""
     rng = random.Random(8)
     prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (30, 45, 1500)]
-    max_tokens = [160, 160, 8]
+    max_tokens = [96, 96, 8]
     want = [engine_greedy(reference_engine, [p], max_tokens=m)[0] for p, m in zip(prompts, max_tokens, strict=True)]
     got: dict[int, list[str]] = {}
 
