@@ -24,7 +24,7 @@ from nats.aio.msg import Msg
 from spindle_engine import Engine, SamplingParams
 from spindle_engine.esp import DecodeWork, ESPOutput, Flag, IterationResult, PrefillWork, run_iteration
 from spindle_protocol import subjects
-from spindle_protocol.messages import IterationAbandoned, RequestSpec, RunIteration
+from spindle_protocol.messages import IterationAbandoned, KVShardSpec, RequestSpec, RunIteration
 from spindle_protocol.prompts import load_prompt
 from spindle_worker import Job, sampling_params
 
@@ -106,7 +106,9 @@ class GroupIterations:
             else:
                 await self._refuse(rid, 503, f"no KV room on {self.id} for iteration {cmd.batch_id}")
 
-    def _prefill_work(self, spec: RequestSpec, start: int, end: int, retain: list, members: list[str]) -> PrefillWork:
+    def _prefill_work(
+        self, spec: RequestSpec, start: int, end: int, retain: list[KVShardSpec], members: list[str]
+    ) -> PrefillWork:
         if start != 0 or end != spec.prompt.num_tokens:
             raise ValueError(f"a group computes whole prompts, not tokens [{start}, {end}) of {spec.request_id}")
         if spec.sampling.n != 1:
@@ -150,8 +152,8 @@ class GroupIterations:
 
     async def _refuse(self, rid: str, status: int, message: str) -> None:
         """End `rid` here; with a status, also report it failed (status 0: another member reports it)."""
-        await self.call(lambda e: e.abort(rid))
         if status:
-            await self.fail_request(rid, status, message)
+            await self.fail_request(rid, status, message)  # frees it in the engine too
         else:
+            await self.call(lambda e: e.abort(rid))
             self.forget(rid)

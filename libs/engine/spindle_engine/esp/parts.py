@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ..engine import Engine
+from ..sampling_params import SamplingParams
 from ..sequence import Sequence, SequenceStatus
 
 
@@ -84,7 +85,9 @@ def import_kv(engine: Engine, seq: Sequence, pos: Tensor, kv: Tensor) -> None:
     set_positions(seq, seq.kv_positions)
 
 
-def new_sequence(engine: Engine, request_id: str, token_ids: list[int], num_prompt_tokens: int, params) -> Sequence:
+def new_sequence(
+    engine: Engine, request_id: str, token_ids: list[int], num_prompt_tokens: int, params: SamplingParams
+) -> Sequence:
     """A directed sequence joining this member mid-decode (no KV here yet): its last token's KV is still to
     compute, the others' sit on other members."""
     engine._check_new_id(request_id)
