@@ -31,7 +31,7 @@ serve: install
 
 test: install
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 test-fast: install
 	$(PY) -m pytest -q -m 'not slow'

@@ -135,3 +135,49 @@ def test_disconnect_while_decoding_and_while_prefilling_frees_every_block(elasti
     assert wait_until(lambda: no_blocks_held(elastic_stack), 2), instance_blocks(elastic_stack)
     ok = httpx.post(elastic_stack.base_url + "/completions", json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_prompts_that_arrive_during_one_step_are_prefilled_in_the_next_together(tmp_path_factory, otlp):
+    """Three short prompts that reach the instance while a long prompt's step runs all join the next step. (A NATS
+    subscription hands over its messages one at a time; an instance that waited for the engine to take each
+    request before reading the next let one new request into each step: the third prompt's first token came
+    two steps late.)"""
+    s = start_stack(tmp_path_factory, "elastic-admit", prefill=0, decode=0, elastic=1, otlp_endpoint=otlp.endpoint,
+                    strategy="chunked:chunk_size=2048")  # fmt: skip
+    try:
+        otlp.clear()
+        rng = random.Random(11)
+        long_prompt = [rng.randrange(100, 40000) for _ in range(1800)]  # one step of the whole prompt, about a second
+        lengths = (21, 22, 23)  # each short prompt's chunk span is told apart by its token range
+        body = {"model": "smollm2", "prompt": long_prompt, "max_tokens": 4, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", s.base_url + "/completions", json=body, timeout=120) as long_stream:
+            assert long_stream.status_code == 200
+            assert wait_until(lambda: instance_blocks(s)["elastic-0"], 20), "the long prompt's step should run"
+
+            def short(n: int) -> None:
+                prompt = [rng.randrange(100, 40000) for _ in range(n)]
+                body = {"model": "smollm2", "prompt": prompt, "max_tokens": 2, "ignore_eos": True}
+                r = httpx.post(s.base_url + "/completions", json=body, timeout=120)
+                assert r.status_code == 200, r.text
+
+            threads = [threading.Thread(target=short, args=(n,)) for n in lengths]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=120)
+            long_stream.read()
+        ranges = {f"0:{n}" for n in lengths}
+
+        def first_chunks(spans) -> dict[str, int]:
+            return {
+                sp.attributes["spindle.token_range"]: sp.start
+                for sp in spans
+                if sp.name == "prefill.chunk" and sp.attributes.get("spindle.token_range") in ranges
+            }
+
+        otlp.wait_for(lambda spans: len(first_chunks(spans)) == len(lengths), timeout=15)
+        starts = first_chunks(otlp.spans)
+        assert len(set(starts.values())) == 1, f"the short prompts ran in {len(set(starts.values()))} steps: {starts}"
+        assert wait_until(lambda: no_blocks_held(s), 5), instance_blocks(s)
+    finally:
+        s.stop()

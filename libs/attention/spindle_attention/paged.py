@@ -6,8 +6,9 @@ block `block_table[t // block_size]` at offset `t % block_size`.
 - `paged_decode`: one query token per sequence over its whole cached context, split-KV
   (flash-decoding): the context is cut into `num_splits` ranges whose partial states are merged.
 - `paged_prefill`: a chunk of queries per sequence over its cached history plus the chunk itself (the
-  chunk's KV must already be written to the cache), as chunked prefill needs. On CPU: two flash-attention calls
-  per sequence (the history unmasked, the chunk causal) merged by LSE; elsewhere the tiled reference.
+  chunk's KV must already be written to the cache), as chunked prefill needs. On CPU: the native kernel
+  (`cpu.prefill`, K/V read in place, GQA folded) where it is built, else two flash-attention calls per sequence
+  (the history unmasked, the chunk causal) merged by LSE; elsewhere the tiled reference.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .cpu import decode as cpu_decode
+from .cpu import prefill as cpu_prefill
 from .merge import merge_attn_states, merge_attn_states_many
 from .reference import BLOCK_K, BLOCK_Q, _attend_one, _flash_cpu, _split, positions
 
@@ -142,11 +144,17 @@ def paged_prefill(
         raise ValueError(f"{len(lens)} chunks but {len(totals)} seq_lens / {block_table.shape[0]} block rows")
     k_flat = k_cache.view(-1, hkv, d)
     v_flat = v_cache.view(-1, hkv, d)
+    native = cpu_prefill.supported(q, k_cache, v_cache)
     outs, lses = [], []
     for i, (qs, n, total) in enumerate(zip(starts, lens, totals, strict=True)):
         if n > total:
             raise ValueError(f"chunk of {n} tokens longer than the {total} cached for sequence {i}")
         row = block_table[i : i + 1]
+        if native and n > 0:
+            o, lse = cpu_prefill.attention(q[qs : qs + n], k_cache, v_cache, row[0], total - n, scale)
+            outs.append(o)
+            lses.append(lse)
+            continue
 
         def load(s: int, e: int, row: Tensor = row) -> tuple[Tensor, Tensor]:
             slots = slot_indices(row, block_size, s, e)[0]

@@ -164,3 +164,49 @@ def test_one_pass_rms_norm_and_silu_mul_equal_torch(rows: int) -> None:
     assert cpu.elementwise.rms_norm(x[:, ::2], w[:288], 1e-5) is None  # not contiguous
     assert cpu.elementwise.rms_norm(x.bfloat16(), w.bfloat16(), 1e-5) is None
     assert cpu.elementwise.silu_mul(gate_up[:, :-1]) is None  # odd width
+
+
+@pytest.mark.parametrize(
+    "hq,hkv,d,history,n,block_size",
+    [
+        (9, 3, 64, 0, 1, 16),  # one token, no history
+        (9, 3, 64, 0, 203, 16),  # rows (609) not a multiple of the 6-row panels, keys not of the 64-key tiles
+        (9, 3, 64, 1337, 77, 16),  # a chunk after an uneven history
+        (8, 2, 128, 250, 131, 32),  # head dim 128 (two output halves)
+        (4, 4, 64, 63, 2, 8),  # no GQA, a chunk crossing a tile boundary
+        (8, 1, 64, 0, 700, 16),  # MQA: eight heads per KV head
+    ],
+)
+def test_prefill_kernel_matches_the_torch_reference(hq, hkv, d, history, n, block_size):
+    """The native chunked-prefill attention reads K/V through a shuffled block table and equals the tiled torch
+    reference (positional causal mask) in out and lse within fp32 rounding."""
+    from spindle_attention import paged_prefill
+
+    total = history + n
+    k_cache, v_cache, table = _cache([total], hkv, d, block_size, torch.float32, seed=n)
+    q = torch.randn(n, hq, d, generator=torch.Generator().manual_seed(7))
+    assert cpu.prefill.supported(q, k_cache, v_cache)
+    out, lse = cpu.prefill.attention(q, k_cache, v_cache, table[0], history, d**-0.5)
+    slots = (table[0].long()[:, None] * block_size + torch.arange(block_size)).flatten()[:total]
+    k, v = k_cache.view(-1, hkv, d)[slots], v_cache.view(-1, hkv, d)[slots]
+    from spindle_attention import attention_fwd
+
+    ref, ref_lse = attention_fwd(q, k, v, q_offset=history, block_q=128, block_k=96)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=1e-5)
+    # paged_prefill takes the native path on CPU: the same numbers
+    via, via_lse = paged_prefill(q, k_cache, v_cache, table, torch.tensor([total]), torch.tensor([0, n]))
+    assert torch.equal(via, out) and torch.equal(via_lse, lse)
+
+
+def test_prefill_kernel_refuses_what_it_cannot_take():
+    k_cache, v_cache, table = _cache([40], 3, 64, 16, torch.float32)
+    q = torch.randn(8, 9, 64)
+    assert not cpu.prefill.supported(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16())
+    assert not cpu.prefill.supported(torch.randn(8, 9, 72), torch.randn(4, 16, 3, 72), torch.randn(4, 16, 3, 72))
+    bad = table[0].clone()
+    bad[1] = k_cache.shape[0] + 5
+    with pytest.raises(IndexError, match="outside the cache"):
+        cpu.prefill.attention(q, k_cache, v_cache, bad, 32, 0.125)
+    with pytest.raises(ValueError, match="block table covers"):
+        cpu.prefill.attention(q, k_cache, v_cache, table[0], 60, 0.125)

@@ -5,8 +5,9 @@ with no history, then prefill chunks that continue a cached history. Everything 
 device is built once per step (in its constructor), so the layer loop never syncs with the host.
 
 - `PagedAttentionContext` (backend "torch"): decodes run as one batched `paged_decode` (on CPU, the native
-  kernel's batch is prepared once per step and run for every layer); a chunk with no history attends to
-  itself, a chunk with history attends over the paged cache (`paged_prefill`).
+  kernel's batch is prepared once per step and run for every layer); a chunk with history attends over the
+  paged cache (`paged_prefill`), and so does a chunk with no history where the native CPU prefill kernel runs
+  (it reads the K/V just written in place); elsewhere such a chunk attends to its own contiguous K/V.
 - `TritonPagedAttentionContext` (backend "triton", CUDA or TRITON_INTERPRET=1): one `paged_decode` launch for
   the decodes, one varlen `attention_fwd` launch for all chunks with no history (contiguous K/V of this
   step) and one paged launch (the `paged_prefill` kernel) for all chunks with history.
@@ -71,7 +72,8 @@ class PagedAttentionContext:
         self.decode_seq_lens = decode_seq_lens  # [num_decodes], including the new token
         self.prefills = prefills
         device = cache.k.device
-        # per chunk with history: (block table on the cache's device, total tokens, cu_seqlens) built once
+        native_prefill = device.type == "cpu" and cpu.prefill.supported(cache.k[0], cache.k[0], cache.v[0])
+        # per chunk attending over the cache: (block table on the cache's device, total tokens, cu_seqlens)
         self._paged = {
             i: (
                 torch.tensor([c.block_table], dtype=torch.int32).to(device),
@@ -79,7 +81,7 @@ class PagedAttentionContext:
                 torch.tensor([0, c.length]),
             )
             for i, c in enumerate(prefills)
-            if c.history
+            if c.history or native_prefill
         }
         self._native: cpu.DecodeBatch | None = None
         if num_decodes and device.type == "cpu" and cpu.available():  # never builds the CPU kernels elsewhere
@@ -94,7 +96,7 @@ class PagedAttentionContext:
             out[: self.num_decodes] = self._decode(q[: self.num_decodes], k_cache, v_cache)
         for i, c in enumerate(self.prefills):
             s, e = c.start, c.start + c.length
-            if c.history == 0:
+            if i not in self._paged:
                 out[s:e] = attention_fwd(q[s:e], k[s:e], v[s:e], return_lse=False)[0]
             else:
                 table, total, cu = self._paged[i]

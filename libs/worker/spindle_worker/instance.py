@@ -14,7 +14,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,6 +165,7 @@ class Instance:
         self.dp: DataPlane
         self.loop: asyncio.AbstractEventLoop
         self.tracer = tracer(f"spindle.{config.role}")
+        self._tasks: set[asyncio.Task] = set()
 
     # ---- lifecycle ----
 
@@ -263,18 +264,38 @@ class Instance:
         """Run `fn(engine)` on the engine thread."""
         return await asyncio.wrap_future(self.thread.call(fn))
 
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task:
+        """Run `coro` as a task this instance keeps a reference to until it ends."""
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
     async def add_to_engine(self, job: Job, prefill_only: bool, directed: bool = False) -> None:
         """Load `job`'s prompt and queue it in the engine (`directed`: hold it for `Engine.step_directed`); a bad
         prompt or sampling fails it with 400. An abort that arrived while the prompt loaded is honoured (the engine
-        would otherwise keep the request)."""
+        would otherwise keep the request).
+
+        Returns once the engine call is queued, not when the engine has run it (at its next step boundary): a
+        subscription handles its messages one at a time, so waiting here would let only one new request into
+        each step while the engine is busy."""
         rid = job.request_id
         try:
             prompt = await load_prompt(self.bus, job.spec.prompt)
             params = sampling_params(job.spec.sampling)
-            if directed:
-                await self.call(lambda e: e.add_directed(rid, prompt, params))
-            else:
-                await self.call(lambda e: e.add_request(rid, prompt, params, prefill_only=prefill_only))
+        except ValueError as e:
+            await self.fail(job, 400, str(e))
+            return
+        if directed:
+            added = self.thread.call(lambda e: e.add_directed(rid, prompt, params))
+        else:
+            added = self.thread.call(lambda e: e.add_request(rid, prompt, params, prefill_only=prefill_only))
+        self.spawn(self._added(job, asyncio.wrap_future(added)))
+
+    async def _added(self, job: Job, added: asyncio.Future) -> None:
+        rid = job.request_id
+        try:
+            await added
         except ValueError as e:
             await self.fail(job, 400, str(e))
             return

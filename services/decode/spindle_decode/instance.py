@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,15 +102,8 @@ class DecodeInstance(Instance):
         self.kvp = kvp or kvp_lockstep.KVPOptions()
         self.parked: OrderedDict[str, Parked] = OrderedDict()
         self.blocks_freed = asyncio.Event()
-        self._tasks: set[asyncio.Task] = set()
         self.sp_parts: dict[str, sp_receive.PartsInFlight] = {}  # SP prompts whose parts are on their way
         self.kvp_shards: dict[str, list[tuple[int, int, int]]] = {}  # KVP group: the scheduler's placements
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
 
     async def serve(self) -> None:
         if isinstance(self.engine, KVPLeaderEngine):
@@ -120,7 +113,7 @@ class DecodeInstance(Instance):
         await self.bus.subscribe(subjects.decode_parked(self.id), KVParked, self._on_parked)
         await self.bus.subscribe(subjects.decode_preempt(self.id), PreemptDecode, self.on_preempt)
         await self.bus.subscribe(subjects.decode_move(self.id), MoveParked, self._on_move)
-        self._spawn(self._pump_parked())
+        self.spawn(self._pump_parked())
 
     # ---- tensor parallelism ----
 
@@ -262,7 +255,7 @@ class DecodeInstance(Instance):
         receive = self._receive(
             job, src=msg.src_rank, tag=reply.tag, header=header, first_token=msg.first_token, nbytes=msg.kv.nbytes
         )
-        self._spawn(receive)
+        self.spawn(receive)
         return reply
 
     async def _receive(
@@ -410,7 +403,7 @@ class DecodeInstance(Instance):
             if p.resume is None:  # a resumed preemption counts under "preemptions"
                 job.stats["parked"] = 1.0
             tag = self.dp.new_tag()
-            receive = self._spawn(
+            receive = self.spawn(
                 self._receive(
                     job,
                     src=p.kvstore_rank,

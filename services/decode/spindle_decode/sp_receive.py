@@ -109,7 +109,7 @@ async def on_reserve_part(inst: DecodeInstance, msg: ReserveKV, raw: Msg) -> Res
             inst.sp_parts.pop(rid, None)
             await inst.give_up(job, e)
             return ReserveReply(accepted=False, reason=f"aborted or refused: {e}")
-    inst._spawn(_receive_part(inst, entry, positions, msg.src_rank, reply.tag, header, msg.kv.nbytes))
+    inst.spawn(_receive_part(inst, entry, positions, msg.src_rank, reply.tag, header, msg.kv.nbytes))
     return reply
 
 

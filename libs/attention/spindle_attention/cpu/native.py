@@ -41,6 +41,10 @@ SIGNATURES = {
         ctypes.c_int,
     ),
     "spindle_llama_decode": (_LLAMA_DECODE_ARGS, ctypes.c_int),
+    "spindle_prefill_attention": (
+        [_P, _P, _P, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _INT],
+        ctypes.c_int,
+    ),
     "spindle_rms_norm": ([_P, _P, _P, _I64, _I64, _F32, _INT], None),
     "spindle_silu_mul": ([_P, _P, _I64, _I64, _INT], None),
 }
