@@ -1,7 +1,8 @@
 """Samples of the cost model on the grids the strategies' fast predictors are fitted to.
 
 Strategies plan with closed forms that answer in about a microsecond: Tetris Eq. 1 per SP size, LoongServe
-Eq. 7 per degree of parallelism, a linear decode step per (TP, KVP). Fitting them to these samples (the
+Eq. 7 per degree of parallelism, a linear decode step per (TP, KVP), the mixed-batch step (Medha) as a dense-work
+grid plus attention terms. Fitting them to these samples (the
 scheduler's `latency_from_cost_model`) gives those forms for any (model, hardware, cluster). Points that do
 not fit in memory are left out: the forms are fitted only where the plan is possible.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+from .breakdown import Breakdown
 from .costs import Chunk, CostModel
 from .parallel import Parallelism
 
@@ -69,4 +71,50 @@ def decode_samples(
             if not cm.memory(par, b * ctx, b).fits:
                 continue
             rows.append((par.tp, par.kvp, b, b * ctx, step(b, ctx, par).total_s))
+    return rows
+
+
+ATTENTION_OPS = ("attention_prefill", "attention_decode")
+
+
+def _attention_s(step: Breakdown, name: str) -> float:
+    op = step.op(name)
+    return op.s if op is not None else 0.0
+
+
+def dense_grid(cm: CostModel, par: Parallelism, max_tokens: int = 1 << 16) -> tuple[list[float], list[float]]:
+    """Token counts 1, 2, 4, ... up to `max_tokens` (those whose activations fit) and the seconds of their dense
+    work: one iteration of a fresh chunk of that many tokens less its attention."""
+    grid, dense, n = [], [], 1
+    while n <= max_tokens and cm.memory(par, n, n).fits:
+        step = cm.step([Chunk(n)], (), par)
+        grid.append(float(n))
+        dense.append(step.total_s - sum(_attention_s(step, name) for name in ATTENTION_OPS))
+        n *= 2
+    return grid, dense
+
+
+def attention_samples(
+    cm: CostModel, par: Parallelism, lengths: Sequence[int], history_ratios: Sequence[float] = (0, 1, 4, 16)
+) -> list[tuple[float, float, float]]:
+    """(C, L, seconds of prefill attention) for chunks of L tokens after C = ratio x L cached ones."""
+    rows = []
+    for n in lengths:
+        for ratio in history_ratios:
+            hist = int(ratio * n)
+            if cm.memory(par, hist + n, n).fits:
+                step = cm.step([Chunk(n, hist)], (), par)
+                rows.append((float(hist), float(n), _attention_s(step, "attention_prefill")))
+    return rows
+
+
+def decode_attention_samples(
+    cm: CostModel, par: Parallelism, batches: Sequence[int], contexts: Sequence[int]
+) -> list[tuple[float, float]]:
+    """(total KV tokens, seconds of decode attention) of decode batches that fit in memory."""
+    rows = []
+    for b in batches:
+        for ctx in contexts:
+            if cm.memory(par, b * ctx, b).fits:
+                rows.append((float(b * ctx), _attention_s(cm.decode(b, ctx, par), "attention_decode")))
     return rows

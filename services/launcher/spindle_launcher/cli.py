@@ -13,11 +13,11 @@ from .plan import (
     DEFAULT_CHUNK_TOKENS,
     DISAGGREGATE_MIN_CORES,
     DTYPES,
-    ELASTIC_STRATEGIES,
     Runtime,
     StackConfig,
     build_plan,
     check_decode_tp,
+    colocated,
     default_layout,
     with_option,
 )
@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
 def layout_from_args(args: argparse.Namespace, cpu_count: int | None = None) -> dict[str, int | str]:
     """The instances and strategy of `spindle up`: as named, or by the machine (plan.default_layout)."""
     name = args.strategy.partition(":")[0].strip() if args.strategy is not None else ""
-    named_split = bool(name) and name not in ELASTIC_STRATEGIES
+    named_split = bool(name) and not colocated(name)
     if args.elastic is None and args.prefill is None and args.decode is None and not named_split:
         layout = default_layout(os.cpu_count() if cpu_count is None else cpu_count)
         if name and not layout["elastic"]:  # a strategy of elastic instances on a machine that defaults to a split

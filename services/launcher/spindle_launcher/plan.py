@@ -18,7 +18,17 @@ from spindle_protocol.service import STACK_TOKEN_ENV
 DTYPES = ("float32", "bfloat16", "float16")
 ROLES = ("kvstore", "scheduler", "prefill", "decode", "elastic", "gateway")
 COLOCATED_STRATEGY = "chunked"  # the strategy that plans onto elastic instances by default
-ELASTIC_STRATEGIES = (COLOCATED_STRATEGY, "loongserve")  # those that plan onto elastic instances
+
+
+def colocated(strategy: str) -> bool:
+    """Whether the strategy plans onto elastic (colocated) instances (`Strategy.colocated`: chunked, loongserve,
+    medha, ...); False for a prefill/decode split or an unknown name."""
+    from spindle_scheduler.strategy import strategy_class
+
+    try:
+        return strategy_class(strategy).colocated
+    except ValueError:
+        return False
 
 
 def _per_iteration(strategy: str) -> bool:
@@ -125,10 +135,10 @@ class StackConfig:
                     "elastic instances serve alone: set prefill = decode = 0 with elastic > 0 (a pool mixing "
                     "elastic with prefill/decode instances needs a strategy that plans over both)"
                 )
-            if self.strategy.partition(":")[0] not in ELASTIC_STRATEGIES:
+            if not colocated(self.strategy):
                 raise ValueError(
-                    f"elastic instances run the {' or '.join(map(repr, ELASTIC_STRATEGIES))} strategy (they plan "
-                    f"prefill and decode onto the same instances), got strategy {self.strategy!r}"
+                    "elastic instances run a strategy that plans prefill and decode onto the same instances "
+                    f"(chunked, loongserve, medha), got strategy {self.strategy!r}"
                 )
             if self.decode_tp > 1 or self.decode_kvp > 1 or self.kvp_tokens or self.kvp_scale_down_tokens:
                 raise ValueError("decode_tp, decode_kvp and the kvp options apply to decode instances, not elastic")

@@ -160,7 +160,7 @@ def test_elastic_plan_is_one_colocated_engine_per_instance() -> None:
     "kwargs, match",
     [
         ({"elastic": 1, "strategy": "chunked"}, "serve alone"),  # prefill 2 / decode 1 by default
-        ({"prefill": 0, "decode": 0, "elastic": 1}, "run the 'chunked' or 'loongserve' strategy"),
+        ({"prefill": 0, "decode": 0, "elastic": 1}, "onto the same instances"),
         ({"prefill": 0, "decode": 0, "elastic": 1, "strategy": "chunked", "decode_kvp": 2}, "not elastic"),
         ({"prefill": 0, "decode": 0, "elastic": -1, "strategy": "chunked"}, "non-negative"),
         ({"prefill": 0, "decode": 0}, "or elastic > 0"),

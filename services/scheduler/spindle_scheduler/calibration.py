@@ -11,11 +11,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from spindle_costmodel import PAPER_FIGURES, CostModel, Parallelism
-from spindle_costmodel.costs import SINGLE
-from spindle_costmodel.fast_forms import batch_prefill_samples, decode_samples, length_grid, prefill_samples
+from spindle_costmodel.costs import SINGLE, Chunk
+from spindle_costmodel.fast_forms import (
+    attention_samples,
+    batch_prefill_samples,
+    decode_attention_samples,
+    decode_samples,
+    dense_grid,
+    length_grid,
+    prefill_samples,
+)
 
 from .latency import BatchPrefillModel, DecodeStepModel, LatencyModel, PrefillLatencyModel, TransferModel
+from .mixed_batch import MixedBatchModel, MixedFit
 
 # calibration name -> entry in paper_figures.json holding a whole-prompt prefill table
 CALIBRATIONS = {"tetris-a100-llama3-8b": "tetris_table1_prefill_latency_s"}
@@ -76,12 +86,14 @@ def latency_from_cost_model(
     decode_batches: Sequence[int] = (1, 4, 16, 64, 256),
     transfer_links: int = 1,
     multi_master: Sequence[Parallelism] = (),
+    mixed: Sequence[Parallelism] = (),
 ) -> LatencyModel:
     """The strategies' fast forms fitted to the cost model of one (model, hardware): Tetris Eq. 1 and LoongServe
     Eq. 7 per SP size (prefill instances shaped like `prefill`, e.g. its TP), the decode step per decode
     instance shape in `decode`, and the transfer over the link between nodes, `transfer_links` GPUs sending their
     share of the KV in parallel (a TP instance's GPUs each hold their KV heads). `multi_master`: decode steps of
-    elastic groups (LoongServe's multi-master decoding over `kvp` instances), fitted under their (TP, KVP) key."""
+    elastic groups (LoongServe's multi-master decoding over `kvp` instances), fitted under their (TP, KVP) key.
+    `mixed`: colocated instance shapes to fit the mixed-batch step (`mixed_from_cost_model`) for."""
     if transfer_links < 1:
         raise ValueError(f"transfer_links must be >= 1, got {transfer_links}")
     lengths = length_grid(max_tokens)
@@ -105,5 +117,36 @@ def latency_from_cost_model(
         batch_prefill=BatchPrefillModel.fit(batch_rows),
         decode=DecodeStepModel.fit(decode_rows),
         transfer=TransferModel(latency_s=link.latency_s, bandwidth_bytes_per_s=link.bandwidth * transfer_links),
+        mixed=mixed_from_cost_model(cm, mixed, max_tokens) if mixed else None,
         source=f"cost model: {cm.model.name} on {cm.hw.name}",
     )
+
+
+def mixed_from_cost_model(cm: CostModel, shapes: Sequence[Parallelism], max_tokens: int = 1 << 20) -> MixedBatchModel:
+    """The mixed-batch step per TP degree of `shapes`: the dense grid from the cost model's dense ops, the attention
+    coefficients by least squares (relative) on its attention ops; the error is the mean relative one against
+    whole cost-model iterations of chunks (after histories up to 16x their length) mixed with decode batches."""
+    fits, errors = {}, {}
+    lengths = length_grid(min(max_tokens, 1 << 16), 64)
+    for par in shapes:
+        grid, dense = dense_grid(cm, par)
+        if len(grid) < 2:
+            raise ValueError(f"{cm}: not even a 2-token iteration fits on {par.label()}")
+        rows = np.array([r for r in attention_samples(cm, par, lengths) if r[2] > 0])
+        x = np.stack([rows[:, 0] * rows[:, 1], rows[:, 1] ** 2], axis=1)
+        c_hist, c_sq = np.linalg.lstsq(x / rows[:, 2:3], np.ones(len(rows)), rcond=None)[0]
+        kv = np.array([r for r in decode_attention_samples(cm, par, (1, 16, 128), lengths) if r[1] > 0])
+        c_kv = float(np.sum(kv[:, 1]) / np.sum(kv[:, 0]))
+        fit = MixedFit(tuple(grid), tuple(dense), float(c_hist), float(c_sq), c_kv)
+        fits[par.tp] = fit
+        model = MixedBatchModel({par.tp: fit})
+        rel = []
+        for n in (128, 512, 2048):
+            for hist in (0, 4 * n, 16 * n):
+                for b, ctx in ((0, 0), (8, 4096), (64, 16384)):
+                    if not cm.memory(par, hist + n + b * ctx, n + b).fits:
+                        continue
+                    want = cm.step([Chunk(n, hist)], [ctx] * b, par).total_s
+                    rel.append(abs(model.predict(par.tp, [(hist, n)], b, b * ctx) - want) / want)
+        errors[par.tp] = float(np.mean(rel)) if rel else float("nan")
+    return MixedBatchModel(fits, errors)

@@ -6,6 +6,7 @@
   T_p = alpha_p + beta_p*sum(len) + gamma_p*sum(len^2) over the requests of one prefill batch.
 - `DecodeStepModel`: one decode step, per (TP, KVP) degree: T = e + f*batch + g*kv_tokens.
 - `TransferModel`: seconds = latency + bytes / bandwidth.
+- `MixedBatchModel` (mixed_batch.py): one iteration of prefill chunks and decodes on a colocated instance.
 - `LatencyModel`: the bundle, serialised as plain JSON.
 """
 
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .mixed_batch import MixedBatchModel
 
 WEIGHTINGS = ("relative", "absolute")
 
@@ -315,7 +318,14 @@ class LatencyModel:
     batch_prefill: BatchPrefillModel | None = None
     decode: DecodeStepModel | None = None
     transfer: TransferModel | None = None
+    mixed: MixedBatchModel | None = None
     source: str = ""
+
+    def mixed_model(self, tps: Iterable[int]) -> MixedBatchModel:
+        """The mixed-batch predictor: the fitted one, else built from Eq. 1 and the decode step."""
+        if self.mixed is not None:
+            return self.mixed
+        return MixedBatchModel.from_parts(self.prefill, self.decode, tps)
 
     def to_json(self) -> str:
         return json.dumps(
@@ -326,6 +336,7 @@ class LatencyModel:
                 "batch_prefill": self.batch_prefill.to_dict() if self.batch_prefill else None,
                 "decode": self.decode.to_dict() if self.decode else None,
                 "transfer": self.transfer.to_dict() if self.transfer else None,
+                "mixed": self.mixed.to_dict() if self.mixed else None,
             },
             indent=1,
         )
@@ -343,6 +354,7 @@ class LatencyModel:
             batch_prefill=BatchPrefillModel.from_dict(data["batch_prefill"]) if data.get("batch_prefill") else None,
             decode=DecodeStepModel.from_dict(data["decode"]) if data.get("decode") else None,
             transfer=TransferModel.from_dict(data["transfer"]) if data.get("transfer") else None,
+            mixed=MixedBatchModel.from_dict(data["mixed"]) if data.get("mixed") else None,
             source=str(data.get("source", "")),
         )
 

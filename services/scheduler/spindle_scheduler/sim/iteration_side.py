@@ -7,11 +7,13 @@ decode adds a token's KV on its master. When it ends: a part that ends the promp
 (PrefillDone, then DecodeStarted), a decode whose last token it was finishes (RequestFinished, its KV freed on
 every holder), and the group reports IterationDone, after which the strategy sends the next iteration.
 
-Times (virtual): a prefill batch on a group of s takes the Eq. 7 form at s (`latency.batch_prefill`; parts
-after cached tokens, or sizes it lacks, take the Eq. 1 form per part); a decode batch of b requests over K
-cached tokens on a group of k takes the decode step at (TP, KVP = k) (fitted to multi-master decoding on a named
-elastic cluster; without that key, k masters each step b/k requests over K/k tokens); both in one iteration
-add. A migration of n tokens takes the transfer model's time for their bytes.
+Times (virtual): an iteration on one instance whose prefill parts continue cached prompts or run beside decodes
+takes the mixed-batch step where the latency model has one (`MixedBatchModel`: the batch in one pass, not the
+sum of its parts' times). Otherwise a prefill batch on a group of s takes the Eq. 7 form at s
+(`latency.batch_prefill`; parts after cached tokens, or sizes it lacks, take the Eq. 1 form per part); a decode
+batch of b requests over K cached tokens on a group of k takes the decode step at (TP, KVP = k) (fitted to
+multi-master decoding on a named elastic cluster; without that key, k masters each step b/k requests over K/k
+tokens); both in one iteration add. A migration of n tokens takes the transfer model's time for their bytes.
 """
 
 from __future__ import annotations
@@ -92,6 +94,10 @@ class IterationSide(SimBase):
 
     def _iteration_seconds(self, a: RunBatch, prefills: list[PrefillPart], decodes: list[DecodePart]) -> float:
         s, lat, tp = len(a.instances), self.latency, self.config.colocated_tp
+        mixed = decodes or any(p.start for p in prefills)
+        if s == 1 and prefills and mixed and lat.mixed is not None and tp in lat.mixed.fits:
+            kv = sum(sum(self._elastic_kv[d.request_id].values()) for d in decodes)
+            return lat.mixed.predict(tp, [(p.start, p.num_tokens) for p in prefills], len(decodes), kv)
         seconds = 0.0
         if prefills:
             batch = lat.batch_prefill

@@ -11,7 +11,8 @@ model (`spindle_costmodel`), its GPUs shaped into instances the way the strategy
 - KV capacity per instance: `CostModel.max_kv_tokens` at its TP (the same 8192-token activation reserve for
   prefill instances, whose long chunks need more: an approximation), in blocks of `SimConfig.block_size`.
 - Latencies: `latency_from_cost_model` with SP sizes the powers of two up to the prefill instances (at most
-  64), prefill at the prefill TP (the colocated TP on a colocated cluster), decode steps at the decode TP. The
+  64), prefill at the prefill TP (the colocated TP on a colocated cluster), decode steps and the mixed-batch
+  step (chunks and decodes in one iteration) at the decode TP. The
   KV of a TP-t prefill instance leaves over min(t, decode TP, KV heads) GPU links in parallel, so the transfer
   bandwidth is the inter-node link's times that.
 
@@ -244,7 +245,9 @@ def _latency(cm: CostModel, n_p: int, ptp: int, dtp: int, n_elastic: int = 0) ->
     elastic = range(2, min(n_elastic, MAX_SP) + 1)  # every group size: the manager picks any DoP
     groups = tuple(Parallelism(tp=dtp, kvp=k) for k in elastic)
     sizes = sorted({*sp_sizes(n_p), 1, *elastic})
-    return latency_from_cost_model(cm, sizes, prefill=prefill, decode=decode, transfer_links=links, multi_master=groups)
+    return latency_from_cost_model(
+        cm, sizes, prefill=prefill, decode=decode, transfer_links=links, multi_master=groups, mixed=decode
+    )
 
 
 def named_cluster(spec: ClusterSpec, colocated: bool, elastic: bool = False, **sim: Any) -> SimSetup:

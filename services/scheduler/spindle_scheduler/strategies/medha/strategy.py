@@ -1,0 +1,272 @@
+"""`medha`: Medha's replica scheduler (§4) over colocated instances, one iteration at a time.
+
+Each elastic (colocated) instance is a replica that prefills and decodes in one engine. Every iteration, per replica:
+
+1. Decodes: every request decoding there gets its next token; decodes are never preempted (§4.2).
+2. Prefills: the replica's queue ordered by `policy` (slack.py: ILRS by relative slack, Eq. 7, recomputed every
+   iteration, so a long prompt yields to more urgent ones between chunks: fine-grained preemption), then packed
+   (packing.py) to the target iteration time with adaptive chunk sizes and prefill-prefill batching.
+3. Predictions come from the mixed-batch step (`MixedBatchModel`: the cost model's on a named cluster, built from
+   Eq. 1 and the decode step of a `spindle profile` on the real stack).
+
+KVP load balancer (§4.3): a new request goes to the replica with room for its whole future KV (prompt +
+max_tokens, reserved so no admission can force an eviction) and the least predicted pending prefill work, then the
+most free KV; with no room anywhere it waits, first in first out, until KV frees.
+
+Choices the paper leaves open (options):
+- Deadlines (`ttft_min_s`, `ttft_factor`): the TTFT deadline of a request is ttft_min_s + ttft_factor x its prompt's
+  prefill time alone on a replica; the evaluation's values are not stated (§2's example is 30 s for 1M tokens on a
+  DGX-H100, about 2x the prefill time there). Defaults 0.25 s and 3x: every deadline is mostly proportional to the
+  work, so a waiting short request's relative slack falls fast and it overtakes a long prompt within a few
+  iterations (a large fixed part would make every short request look relaxed beside a long one).
+- The target iteration time (`tpot_slo`): 0 derives it as 4x the replica's decode step of one request over 4,096
+  tokens (TP8 Llama-3-8B on A100: ~18 ms; SmolLM2 on this CPU: ~80 ms).
+- `min_chunk` (64: Fig. 5b's 32-64 tokens add little), `max_chunk` (8192), `max_share` (0.5: prefill-prefill
+  batching's cap; 0 turns it off), `max_prefills` (8 chunks per iteration).
+- Baselines of Fig. 22 as `policy`: `lrs` (relative slack, no prefill-prefill batching), `edf`, `fcfs` (Medha-FCFS
+  of §5.2); those three run without prefill-prefill batching.
+
+Not modelled yet (issue 23): sequence pipeline parallelism inside a replica and KVP across replicas (a request whose
+KV outgrows a replica is refused with 400, not spilled onto the next one); n > 1 choices are refused (400).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from spindle_protocol.messages import IterationDone, RequestFailed, RequestFinished, RequestSpec, WorkerEvent
+
+from ...actions import Action, Admit, DecodePart, KVShard, PrefillPart, Reject, RunBatch
+from ...latency import LatencyModel
+from ...mixed_batch import MixedBatchModel
+from ...state import ClusterState
+from ...strategy import Strategy, register_strategy
+from .packing import PackLimits, pack
+from .slack import POLICIES, Prefilling, priority, relative_slack
+
+ROLE = "elastic"
+
+
+@dataclass
+class Replica:
+    id: str
+    rank: int
+    tp: int
+    capacity: int  # KV tokens
+    reserved: dict[str, int] = field(default_factory=dict)  # request -> KV tokens it may grow to
+    queue: list[Prefilling] = field(default_factory=list)  # prompts not done, in arrival order
+    decoding: dict[str, int] = field(default_factory=dict)  # request -> KV tokens it holds
+    running: int | None = None  # batch id of the iteration in flight
+
+    def free(self) -> int:
+        return self.capacity - sum(self.reserved.values())
+
+
+@dataclass
+class InFlight:
+    replica: str
+    prefills: list[tuple[str, int]]  # (request, tokens) of its chunks
+    decodes: list[str]
+
+
+@register_strategy("medha")
+class MedhaStrategy(Strategy):
+    takes_decode_options = False
+    colocated = True
+    elastic = True
+    needs_latency = True
+
+    def __init__(
+        self,
+        latency: LatencyModel | None = None,
+        *,
+        policy: str = "ilrs",
+        tpot_slo: float = 0.0,
+        ttft_min_s: float = 0.25,
+        ttft_factor: float = 3.0,
+        min_chunk: int = 64,
+        max_chunk: int = 8192,
+        max_share: float = 0.5,
+        max_prefills: int = 8,
+    ) -> None:
+        super().__init__(latency)
+        if policy not in POLICIES:
+            raise ValueError(f"medha: policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if tpot_slo < 0 or ttft_min_s < 0 or ttft_factor < 0:
+            raise ValueError("medha: tpot_slo, ttft_min_s and ttft_factor must be >= 0")
+        if ttft_min_s == 0 and ttft_factor == 0:
+            raise ValueError("medha: ttft_min_s and ttft_factor cannot both be 0 (every deadline would be now)")
+        if not 1 <= min_chunk <= max_chunk:
+            raise ValueError(f"medha: need 1 <= min_chunk <= max_chunk, got {min_chunk}, {max_chunk}")
+        if not 0 <= max_share < 1 or max_prefills < 1:
+            raise ValueError("medha: max_share must be in [0, 1) and max_prefills >= 1")
+        self.policy, self.tpot_slo, self.ttft_min_s, self.ttft_factor = policy, tpot_slo, ttft_min_s, ttft_factor
+        self.min_chunk, self.max_chunk, self.max_prefills = min_chunk, max_chunk, max_prefills
+        self.max_share = max_share if policy == "ilrs" else 0.0
+        self._share_given = max_share
+        self.replicas: dict[str, Replica] = {}
+        self.waiting: deque[Prefilling] = deque()  # admitted, no replica with room yet
+        self.in_flight: dict[int, InFlight] = {}
+        self._model: MixedBatchModel | None = None
+        self._ids = itertools.count(1)
+
+    def options(self) -> dict[str, object]:
+        return {
+            "policy": self.policy, "tpot_slo": self.tpot_slo, "ttft_min_s": self.ttft_min_s,
+            "ttft_factor": self.ttft_factor, "min_chunk": self.min_chunk, "max_chunk": self.max_chunk,
+            "max_share": self._share_given, "max_prefills": self.max_prefills,
+        }  # fmt: skip
+
+    def describe(self) -> str:
+        defaults = {"policy": "ilrs", "ttft_min_s": 0.25, "ttft_factor": 3.0, "min_chunk": 64, "max_chunk": 8192,
+                    "max_share": 0.5, "max_prefills": 8, "tpot_slo": 0.0}  # fmt: skip
+        opts = {k: v for k, v in self.options().items() if defaults.get(k) != v}
+        return f"{self.name}:{','.join(f'{k}={v}' for k, v in opts.items())}" if opts else self.name
+
+    # ---- predictions ----
+
+    def model(self) -> MixedBatchModel:
+        if self._model is None:
+            assert self.latency is not None
+            self._model = self.latency.mixed_model({r.tp for r in self.replicas.values()} or {1})
+        return self._model
+
+    def target_s(self, tp: int) -> float:
+        """The iteration time a replica packs to: `tpot_slo`, or 4x its decode step (1 request, 4,096 tokens)."""
+        return self.tpot_slo or 4.0 * self.model().predict(tp, (), 1, 4096)
+
+    def alone_s(self, tp: int, history: int, tokens: int) -> float:
+        """Prefill time of `tokens` prompt tokens after `history`, alone on a replica, in max_chunk pieces."""
+        if tokens <= 0:
+            return 0.0
+        f = self.model().fit_for(tp)
+        m = self.max_chunk
+        k, r = divmod(tokens, m)  # k whole pieces after history, history + m, ..., then r tokens
+        pairs = m * (k * history + m * k * (k - 1) / 2) + (history + k * m) * r
+        dense = k * f.dense_s(m) + (f.dense_s(r) if r else 0.0)
+        return dense + f.c_hist * pairs + f.c_sq * (k * m * m + r * r)
+
+    # ---- the replicas as heartbeats show them ----
+
+    def _sync(self, state: ClusterState) -> None:
+        for inst in state.live(ROLE):
+            if inst.id not in self.replicas:
+                info = inst.info
+                capacity = info.kv_blocks_total * (info.block_size or 1)
+                self.replicas[inst.id] = Replica(inst.id, info.rank, info.tp_size, capacity)
+                self._model = None  # a new TP degree may need its fit
+        for r in self.replicas.values():
+            for rid in [x for x in r.reserved if x not in state.requests]:
+                self._drop(rid)
+        if any(p.rid not in state.requests for p in self.waiting):
+            self.waiting = deque(p for p in self.waiting if p.rid in state.requests)
+
+    def _drop(self, rid: str) -> None:
+        for r in self.replicas.values():
+            r.reserved.pop(rid, None)
+            r.decoding.pop(rid, None)
+            r.queue = [p for p in r.queue if p.rid != rid]
+
+    # ---- the strategy interface ----
+
+    def plan(self, spec: RequestSpec, state: ClusterState, now: float) -> list[Action]:
+        self._sync(state)
+        rid = spec.request_id
+        live = [r for r in self.replicas.values() if r.id not in state.dead]
+        if not live:
+            return [Reject(rid, 503, "no live elastic instance")]
+        if spec.sampling.n > 1:
+            return [Reject(rid, 400, "medha decodes one choice per request; send n = 1")]
+        need = spec.prompt.num_tokens + spec.sampling.max_tokens
+        largest = max(r.capacity for r in live)
+        if need > largest:
+            return [Reject(rid, 400, f"prompt plus max_tokens ({need} tokens) does not fit one replica's KV "
+                           f"({largest} tokens); KVP across replicas is not supported yet")]  # fmt: skip
+        tp = live[0].tp
+        deadline = self.ttft_min_s + self.ttft_factor * self.alone_s(tp, 0, spec.prompt.num_tokens)
+        self.waiting.append(Prefilling(spec, now, deadline))
+        return [Admit(rid, (), ""), *self._schedule(now)]
+
+    def on_event(self, event: WorkerEvent, state: ClusterState, now: float) -> list[Action]:
+        match event:
+            case IterationDone(batch_id=bid):
+                self._iteration_done(bid)
+            case RequestFinished(request_id=rid) | RequestFailed(request_id=rid):
+                self._drop(rid)
+        self._sync(state)
+        return self._schedule(now)
+
+    def on_tick(self, state: ClusterState, now: float) -> list[Action]:
+        self._sync(state)
+        return self._schedule(now)
+
+    def on_instance_lost(self, instance_id: str, state: ClusterState, now: float) -> list[Action]:
+        """The core failed the requests the replica held; its iteration never reports."""
+        lost = self.replicas.pop(instance_id, None)
+        for bid in [b for b, f in self.in_flight.items() if f.replica == instance_id]:
+            del self.in_flight[bid]
+        if lost is not None:
+            for rid in lost.reserved:
+                self._drop(rid)
+        self._sync(state)
+        return self._schedule(now)
+
+    # ---- iterations ----
+
+    def _iteration_done(self, bid: int) -> None:
+        ran = self.in_flight.pop(bid, None)
+        if ran is None or (r := self.replicas.get(ran.replica)) is None:
+            return
+        r.running = None
+        for rid, n in ran.prefills:
+            p = next((x for x in r.queue if x.rid == rid), None)
+            if p is None:
+                continue  # ended meanwhile
+            p.done += n
+            if p.done >= p.prompt:
+                r.queue.remove(p)
+                r.decoding[rid] = p.prompt + 1  # the first token's KV is written by its first decode
+        for rid in ran.decodes:
+            if rid in r.decoding:
+                r.decoding[rid] += 1
+
+    def _schedule(self, now: float) -> list[Action]:
+        self._place(now)
+        actions: list[Action] = []
+        for r in sorted(self.replicas.values(), key=lambda x: x.rank):
+            if r.running is None and (r.queue or r.decoding):
+                actions.append(self._iteration(r, now))
+        return actions
+
+    def _place(self, now: float) -> None:
+        """KVP load balancer: waiting requests, first in first out, to the replica with room and the least pending
+        prefill work (then the most free KV)."""
+        while self.waiting:
+            p = self.waiting[0]
+            need = p.prompt + p.spec.sampling.max_tokens
+            fits = [r for r in self.replicas.values() if r.free() >= need]
+            if not fits:
+                return
+            best = min(fits, key=lambda r: (sum(self.alone_s(r.tp, q.done, q.left) for q in r.queue), -r.free()))
+            self.waiting.popleft()
+            best.reserved[p.rid] = need
+            best.queue.append(p)
+
+    def _iteration(self, r: Replica, now: float) -> RunBatch:
+        decode_kv = sum(r.decoding.values())
+        remaining = {p.rid: self.alone_s(r.tp, p.done, p.left) for p in r.queue}
+        order = sorted(r.queue, key=lambda p: priority(self.policy, p, now, remaining[p.rid]))
+
+        def slack(p: Prefilling) -> float:
+            return relative_slack(p, now, remaining[p.rid])
+
+        limits = PackLimits(self.target_s(r.tp), self.min_chunk, self.max_chunk, self.max_share, self.max_prefills)
+        chunks = pack(self.model(), r.tp, order, len(r.decoding), decode_kv, limits, slack)
+        bid = next(self._ids)
+        parts = tuple(PrefillPart(p.spec, p.done, p.done + n, (KVShard(r.id, p.done, p.done + n),)) for p, n in chunks)
+        decodes = tuple(DecodePart(rid, r.id) for rid in r.decoding)
+        r.running = bid
+        self.in_flight[bid] = InFlight(r.id, [(p.rid, n) for p, n in chunks], list(r.decoding))
+        return RunBatch(bid, (r.id,), prefills=parts, decodes=decodes)

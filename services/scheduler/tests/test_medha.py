@@ -1,0 +1,162 @@
+"""Medha (issue 23): the mixed-batch predictor, ILRS order, adaptive chunks and prefill-prefill batching, the
+replica scheduler through the core, and the strategy in the simulator at paper scale with every invariant."""
+
+from __future__ import annotations
+
+import pytest
+from spindle_protocol.messages import InstanceInfo, IterationDone, RequestFinished
+from spindle_scheduler import SchedulerConfig, SchedulerCore, create_strategy
+from spindle_scheduler.actions import RunBatch
+from spindle_scheduler.latency import DecodeStepModel, LatencyModel, PrefillLatencyModel
+from spindle_scheduler.mixed_batch import MixedBatchModel, MixedFit
+from spindle_scheduler.sim import Simulator
+from spindle_scheduler.sim.invariants import check_invariants
+from spindle_scheduler.sim.named_cluster import ClusterSpec, named_cluster
+from spindle_scheduler.strategies.medha.packing import PackLimits, pack
+from spindle_scheduler.strategies.medha.slack import Prefilling, priority, relative_slack
+from spindle_scheduler.testing import request_spec
+from spindle_scheduler.workloads import make_workload
+
+# 10 ms fixed, 0.1 ms per token, attention 2e-10 per (history x chunk) token pair, 1e-10 per chunk token squared
+FIT = MixedFit((1.0, 1e6), (0.01 + 1e-4, 0.01 + 1e-4 * 1e6), 2e-10, 1e-10, 1e-8)
+MODEL = MixedBatchModel({1: FIT})
+
+
+def latency() -> LatencyModel:
+    prefill = PrefillLatencyModel({1: (0.01, 1e-4, 2e-10, 1e-10)})
+    decode = DecodeStepModel({(1, 1): (0.01, 1e-4, 1e-8)})
+    return LatencyModel(prefill=prefill, decode=decode, mixed=MODEL)
+
+
+def medha_core(n: int = 2, blocks: int = 1000, spec: str = "medha:tpot_slo=0.1") -> SchedulerCore:
+    core = SchedulerCore(create_strategy(spec, latency()), SchedulerConfig())
+    for k in range(n):
+        core.on_heartbeat(
+            InstanceInfo(
+                instance_id=f"e{k}", role="elastic", rank=k, pid=0, started_at=0.0, updated_at=0.0,
+                kv_blocks_total=blocks, block_size=16, max_model_len=10**6, kv_bytes_per_token=1000,
+            )
+        )  # fmt: skip
+    return core
+
+
+def batches(actions: list) -> list[RunBatch]:  # type: ignore[type-arg]
+    return [a for a in actions if isinstance(a, RunBatch)]
+
+
+def done(core: SchedulerCore, b: RunBatch, now: float) -> list[RunBatch]:
+    return batches(core.on_event(IterationDone(instance_id=b.instances[0], batch_id=b.batch_id, seconds=0.1), now))
+
+
+# ---- the predictor ----
+
+
+def test_mixed_batch_model_adds_dense_attention_and_decode_terms() -> None:
+    t = MODEL.predict(1, [(1000, 200), (0, 50)], num_decodes=4, decode_kv=8000)
+    want = 0.01 + 1e-4 * 254 + 2e-10 * 1000 * 200 + 1e-10 * (200**2 + 50**2) + 1e-8 * 8000
+    assert t == pytest.approx(want)
+    assert MODEL.predict(1, ()) == 0.0
+    n = MODEL.largest_chunk(1, history=50_000, limit=10_000, budget_s=0.05, num_decodes=4, decode_kv=8000)
+    assert MODEL.predict(1, [(50_000, n)], 4, 8000) <= 0.05 < MODEL.predict(1, [(50_000, n + 1)], 4, 8000)
+    later = MODEL.largest_chunk(1, history=500_000, limit=10_000, budget_s=0.05, num_decodes=4, decode_kv=8000)
+    assert later < n  # adaptive chunking: the same budget buys fewer tokens as the history grows
+    assert MODEL.largest_chunk(1, 0, 10, budget_s=0.001) == 0
+
+
+def test_mixed_batch_model_round_trips_through_the_latency_json() -> None:
+    back = LatencyModel.from_json(latency().to_json())
+    assert back.mixed == MODEL
+    with pytest.raises(ValueError, match="ascend"):
+        MixedFit((4.0, 2.0), (1.0, 2.0), 0, 0, 0)
+
+
+def test_cost_model_fit_of_the_mixed_step_is_within_a_few_percent() -> None:
+    setup = named_cluster(ClusterSpec("a100-80g", model="llama3-8b", nodes=2, decode_tp=8), True, elastic=True)
+    mixed = setup.latency.mixed
+    assert mixed is not None and 8 in mixed.fits
+    assert mixed.errors[8] < 0.05, mixed.errors  # measured 1.5 %
+
+
+# ---- ordering and packing ----
+
+
+def test_ilrs_puts_the_request_closest_to_its_deadline_first_and_edf_fcfs_differ() -> None:
+    long = Prefilling(request_spec("long", prompt=100_000, out=4), arrived=0.0, deadline_s=100.0)
+    short = Prefilling(request_spec("short", prompt=500, out=4), arrived=40.0, deadline_s=2.0)
+    remaining = {"long": 30.0, "short": 0.06}
+    now = 41.0
+    slack = {p.rid: relative_slack(p, now, remaining[p.rid]) for p in (long, short)}
+    assert slack["long"] == pytest.approx((100 - 41 - 30) / 100) and slack["short"] == pytest.approx(0.47)
+
+    def order(policy: str) -> list[str]:
+        return [p.rid for p in sorted((long, short), key=lambda p: priority(policy, p, now, remaining[p.rid]))]
+
+    assert order("ilrs") == ["long", "short"]  # 29 % of its deadline left against 47 %
+    assert order("edf") == ["short", "long"]  # 42 s against 100 s
+    assert order("fcfs") == ["long", "short"]
+
+
+def test_adaptive_chunks_shrink_with_history_and_never_go_below_the_minimum() -> None:
+    limits = PackLimits(target_s=0.05, min_chunk=64, max_chunk=8192, max_share=0.0, max_prefills=8)
+    p = Prefilling(request_spec("a", prompt=4_000_000, out=1), 0.0, 100.0)
+    sizes = []
+    for history in (0, 50_000, 200_000, 3_999_000):
+        p.done = history
+        ((_, n),) = pack(MODEL, 1, [p], 8, 8 * 4096, limits, lambda q: 0.0)
+        sizes.append(n)
+    assert sizes[0] > sizes[1] > sizes[2] >= 64 and sizes[3] == 64  # the floor, even past the target
+    assert MODEL.predict(1, [(200_000, sizes[2])], 8, 8 * 4096) <= 0.05
+
+
+def test_prefill_prefill_batching_lets_short_requests_share_while_the_long_one_has_slack() -> None:
+    long = Prefilling(request_spec("long", prompt=400_000, out=1), 0.0, 100.0, done=100_000)
+    short = Prefilling(request_spec("short", prompt=300, out=1), 1.0, 2.0)
+    alone = PackLimits(target_s=0.1, min_chunk=32, max_chunk=8192, max_share=0.0, max_prefills=8)
+    shared = PackLimits(target_s=0.1, min_chunk=32, max_chunk=8192, max_share=0.5, max_prefills=8)
+    (only,) = pack(MODEL, 1, [long, short], 0, 0, alone, lambda q: 1.0)
+    assert only[0] is long  # without space sharing the head takes the iteration
+    both = pack(MODEL, 1, [long, short], 0, 0, shared, lambda q: 1.0)
+    assert [p.rid for p, _ in both] == ["long", "short"] and both[1][1] == 300  # the short prompt whole
+    assert both[0][1] < only[1]
+    assert MODEL.predict(1, [(p.done, n) for p, n in both]) <= 0.1 + 1e-12
+    late = pack(MODEL, 1, [long, short], 0, 0, shared, lambda q: 0.0)  # the long one is out of slack: it takes all
+    assert late[0][1] == only[1]
+
+
+# ---- the strategy through the core ----
+
+
+def test_replicas_run_decodes_every_iteration_and_short_prompts_overtake_a_long_one() -> None:
+    core = medha_core(n=1, blocks=40_000)
+    (b1,) = batches(core.admit(request_spec("long", prompt=200_000, out=2), 0.0))
+    assert [p.request_id for p in b1.prefills] == ["long"] and b1.prefills[0].start == 0
+    assert not batches(core.admit(request_spec("short", prompt=200, out=3), 0.05))  # the replica is busy
+    (b2,) = done(core, b1, 0.1)
+    ids = [p.request_id for p in b2.prefills]
+    assert "short" in ids and b2.prefills[ids.index("long")].start == b1.prefills[0].end  # the next chunk
+    (b3,) = done(core, b2, 0.2)
+    assert [d.request_id for d in b3.decodes] == ["short"] and b3.prefills[0].request_id == "long"
+    core.on_event(RequestFinished(request_id="short", instance_id="e0", finish_reason="length",
+                                  num_output_tokens=3), 0.25)  # fmt: skip
+    (b4,) = done(core, b3, 0.3)
+    assert not b4.decodes  # a finished request leaves the decode batch
+
+
+def test_kvp_load_balancer_spreads_by_pending_work_and_waits_for_room() -> None:
+    core = medha_core(n=2, blocks=100)  # 1,600 KV tokens per replica
+    a = batches(core.admit(request_spec("a", prompt=1000, out=100), 0.0))
+    b = batches(core.admit(request_spec("b", prompt=1000, out=100), 0.0))
+    assert {a[0].instances, b[0].instances} == {("e0",), ("e1",)}
+    assert not batches(core.admit(request_spec("c", prompt=1000, out=100), 0.0))  # no room: it waits
+    assert core.admit(request_spec("d", prompt=2000, out=10), 0.0)[0].status == 400  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("spec", ["medha", "medha:policy=lrs", "medha:policy=edf", "medha:policy=fcfs"])
+def test_paper_cluster_keeps_every_invariant(spec: str) -> None:
+    setup = named_cluster(ClusterSpec("a100-80g", model="llama3-8b", nodes=2, decode_tp=8), True, elastic=True)
+    trace = make_workload("medha-mix:0.05", 120, 1.0, seed=2)
+    sim = Simulator(spec, setup.latency, setup.config)
+    result = sim.run(trace)
+    check_invariants(sim, result)
+    summary = result.summary("medha-mix")
+    assert summary.completed + summary.rejected == 120 and summary.failed == 0
