@@ -4,6 +4,7 @@ replica scheduler through the core, and the strategy in the simulator at paper s
 from __future__ import annotations
 
 import pytest
+
 from spindle_protocol.messages import InstanceInfo, IterationDone, RequestFinished
 from spindle_scheduler import SchedulerConfig, SchedulerCore, create_strategy
 from spindle_scheduler.actions import RunBatch
