@@ -129,8 +129,13 @@ class SchedulerCore:
             req = self.state.requests.get(part.request_id)
             assert req is not None, f"an iteration for a request the core does not track: {part}"
             req.prefill_instances = tuple(dict.fromkeys((*req.prefill_instances, *batch.instances)))
-            kept = tuple(s for s in req.decode_shards if s.end <= part.start) + part.retain
-            req.decode_shards, req.decode_instance = kept, kept[0].instance
+            kept = [s for s in req.decode_shards if s.end <= part.start]
+            for r in part.retain:  # a chunk after a chunk on the same instance extends its shard (one per holder)
+                if kept and kept[-1].instance == r.instance and kept[-1].end == r.start:
+                    kept[-1] = KVShard(r.instance, kept[-1].start, r.end)
+                else:
+                    kept.append(r)
+            req.decode_shards, req.decode_instance = tuple(kept), kept[0].instance
 
     def _migrated(self, req: RequestState, event: KVMigrated) -> None:
         shards = [KVShard(event.dst if s.instance == event.instance_id else s.instance, s.start, s.end)

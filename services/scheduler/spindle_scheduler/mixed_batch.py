@@ -19,6 +19,7 @@ fit (`from_parts`). Pure Python on the hot path: a strategy calls it several tim
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,20 +95,44 @@ class MixedBatchModel:
     ) -> int:
         """The longest chunk (at most `limit` tokens) after `history` tokens that, added to the batch (`chunks`
         and the decodes), keeps the iteration within `budget_s`; 0 when not even one token fits."""
-        base = list(chunks)
+        f = self.fit_for(tp)
+        tokens, fixed = float(num_decodes), f.c_kv * decode_kv
+        for h, length in chunks:
+            tokens += length
+            fixed += f.c_hist * h * length + f.c_sq * length * length
 
-        def fits(n: int) -> bool:
-            return self.predict(tp, [*base, (history, n)], num_decodes, decode_kv) <= budget_s
+        def seconds(n: float) -> float:  # the iteration with an n-token chunk added
+            return f.dense_s(tokens + n) + fixed + f.c_hist * history * n + f.c_sq * n * n
 
-        if limit < 1 or not fits(1):
+        if limit < 1 or seconds(1) > budget_s:
             return 0
-        if fits(limit):
+        if seconds(limit) <= budget_s:
             return limit
-        lo, hi = 1, limit  # fits(lo), not fits(hi): the predicted time grows with the chunk
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return lo
+        # the dense grid segment where the budget runs out, then the quadratic solved on it
+        g = f.grid
+        lo, hi = 0, len(g) - 1  # the last grid point within the budget, by bisection (seconds grows with n)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if g[mid] <= tokens or seconds(g[mid] - tokens) <= budget_s:
+                lo = mid
+            else:
+                hi = mid - 1
+        k = min(lo, len(g) - 2)
+        x0, x1, y0, y1 = g[k], g[k + 1], f.dense[k], f.dense[k + 1]
+        slope = (y1 - y0) / (x1 - x0)
+        a = y0 + slope * (tokens - x0) + fixed - budget_s
+        b = slope + f.c_hist * history
+        c = f.c_sq
+        root = -a / b if b > 0 else float(limit)  # of b n + a = 0, or of c n^2 + b n + a = 0 below
+        if c > 0:
+            root = (-b + math.sqrt(max(0.0, b * b - 4 * c * a))) / (2 * c)
+        n = int(root)
+        n = min(max(n, 1), limit - 1)
+        while n > 1 and seconds(n) > budget_s:  # float rounding at the root
+            n -= 1
+        while n + 1 < limit and seconds(n + 1) <= budget_s:
+            n += 1
+        return n
 
     # ---- built from a profile's fits ----
 
