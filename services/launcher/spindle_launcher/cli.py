@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"With none of --prefill, --decode, --elastic the layout follows the machine: fewer than "
         f"{DISAGGREGATE_MIN_CORES} CPU cores (os.cpu_count(); this one has {os.cpu_count()}) -> --elastic 1 (one "
         "colocated engine: chunked prefill mixed into the decode batch); more -> --prefill 2 --decode 1 "
-        "(disaggregated). Naming --prefill/--decode, or a --strategy other than chunked and loongserve (the "
+        "(disaggregated). Naming --prefill/--decode, or a --strategy other than chunked, loongserve and medha (the "
         "strategies of elastic instances), gives the disaggregated layout (2 and 1 unless named).",
     )
     c.add_argument("--prefill", type=int, default=None, help="prefill instances")
@@ -140,12 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--strategy",
         default=None,
         help="scheduler strategy, NAME or NAME:key=value,... (single; chunked with elastic instances, or "
-        "loongserve:max_dop=1,migrate=0 with --profile: the scheduler names each iteration)",
+        "loongserve / medha with --profile: the scheduler names each iteration)",
     )
     c.add_argument(
         "--profile",
         default=None,
-        help="latency profile JSON (`spindle profile`) for fixed-sp / request-sp / tetris / loongserve",
+        help="latency profile JSON (`spindle profile`) for fixed-sp / request-sp / tetris / loongserve / medha",
     )
     n = up.add_argument_group("network and operations")
     n.add_argument(
