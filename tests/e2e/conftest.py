@@ -70,6 +70,11 @@ def tokenizer():
     return Tokenizer(resolve_model("smollm2", progress=False).path)
 
 
+def no_blocks_held(stack) -> bool:
+    """No instance of the stack holds a KV block for any request."""
+    return not any(instance_blocks(stack).values())
+
+
 def engine_greedy(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """What the single-instance engine generates greedily for each prompt."""
     from spindle_engine import SamplingParams

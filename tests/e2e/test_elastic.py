@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import engine_greedy, instance_blocks, start_stack, wait_until
+from .conftest import engine_greedy, instance_blocks, no_blocks_held, start_stack, wait_until
 from .sampling_check import assert_stream_matches, engine_reference, penalised_body, stream_completion
 from .sse import read_events
 
@@ -29,10 +29,6 @@ def elastic_stack(tmp_path_factory):
         yield s
     finally:
         s.stop()
-
-
-def no_blocks_held(stack) -> bool:
-    return not any(instance_blocks(stack).values())
 
 
 def test_the_stack_is_one_elastic_instance(elastic_stack):

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import engine_greedy, instance_blocks, start_stack, wait_until, write_assumed_profile
+from .conftest import engine_greedy, instance_blocks, no_blocks_held, start_stack, wait_until, write_assumed_profile
 
 pytestmark = pytest.mark.slow
 
@@ -37,10 +37,6 @@ def loong_stack(tmp_path_factory):
         yield s
     finally:
         s.stop()
-
-
-def no_blocks_held(stack) -> bool:
-    return not any(instance_blocks(stack).values())
 
 
 def test_concurrent_requests_equal_the_engine_greedy_and_seeded(loong_stack, reference_engine):

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import engine_greedy, instance_blocks, start_stack, wait_until, write_assumed_profile
+from .conftest import engine_greedy, instance_blocks, no_blocks_held, start_stack, wait_until, write_assumed_profile
 
 pytestmark = pytest.mark.slow
 
@@ -38,10 +38,6 @@ def medha_stack(tmp_path_factory):
         yield s
     finally:
         s.stop()
-
-
-def no_blocks_held(stack) -> bool:
-    return not any(instance_blocks(stack).values())
 
 
 def test_short_prompts_overtake_a_long_one_and_every_output_equals_the_engine(medha_stack, reference_engine):

@@ -17,13 +17,14 @@ def instance_info(
     tp_size: int = 1,
     max_model_len: int = 1600,
     kvp_group: str = "",
+    kv_bytes_per_token: int = 0,
 ) -> InstanceInfo:
     """A heartbeat: `total` KV blocks of 16 tokens, `used` of them in use, sent at `at` (a member of KV-parallel
     group `kvp_group` when set)."""
     return InstanceInfo(
         instance_id=instance_id, role=role, rank=rank, pid=0, started_at=0.0, updated_at=at,
         kv_blocks_total=total, kv_blocks_used=used, block_size=16, max_model_len=max_model_len,
-        num_running=running, tp_size=tp_size, kvp_group=kvp_group,
+        num_running=running, tp_size=tp_size, kvp_group=kvp_group, kv_bytes_per_token=kv_bytes_per_token,
     )  # fmt: skip
 
 

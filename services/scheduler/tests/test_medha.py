@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from spindle_protocol.messages import InstanceInfo, IterationDone, RequestFinished
+from spindle_protocol.messages import IterationDone, RequestFinished
 from spindle_scheduler import SchedulerConfig, SchedulerCore, create_strategy
 from spindle_scheduler.actions import RunBatch
 from spindle_scheduler.latency import DecodeStepModel, LatencyModel, PrefillLatencyModel
@@ -15,7 +15,7 @@ from spindle_scheduler.sim.invariants import check_invariants
 from spindle_scheduler.sim.named_cluster import ClusterSpec, named_cluster
 from spindle_scheduler.strategies.medha.packing import PackLimits, pack
 from spindle_scheduler.strategies.medha.slack import Prefilling, priority, relative_slack
-from spindle_scheduler.testing import request_spec
+from spindle_scheduler.testing import instance_info, request_spec
 from spindle_scheduler.workloads import make_workload
 
 # 10 ms fixed, 0.1 ms per token, attention 2e-10 per (history x chunk) token pair, 1e-10 per chunk token squared
@@ -32,12 +32,7 @@ def latency() -> LatencyModel:
 def medha_core(n: int = 2, blocks: int = 1000, spec: str = "medha:tpot_slo=0.1") -> SchedulerCore:
     core = SchedulerCore(create_strategy(spec, latency()), SchedulerConfig())
     for k in range(n):
-        core.on_heartbeat(
-            InstanceInfo(
-                instance_id=f"e{k}", role="elastic", rank=k, pid=0, started_at=0.0, updated_at=0.0,
-                kv_blocks_total=blocks, block_size=16, max_model_len=10**6, kv_bytes_per_token=1000,
-            )
-        )  # fmt: skip
+        core.on_heartbeat(instance_info(f"e{k}", "elastic", k, total=blocks, max_model_len=10**6))
     return core
 
 
