@@ -145,6 +145,11 @@ def test_kvp_load_balancer_spreads_by_pending_work_and_waits_for_room() -> None:
     assert {a[0].instances, b[0].instances} == {("e0",), ("e1",)}
     assert not batches(core.admit(request_spec("c", prompt=1000, out=100), 0.0))  # no room: it waits
     assert core.admit(request_spec("d", prompt=2000, out=10), 0.0)[0].status == 400  # type: ignore[attr-defined]
+    strategy = core.strategy
+    assert strategy.replicas["e0"].reserved["a"] == 1104  # 1,100 tokens reserve whole blocks of 16 (69)
+    assert [p.rid for p in strategy.waiting] == ["c"]
+    core.admit(request_spec("e", prompt=400, out=97), 0.0)  # 497 tokens need 32 blocks: 31 are free on each
+    assert [p.rid for p in strategy.waiting] == ["c", "e"]
 
 
 @pytest.mark.parametrize("spec", ["medha", "medha:policy=lrs", "medha:policy=edf", "medha:policy=fcfs"])

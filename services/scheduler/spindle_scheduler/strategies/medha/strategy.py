@@ -55,7 +55,8 @@ class Replica:
     rank: int
     tp: int
     capacity: int  # KV tokens
-    reserved: dict[str, int] = field(default_factory=dict)  # request -> KV tokens it may grow to
+    block: int  # tokens per KV block: a reservation takes whole blocks
+    reserved: dict[str, int] = field(default_factory=dict)  # request -> KV tokens it may grow to, in whole blocks
     queue: list[Prefilling] = field(default_factory=list)  # prompts not done, in arrival order
     decoding: dict[str, int] = field(default_factory=dict)  # request -> KV tokens it holds
     running: int | None = None  # batch id of the iteration in flight
@@ -154,8 +155,8 @@ class MedhaStrategy(Strategy):
         for inst in state.live(ROLE):
             if inst.id not in self.replicas:
                 info = inst.info
-                capacity = info.kv_blocks_total * (info.block_size or 1)
-                self.replicas[inst.id] = Replica(inst.id, info.rank, info.tp_size, capacity)
+                block = info.block_size or 1
+                self.replicas[inst.id] = Replica(inst.id, info.rank, info.tp_size, info.kv_blocks_total * block, block)
                 self._model = None  # a new TP degree may need its fit
         for r in self.replicas.values():
             for rid in [x for x in r.reserved if x not in state.requests]:
@@ -245,13 +246,13 @@ class MedhaStrategy(Strategy):
         prefill work (then the most free KV)."""
         while self.waiting:
             p = self.waiting[0]
-            need = p.prompt + p.spec.sampling.max_tokens
-            fits = [r for r in self.replicas.values() if r.free() >= need]
+            tokens = p.prompt + p.spec.sampling.max_tokens
+            fits = [r for r in self.replicas.values() if r.free() >= -(-tokens // r.block) * r.block]
             if not fits:
                 return
             best = min(fits, key=lambda r: (sum(self.alone_s(r.tp, q.done, q.left) for q in r.queue), -r.free()))
             self.waiting.popleft()
-            best.reserved[p.rid] = need
+            best.reserved[p.rid] = -(-tokens // best.block) * best.block
             best.queue.append(p)
 
     def _iteration(self, r: Replica, now: float) -> RunBatch:
