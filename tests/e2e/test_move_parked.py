@@ -100,7 +100,8 @@ def test_a_preempted_request_moved_to_another_instance_continues_its_stream(
                     tasks[key] = asyncio.create_task(_stream(client, url, prompts[key], max_tokens[key], texts[key]))
                     await asyncio.sleep(0.1)
                 parked = lambda: [e for e in w.events if isinstance(e, TransferDone) and e.parked]  # noqa: E731
-                await w.until(parked, 60)  # C parks on A's instance
+                # C parks on A's instance; B and C may share a prefill step, so B's decode can start after C parks
+                await w.until(lambda: parked() and len(w.started()) >= 2, 60)
                 rids["c"] = parked()[0].request_id
                 rids["a"], rids["b"] = w.started()[:2]
                 home = next(e.instance_id for e in w.of(rids["a"], DecodeStarted))
