@@ -72,7 +72,7 @@ class PagedAttentionContext:
         self.decode_seq_lens = decode_seq_lens  # [num_decodes], including the new token
         self.prefills = prefills
         device = cache.k.device
-        native_prefill = device.type == "cpu" and cpu.prefill.supported(cache.k[0], cache.k[0], cache.v[0])
+        native_prefill = cpu.prefill.cache_supported(cache.k[0], cache.v[0])
         # per chunk attending over the cache: (block table on the cache's device, total tokens, cu_seqlens)
         self._paged = {
             i: (

@@ -15,19 +15,23 @@ from torch import Tensor
 from .native import kernels
 
 
-def supported(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
-    """Whether `attention` can run these operands (else use the torch path)."""
-    d = q.shape[-1]
+def cache_supported(k_cache: Tensor, v_cache: Tensor) -> bool:
+    """Whether `attention` can read these caches (fp32, contiguous, on CPU, head dim a multiple of 64 up to 256)."""
+    d = k_cache.shape[-1]
     return (
         kernels() is not None
-        and q.device.type == "cpu"
         and k_cache.device.type == "cpu"
-        and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        and k_cache.dtype == v_cache.dtype == torch.float32
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
         and d % 64 == 0
         and d <= 256
     )
+
+
+def supported(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
+    """Whether `attention` can run these operands (else use the torch path)."""
+    return q.device.type == "cpu" and q.dtype == torch.float32 and cache_supported(k_cache, v_cache)
 
 
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, history: int,
