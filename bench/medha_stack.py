@@ -6,6 +6,7 @@ One long prompt (6,000 tokens, 16 out) at t = 0, then a short one (64 tokens, 16
 greedy with EOS ignored, streamed through the gateway. Each layout starts fresh on this machine:
 - `medha`: one elastic instance as a replica, iterations named by the scheduler (`medha:tpot_slo=0.15,
   min_chunk=32`; its predictor from this machine's profile, `bench/results/sim_replay_profile.json`);
+- `medha-spp2`: the same, the instance a sequence pipeline of two stage processes (`spindle up --spp 2`);
 - `chunked`: the default layout here (one elastic instance, 2048-token steps, 512-token shared chunks);
 - `single`: one prefill and one decode instance (FCFS prefill, KV handed off).
 Reports the short prompts' TTFT (median, P90, max) and TPOT, the long prompt's TTFT, and checks that every layout
@@ -34,6 +35,8 @@ PROFILE = ROOT / "results" / "sim_replay_profile.json"
 LAYOUTS = {
     "medha": {"prefill": 0, "decode": 0, "elastic": 1, "strategy": "medha:tpot_slo=0.15,min_chunk=32",
               "profile": str(PROFILE)},
+    "medha-spp2": {"prefill": 0, "decode": 0, "elastic": 1, "elastic_spp": 2,
+                   "strategy": "medha:tpot_slo=0.15,min_chunk=32", "profile": str(PROFILE)},
     "chunked": {"prefill": 0, "decode": 0, "elastic": 1, "strategy": "chunked"},
     "single": {"prefill": 1, "decode": 1, "strategy": "single"},
 }  # fmt: skip

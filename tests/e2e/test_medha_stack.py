@@ -1,6 +1,7 @@
-"""`medha` on the services: one elastic instance is one replica, and the scheduler names each of its iterations
-(`RunIteration`: adaptive prefill chunks of several requests beside every running decode), which the instance runs
-as one `Engine.step_directed`. Short prompts that arrive while a long one prefills get their first token before
+"""`medha` on the services: one elastic instance is one replica, here a sequence pipeline of two stage processes
+(`--spp 2`, Medha's SPP), and the scheduler names each of its iterations (`RunIteration`: adaptive prefill chunks
+of several requests beside every running decode), which the instance runs as one `Engine.step_directed` through
+both stages. Short prompts that arrive while a long one prefills get their first token before
 it does (slack-ordered, prefill-prefill batched chunks), every output equals the single engine's, and every block
 comes back, also after a disconnect."""
 
@@ -33,7 +34,9 @@ def _profile(tmp_path) -> str:
 @pytest.fixture(scope="module")
 def medha_stack(tmp_path_factory):
     profile = _profile(tmp_path_factory.mktemp("medha-profile"))
-    s = start_stack(tmp_path_factory, "medha", prefill=0, decode=0, elastic=1, strategy=STRATEGY, profile=profile)
+    s = start_stack(
+        tmp_path_factory, "medha", prefill=0, decode=0, elastic=1, elastic_spp=2, strategy=STRATEGY, profile=profile
+    )
     try:
         yield s
     finally:

@@ -9,6 +9,8 @@ native call); mixed and larger steps run eagerly.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import Tensor
 
@@ -30,6 +32,101 @@ def _prompt_targets(c: ScheduledChunk) -> int:
     if seq.params.prompt_logprobs is None:
         return 0
     return max(0, min(seq.num_computed_tokens + c.num_tokens, seq.num_prompt_tokens - 1) - seq.num_computed_tokens)
+
+
+@dataclass
+class StepBatch:
+    """One step's flat token batch, in the order the attention context expects: decode tokens (one-token chunks)
+    first, then prefill chunks without history, then chunks continuing a cached history. Plain numbers only (a
+    pipeline stage rebuilds it from the wire), plus the scheduled chunks where the scheduler made it."""
+
+    starts: list[int]  # per chunk: the position of its first token
+    lengths: list[int]  # per chunk: its tokens
+    tables: list[list[int]]  # per chunk: its sequence's block table
+    block_size: int
+    token_ids: list[int] = field(default_factory=list)  # [T]: the first stage's input
+    sample_rows: list[int] = field(default_factory=list)  # rows of the last token of chunks that sample
+    sample_chunks: list[int] = field(default_factory=list)  # the scheduler's chunk index of each sample row
+    ordered: list[ScheduledChunk] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for n in self.lengths if n == 1)
+
+    @property
+    def positions(self) -> list[int]:
+        return [p for s, n in zip(self.starts, self.lengths, strict=True) for p in range(s, s + n)]
+
+    @property
+    def slots(self) -> list[int]:
+        bs = self.block_size
+        out: list[int] = []
+        for s, n, table in zip(self.starts, self.lengths, self.tables, strict=True):
+            out.extend(table[p // bs] * bs + p % bs for p in range(s, s + n))
+        return out
+
+    def prefill_chunks(self) -> list[PrefillChunk]:
+        out, offset = [], 0
+        for s, n, table in zip(self.starts, self.lengths, self.tables, strict=True):
+            if n > 1:
+                out.append(PrefillChunk(offset, n, s, table))
+            offset += n
+        return out
+
+
+def step_batch(chunks: list[ScheduledChunk], block_size: int) -> StepBatch:
+    """The batch of scheduled `chunks` (see StepBatch for the order)."""
+    decodes = [(i, c) for i, c in enumerate(chunks) if c.num_tokens == 1]
+    prefills = [(i, c) for i, c in enumerate(chunks) if c.num_tokens > 1 and c.seq.num_computed_tokens == 0]
+    prefills += [(i, c) for i, c in enumerate(chunks) if c.num_tokens > 1 and c.seq.num_computed_tokens > 0]
+    batch = StepBatch([], [], [], block_size)
+    for index, c in decodes + prefills:
+        seq, start, n = c.seq, c.seq.num_computed_tokens, c.num_tokens
+        batch.starts.append(start)
+        batch.lengths.append(n)
+        batch.tables.append(seq.block_table)
+        batch.token_ids.extend(seq.token_ids[start : start + n])
+        batch.ordered.append(c)
+        if start + n == seq.num_tokens:
+            batch.sample_rows.append(len(batch.token_ids) - 1)
+            batch.sample_chunks.append(index)
+    return batch
+
+
+def attention_context(
+    cache: KVCache, first_layer: int, backend: str, batch: StepBatch
+) -> PagedAttentionContext | TritonPagedAttentionContext:
+    """The paged attention context of `batch` over `cache` (which holds layers from `first_layer` on)."""
+    device = cache.k.device
+    triton = backend == "triton"
+    index_dtype = torch.int32 if triton else torch.long
+    num_decodes = batch.num_decodes
+    lens = [s + 1 for s in batch.starts[:num_decodes]]
+    if num_decodes:
+        tables = batch.tables[:num_decodes]
+        width = max(len(t) for t in tables)
+        decode_table = host_to_device([t + [0] * (width - len(t)) for t in tables], index_dtype, device)
+    else:
+        decode_table = torch.zeros(0, 1, dtype=index_dtype, device=device)
+    decode_lens = host_to_device(lens, index_dtype, device)
+    slot_mapping = host_to_device(batch.slots, torch.long, device)
+    prefills = batch.prefill_chunks()
+    if triton:
+        return TritonPagedAttentionContext(
+            cache,
+            first_layer,
+            slot_mapping,
+            num_decodes,
+            decode_table,
+            decode_lens,
+            prefills,
+            decode_max_len=max(lens, default=0),
+        )
+    return PagedAttentionContext(cache, first_layer, slot_mapping, num_decodes, decode_table, decode_lens, prefills)
 
 
 class ModelRunner:
@@ -64,46 +161,34 @@ class ModelRunner:
                 break  # the fast paths compute no prompt logprobs
             if runner is not None and (out := self._run_decode_only(runner, chunks)) is not None:
                 return out
-        # decode tokens first, then prefill chunks without history, then chunks continuing a cached history
-        decodes = [(i, c) for i, c in enumerate(chunks) if c.num_tokens == 1]
-        prefills = [(i, c) for i, c in enumerate(chunks) if c.num_tokens > 1 and c.seq.num_computed_tokens == 0]
-        prefills += [(i, c) for i, c in enumerate(chunks) if c.num_tokens > 1 and c.seq.num_computed_tokens > 0]
-        bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        sample_chunks: list[int] = []
-        prefill_meta: list[PrefillChunk] = []
-        for index, c in decodes + prefills:
-            seq, start, n = c.seq, c.seq.num_computed_tokens, c.num_tokens
-            offset = len(ids)
-            table = seq.block_table
-            ids.extend(seq.token_ids[start : start + n])
-            pos.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if n > 1:
-                prefill_meta.append(PrefillChunk(offset, n, start, table))
-            if start + n == seq.num_tokens:
-                sample_rows.append(offset + n - 1)
-                sample_chunks.append(index)
-        ctx = self._context(decodes, prefill_meta, slots)
-        hidden = self.model(
-            host_to_device(pos, torch.long, self.device),
-            ctx,
-            input_ids=host_to_device(ids, torch.long, self.device),
-        )  # [T, H]
+        batch = step_batch(chunks, self.block_size)
+        rows = None if wants_prompt_logprobs else batch.sample_rows
+        hidden = self.forward(batch, rows)
         if wants_prompt_logprobs:
             offset = 0
-            for _, c in decodes + prefills:
+            for c in batch.ordered:
                 if (targets := _prompt_targets(c)) > 0:  # a recomputed chunk (after preemption) overwrites its own
                     start = c.seq.num_computed_tokens
                     c.seq.prompt_logprobs[start : start + targets] = self._prompt_logprobs(
                         hidden[offset : offset + targets], c
                     )
                 offset += c.num_tokens
-        rows = host_to_device(sample_rows, torch.long, self.device)
-        return self.model.compute_logits(hidden[rows]), sample_chunks
+            hidden = hidden[host_to_device(batch.sample_rows, torch.long, self.device)]
+        return self.compute_logits(hidden), batch.sample_chunks
+
+    def forward(self, batch: StepBatch, rows: list[int] | None) -> Tensor:
+        """The last layer's (final-norm) hidden states of the step: rows `rows` of it, or every row when None."""
+        ctx = self._context(batch)
+        hidden = self.model(
+            host_to_device(batch.positions, torch.long, self.device),
+            ctx,
+            input_ids=host_to_device(batch.token_ids, torch.long, self.device),
+        )  # [T, H]
+        return hidden if rows is None else hidden[host_to_device(rows, torch.long, self.device)]
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """Final-norm hidden states `[N, H]` -> fp32 logits `[N, vocab]`."""
+        return self.model.compute_logits(hidden)
 
     def _prompt_logprobs(self, hidden: Tensor, c: ScheduledChunk) -> list[TokenLogprobs]:
         """The logprobs of the prompt tokens that follow each of `hidden`'s positions (`[n, H]`, positions
@@ -113,7 +198,7 @@ class ModelRunner:
         top_n = seq.params.prompt_logprobs or 0
         out = []
         for a in range(0, hidden.shape[0], PROMPT_LOGPROB_ROWS):
-            lp = torch.log_softmax(self.model.compute_logits(hidden[a : a + PROMPT_LOGPROB_ROWS]), dim=-1).cpu()
+            lp = torch.log_softmax(self.compute_logits(hidden[a : a + PROMPT_LOGPROB_ROWS]), dim=-1).cpu()
             targets = torch.tensor(seq.token_ids[start + a + 1 : start + a + 1 + lp.shape[0]])  # [rows]
             chosen = lp.gather(1, targets[:, None])[:, 0].tolist()
             top = torch.topk(lp, top_n) if top_n else None
@@ -152,30 +237,5 @@ class ModelRunner:
             logits = logits[host_to_device(sample_rows, torch.long, self.device)]
         return logits, sample_rows
 
-    def _context(
-        self, decodes: list[tuple[int, ScheduledChunk]], prefills: list[PrefillChunk], slots: list[int]
-    ) -> PagedAttentionContext | TritonPagedAttentionContext:
-        triton = self.attention_backend == "triton"
-        index_dtype = torch.int32 if triton else torch.long
-        lens = [c.seq.num_computed_tokens + 1 for _, c in decodes]
-        if decodes:
-            tables = [c.seq.block_table for _, c in decodes]
-            width = max(len(t) for t in tables)
-            decode_table = host_to_device([t + [0] * (width - len(t)) for t in tables], index_dtype, self.device)
-        else:
-            decode_table = torch.zeros(0, 1, dtype=index_dtype, device=self.device)
-        decode_lens = host_to_device(lens, index_dtype, self.device)
-        slot_mapping = host_to_device(slots, torch.long, self.device)
-        first = self.model.layer_range[0]
-        if triton:
-            return TritonPagedAttentionContext(
-                self.cache,
-                first,
-                slot_mapping,
-                len(decodes),
-                decode_table,
-                decode_lens,
-                prefills,
-                decode_max_len=max(lens, default=0),
-            )
-        return PagedAttentionContext(self.cache, first, slot_mapping, len(decodes), decode_table, decode_lens, prefills)
+    def _context(self, batch: StepBatch) -> PagedAttentionContext | TritonPagedAttentionContext:
+        return attention_context(self.cache, self.model.layer_range[0], self.attention_backend, batch)

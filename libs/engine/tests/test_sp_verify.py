@@ -110,8 +110,9 @@ def test_cli_runs_a_plan_per_layout_on_one_launch(tiny_dir, tmp_path, capsys):
 
 # ---- SmolLM2, fp32 ----
 
-SMOL_SINGLE_CHUNK = [(1, "zigzag")] + [
-    (sp, lay) for sp in (2, 3, 4) for lay in ("contiguous", "stripe", "zigzag", "all-to-all")
+# every layout at SP 3 (1001 tokens do not divide by 3), one each at SP 2 and 4; the tiny model runs every pair
+SMOL_SINGLE_CHUNK = [(1, "zigzag"), (2, "stripe"), (4, "all-to-all")] + [
+    (3, lay) for lay in ("contiguous", "stripe", "zigzag", "all-to-all")
 ]
 
 

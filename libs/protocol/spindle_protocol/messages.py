@@ -109,6 +109,7 @@ class InstanceInfo(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int = 0
     node: str = ""  # host name: strategies keep SP groups and TP shards on one node where they can
     tp_size: int = 1  # tensor-parallel degree of this instance
+    spp_size: int = 1  # sequence-pipeline stages of this instance (one process each; the first registers)
     kvp_size: int = 1  # members of the KV-parallel decode group this instance belongs to (1: none)
     # the KV-parallel group it steps with in lockstep (its leader's id; "" = none): the scheduler splits a request's
     # KV only over instances of one group; every member registers as its own decode instance, with its own blocks

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -105,6 +106,7 @@ class InstanceConfig:
     otlp_endpoint: str | None = None
     tp_size: int = 1  # tensor-parallel ranks of this instance: this one (the leader) and the next tp_size - 1
     node: str = ""  # the node it reports in its heartbeats ("": the host name)
+    spp_size: int = 1  # sequence-pipeline stages (processes) of this instance: this one (stage 0) and the next
 
     def __post_init__(self) -> None:
         subjects.check_token(self.instance_id, "instance id")
@@ -112,6 +114,12 @@ class InstanceConfig:
             raise ValueError(f"rank {self.rank} is outside a world of {self.world_size}")
         if not isinstance(self.tp_size, int) or self.tp_size < 1 or self.rank + self.tp_size > self.world_size:
             raise ValueError(f"tp_size {self.tp_size} from rank {self.rank} does not fit a world of {self.world_size}")
+        if not isinstance(self.spp_size, int) or self.spp_size < 1 or self.rank + self.spp_size > self.world_size:
+            raise ValueError(
+                f"spp_size {self.spp_size} from rank {self.rank} does not fit a world of {self.world_size}"
+            )
+        if self.spp_size > 1 and self.tp_size > 1:
+            raise ValueError("an instance is tensor-parallel or pipeline-parallel, not both (yet)")
 
     @classmethod
     def from_args(cls, role: str, args: argparse.Namespace) -> InstanceConfig:
@@ -127,6 +135,7 @@ class InstanceConfig:
             args.otlp_endpoint,
             getattr(args, "tp_size", 1),
             getattr(args, "node", ""),
+            getattr(args, "spp_size", 1),
         )
 
 
@@ -150,6 +159,23 @@ class Job:
     @property
     def request_id(self) -> str:
         return self.spec.request_id
+
+
+FATAL_CLEANUP_S = 10.0  # after the engine thread died: the most the clean-up (failing jobs, leaving) may take
+
+
+def exit_within(seconds: float) -> None:
+    """Exit the process with status 1 after `seconds` even if the clean-up hangs (a data-plane or thread-pool call
+    blocked on a dead peer would otherwise keep a process without an engine alive)."""
+
+    def force() -> None:
+        log.error("clean-up did not finish in %.0f s; exiting now", seconds)
+        logging.shutdown()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, force)
+    timer.daemon = True
+    timer.start()
 
 
 class Instance:
@@ -190,6 +216,7 @@ class Instance:
             while not stop.is_set():
                 if not self.thread.is_alive():
                     log.error("%s: the engine thread died; exiting", self.id)
+                    exit_within(FATAL_CLEANUP_S)
                     raise SystemExit(1)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), 0.5)
@@ -237,6 +264,11 @@ class Instance:
         """What this process registers, one heartbeat each (an entry ends when its callable returns None)."""
         return [self.info]
 
+    def kv_bytes_per_token(self) -> int:
+        """One token's KV on this instance over every layer of the model (a pipeline stage's cache holds some)."""
+        k = self.engine.cache.k  # [layers here, blocks, block_size, kv_heads, head_dim]
+        return self.engine.model_config.num_layers * k.shape[3] * k.shape[4] * 2 * k.element_size()
+
     def info(self) -> InstanceInfo:
         snap = self.thread.snapshot
         return InstanceInfo(
@@ -255,7 +287,8 @@ class Instance:
             max_model_len=self.engine.max_model_len,
             node=self.config.node or socket.gethostname(),
             tp_size=self.config.tp_size,
-            kv_bytes_per_token=self.engine.cache.k[:, 0, 0].numel() * 2 * self.engine.cache.k.element_size(),
+            spp_size=self.config.spp_size,
+            kv_bytes_per_token=self.kv_bytes_per_token(),
         )
 
     # ---- engine access ----

@@ -17,9 +17,8 @@ import sys
 from spindle_engine.kvp.follower import follower
 from spindle_protocol import service
 from spindle_transfer import DataPlane
+from spindle_worker.follower_args import check_follower_rank, follower_parser
 from spindle_worker.instance import engine_config_from_args
-
-from .follower_args import check_follower_rank, follower_parser
 
 log = logging.getLogger("spindle.decode.kvp")
 # GOMP_SPINCOUNT is set by spindle_decode/__init__.py, which `python -m` imports before torch loads.

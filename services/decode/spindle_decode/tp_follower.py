@@ -24,9 +24,8 @@ from spindle_engine.tp import Receiver, TPFollower, follower_engine
 from spindle_protocol import service
 from spindle_protocol.tensor_header import header_for
 from spindle_transfer import DataPlane, dtype_name
+from spindle_worker.follower_args import check_follower_rank, follower_parser
 from spindle_worker.instance import engine_config_from_args
-
-from .follower_args import check_follower_rank, follower_parser
 
 log = logging.getLogger("spindle.decode.tp")
 RECEIVE_TIMEOUT_S = 120.0  # for a holder to start sending (the leader's drop cancels it sooner)

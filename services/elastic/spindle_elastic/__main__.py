@@ -40,6 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
         "loongserve spreads a request's KV over a group of elastic instances): --max-model-len is then the group's "
         "context, not this cache's",
     )
+    p.add_argument(
+        "--spp-size",
+        type=int,
+        default=1,
+        help="sequence-pipeline stages of this instance: this process (rank R) holds the first layer range and "
+        "leads; stages R+1..R+S-1 are `python -m spindle_elastic.spp_stage --leader-rank R` processes. Consecutive "
+        "chunks of one prompt flow through the stages back to back (Medha's SPP; default %(default)s)",
+    )
     service.add_common_args(p)
     return p
 
@@ -49,7 +57,12 @@ def main(argv: list[str] | None = None) -> None:
     service.setup_logging(args.log_level, "elastic")
     if args.shared_chunk < 0:
         raise SystemExit(f"--shared-chunk must be >= 0, got {args.shared_chunk}")
-    config = InstanceConfig.from_args("elastic", args)
+    if args.spp_size > 1 and args.partial_kv:
+        raise SystemExit("--spp-size > 1 holds whole requests: it takes no --partial-kv")
+    try:
+        config = InstanceConfig.from_args("elastic", args)
+    except ValueError as e:
+        build_parser().error(str(e))
     engine = replace(config.engine, shared_prefill_chunk=args.shared_chunk, allow_partial_kv=args.partial_kv)
     config = replace(config, engine=engine)
     service.run(ElasticInstance(config).run, args.parent_pid)

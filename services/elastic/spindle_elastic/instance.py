@@ -16,10 +16,16 @@ iteration of this instance alone, on requests whose whole KV is here, runs as on
 parts and decodes batched). One that spans several instances, or holds a request in parts, runs with its group
 (group.py: sequence-parallel prompts whose members retain their ranges, multi-master decodes). A decoding
 request's KV can also move to another elastic instance (migrate.py).
+
+With `spp_size` S > 1 the instance is a sequence pipeline (Medha's SPP): this process holds the first layer range
+and leads an `SPPLeaderEngine`; S - 1 stage processes (`python -m spindle_elastic.spp_stage`) at the next ranks hold
+the rest. Consecutive chunks of one prompt flow through the stages back to back. Such an instance moves no KV: it
+takes no group iterations, migrations or n > 1 requests (they fail with a clear error).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -27,7 +33,8 @@ from dataclasses import dataclass
 
 from nats.aio.msg import Msg
 
-from spindle_engine import Engine, StepOutput
+from spindle_engine import Engine, EngineConfig, StepOutput
+from spindle_engine.spp import SPPLeaderEngine, load_stage, spp_engine_config
 from spindle_protocol import subjects
 from spindle_protocol.messages import (
     Abort,
@@ -63,6 +70,21 @@ class ElasticInstance(GroupIterations, KVMigration, Instance):
     def __init__(self, config: InstanceConfig) -> None:
         super().__init__(config)
         self.abandoned: dict[int, threading.Event] = {}
+
+    def make_engine(self) -> Engine:
+        spp = self.config.spp_size
+        if spp == 1:
+            return super().make_engine()
+        config = spp_pipeline_config(self.config.engine, spp)
+        model, head = load_stage(config, spp, 0)
+        assert head is not None
+        ranks = tuple(range(self.config.rank, self.config.rank + spp))
+        return SPPLeaderEngine(config, model, head, ranks)
+
+    async def before_engine_stop(self) -> None:
+        if isinstance(self.engine, SPPLeaderEngine) and self.thread.is_alive():
+            with contextlib.suppress(Exception):
+                await self.call(lambda e: e.close())
 
     async def serve(self) -> None:
         await self.bus.subscribe(subjects.prefill_run(self.id), RunPrefill, self._on_run)
@@ -225,3 +247,10 @@ class ElasticInstance(GroupIterations, KVMigration, Instance):
 def _whole_here(engine: Engine, cmd: RunIteration) -> bool:
     """Every decode of the iteration is directed here with its whole KV (the engine's own step can run it)."""
     return all((s := engine.directed.get(d.request_id)) is not None and s.kv_positions is None for d in cmd.decodes)
+
+
+def spp_pipeline_config(config: EngineConfig, spp: int) -> EngineConfig:
+    """The engine configuration of every stage of an `spp`-stage instance (the stage processes compute it too)."""
+    from spindle_model import resolve_model
+
+    return spp_engine_config(config, resolve_model(config.model).config, spp)

@@ -99,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(the instance's default, 512; 0 = no cap)",
     )
     c.add_argument(
+        "--spp",
+        type=int,
+        default=1,
+        help="with elastic instances: sequence-pipeline stages per instance, one process each holding a layer "
+        "range; consecutive chunks of a prompt flow through them back to back (Medha's SPP). Strategies chunked "
+        "and medha (they keep a request's KV on its instance) (%(default)s)",
+    )
+    c.add_argument(
         "--prefill-per-node",
         type=int,
         default=0,
@@ -204,6 +212,7 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         **layout_from_args(args),  # type: ignore[arg-type]
         decode_tp=args.decode_tp,
         decode_kvp=args.decode_kvp,
+        elastic_spp=args.spp,
         prefill_per_node=args.prefill_per_node,
         kvp_tokens=args.kvp_tokens,
         kvp_scale_down_tokens=args.kvp_scale_down_tokens,

@@ -3,7 +3,8 @@
 Ranks of the data-plane group: kvstore 0, prefill 1..N, then decode instance i at N+1+i*T..N+(i+1)*T (T =
 `decode_tp`: the leader `spindle_decode`, then T-1 `spindle_decode.tp_follower` processes named decode-i-tpJ;
 or T = `decode_kvp`: the leader, then T-1 `spindle_decode.kvp_follower` members named decode-i-kvpJ), then the
-elastic (colocated) instances elastic-0.. (E of them); world size N+M*T+E+1.
+elastic (colocated) instances elastic-0.. (E of them, each of S = `elastic_spp` ranks: the leader `spindle_elastic`,
+then S-1 `spindle_elastic.spp_stage` processes named elastic-i-sppJ); world size N+M*T+E*S+1.
 deploy/docker-compose.yml describes the same commands; tests/test_deploy.py keeps the two in step.
 """
 
@@ -37,6 +38,16 @@ def _per_iteration(strategy: str) -> bool:
 
     try:
         return strategy_class(strategy).elastic
+    except ValueError:
+        return False
+
+
+def _keeps_kv_in_place(strategy: str) -> bool:
+    """Whether the strategy keeps each request's KV on one instance (`Strategy.keeps_kv_in_place`)."""
+    from spindle_scheduler.strategy import strategy_class
+
+    try:
+        return strategy_class(strategy).keeps_kv_in_place
     except ValueError:
         return False
 
@@ -88,6 +99,7 @@ class StackConfig:
     decode: int = 1  # decode instances
     elastic: int = 0  # elastic (colocated) instances: prefill and decode in one engine; then prefill = decode = 0
     shared_chunk: int | None = None  # elastic: one prompt's tokens per step while others share the instance
+    elastic_spp: int = 1  # sequence-pipeline stages (processes) of each elastic instance
     decode_tp: int = 1  # tensor-parallel ranks (processes) of each decode instance
     decode_kvp: int = 1  # KV-parallel members (processes) of each decode instance (with decode_tp 1)
     # > 0: prefill instances report nodes "node-0", "node-1", ... of this many instances each (strategies keep SP
@@ -142,10 +154,19 @@ class StackConfig:
                 )
             if self.decode_tp > 1 or self.decode_kvp > 1 or self.kvp_tokens or self.kvp_scale_down_tokens:
                 raise ValueError("decode_tp, decode_kvp and the kvp options apply to decode instances, not elastic")
+            if self.elastic_spp > 1 and not _keeps_kv_in_place(self.strategy):
+                raise ValueError(
+                    f"strategy {self.strategy!r} moves KV between elastic instances, which a pipeline-parallel "
+                    "instance does not do yet: use elastic_spp 1, or the chunked or medha strategy"
+                )
         else:
             for what, n in (("prefill", self.prefill), ("decode", self.decode)):
                 if not isinstance(n, int) or n < 1:
                     raise ValueError(f"need at least one {what} instance (or elastic > 0), got {n!r}")
+        if not isinstance(self.elastic_spp, int) or self.elastic_spp < 1:
+            raise ValueError(f"elastic_spp must be a positive integer, got {self.elastic_spp!r}")
+        if self.elastic_spp > 1 and not self.elastic:
+            raise ValueError("elastic_spp applies to elastic instances: set elastic > 0 too")
         if not isinstance(self.prefill_per_node, int) or self.prefill_per_node < 0:
             raise ValueError(f"prefill_per_node must be a non-negative integer, got {self.prefill_per_node!r}")
         if not isinstance(self.decode_tp, int) or self.decode_tp < 1:
@@ -194,7 +215,7 @@ class StackConfig:
 
     @property
     def world_size(self) -> int:
-        return self.prefill + self.decode * self.decode_ranks + self.elastic + 1
+        return self.prefill + self.decode * self.decode_ranks + self.elastic * self.elastic_spp + 1
 
     @property
     def chunk_tokens(self) -> int:
@@ -314,13 +335,23 @@ def build_plan(config: StackConfig, runtime: Runtime, python: str = sys.executab
             argv = (python, "-m", "spindle_decode.tp_follower", *flags)
             specs.append(ServiceSpec(f"decode-{i}-tp{j}", argv, dict(env)))
     for i in range(config.elastic):
-        rank = 1 + config.prefill + config.decode * config.decode_ranks + i
+        rank = 1 + config.prefill + config.decode * config.decode_ranks + i * config.elastic_spp
         budget = ["--max-num-batched-tokens", str(config.chunk_tokens)]
         if config.shared_chunk is not None:
             budget += ["--shared-chunk", str(config.shared_chunk)]
-        if _per_iteration(config.strategy):  # the group holds what one instance cannot
+        if _per_iteration(config.strategy) and config.elastic_spp == 1:  # the group holds what one instance cannot
             budget.append("--partial-kv")
-        add(f"elastic-{i}", "elastic", worker(f"elastic-{i}", rank) + engine(config.kv_cache_tokens) + budget)
+        spp = ["--spp-size", str(config.elastic_spp)] if config.elastic_spp > 1 else []
+        add(f"elastic-{i}", "elastic", worker(f"elastic-{i}", rank) + engine(config.kv_cache_tokens) + budget + spp)
+        for j in range(1, config.elastic_spp):
+            flags = ["--instance-id", f"elastic-{i}", "--rank", str(rank + j), "--leader-rank", str(rank)]
+            flags += ["--spp-size", str(config.elastic_spp), "--world-size", str(config.world_size)]
+            flags += ["--dist-init", runtime.dist_init, *engine(config.kv_cache_tokens)]
+            flags += ["--log-level", config.log_level.upper()]
+            if runtime.parent_pid:
+                flags += ["--parent-pid", str(runtime.parent_pid)]
+            argv = (python, "-m", "spindle_elastic.spp_stage", *flags)
+            specs.append(ServiceSpec(f"elastic-{i}-spp{j}", argv, dict(env)))
     token = {STACK_TOKEN_ENV: runtime.stack_token} if runtime.stack_token else {}
     gateway = ["--host", config.host, "--port", str(runtime.port), "--model", config.model]
     if config.default_max_tokens is not None:

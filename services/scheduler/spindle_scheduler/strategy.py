@@ -39,6 +39,9 @@ class Strategy(ABC):
     # `on_event`/`on_tick` say what each group of colocated instances runs next; the instances report each
     # iteration done (IterationDone). Implies `colocated`.
     elastic: bool = False
+    # True: every plan keeps a request's KV on one colocated instance from its first chunk to its last token, so
+    # that instance may be a sequence pipeline (`spindle up --spp N`: stages that move no KV)
+    keeps_kv_in_place: bool = False
 
     def __init__(self, latency: LatencyModel | None = None) -> None:
         if self.needs_latency and (latency is None or latency.prefill is None):

@@ -144,7 +144,7 @@ def reference_decode_logits(spec: VerifySpec, tokens: list[int]) -> Tensor:
 
 def launch(spec: VerifySpec, out_dir: Path, timeout_s: float = 600.0) -> list[tuple[dict[str, Tensor], dict]]:
     """Run every rank of `spec` as a subprocess; returns each rank's (tensors, report)."""
-    _run_ranks(asdict(spec), spec.world_size(), out_dir, timeout_s)
+    run_ranks(asdict(spec), spec.world_size(), out_dir, timeout_s)
     return _read_results(out_dir, spec.world_size())
 
 
@@ -157,7 +157,7 @@ def launch_many(
     """
     check_shared(specs)
     world = max(s.world_size() for s in specs)
-    _run_ranks([asdict(s) for s in specs], world, out_dir, timeout_s)
+    run_ranks([asdict(s) for s in specs], world, out_dir, timeout_s)
     return [_read_results(out_dir / str(i), s.world_size()) for i, s in enumerate(specs)]
 
 
@@ -170,7 +170,11 @@ def check_shared(specs: list[VerifySpec]) -> None:
         raise ValueError(f"specs of one launch need the same model, dtype and threads, got {sorted(kinds)}")
 
 
-def _run_ranks(spec_doc: dict | list, world: int, out_dir: Path, timeout_s: float) -> None:
+def run_ranks(
+    spec_doc: dict | list, world: int, out_dir: Path, timeout_s: float, worker: str = "spindle_engine.sp.verify_worker"
+) -> None:
+    """Run `python -m worker` for every rank of a `world` on loopback with the spec at `out_dir/spec.json`; a
+    failed rank (or the timeout) kills the rest and raises RuntimeError with that rank's log."""
     from spindle_model.testing import free_port
 
     spec_path = out_dir / "spec.json"
@@ -178,7 +182,7 @@ def _run_ranks(spec_doc: dict | list, world: int, out_dir: Path, timeout_s: floa
     port = free_port()
     procs = []
     for r in range(world):
-        cmd = [sys.executable, "-m", "spindle_engine.sp.verify_worker", "--rank", str(r), "--world-size", str(world)]
+        cmd = [sys.executable, "-m", worker, "--rank", str(r), "--world-size", str(world)]
         cmd += ["--port", str(port), "--spec", str(spec_path), "--out", str(out_dir)]
         log = open(out_dir / f"rank{r}.log", "w")  # noqa: SIM115 (closed below)
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
@@ -351,14 +355,30 @@ def build_parser() -> argparse.ArgumentParser:
             "last prompt token's logits and a greedy continuation match the single-instance engine. Exits 1 "
             "on MISMATCH."
         ),
-        epilog="example: spindle verify --prompt-file doc.txt --plan '0:300@0;300:900@0,1;900:@0,1,2,3' --decode-tp 2",
+        epilog="examples:\n"
+        "  spindle verify --prompt-file doc.txt --plan '0:300@0;300:900@0,1;900:@0,1,2,3' --decode-tp 2\n"
+        "  spindle verify --prompt-file doc.txt --spp 2 --chunk 300",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--prompt-file", type=Path, required=True, help="text, or a JSON list of token ids")
     ap.add_argument(
         "--plan",
-        required=True,
+        default=None,
         help="chunks START:END@MEMBERS[/LAYOUT] separated by ';' (END empty = prompt end), each group containing "
-        "the previous one's, e.g. '0:300@0;300:900@0,1;900:@0,1,2,3'",
+        "the previous one's, e.g. '0:300@0;300:900@0,1;900:@0,1,2,3' (required unless --spp)",
+    )
+    ap.add_argument(
+        "--spp",
+        type=int,
+        default=0,
+        help="instead of an SP plan: one instance as N sequence-pipeline stages (layer ranges, one process each), "
+        "the prompt in chunks of --chunk tokens flowing through them back to back, then greedy decode",
+    )
+    ap.add_argument("--chunk", type=int, default=256, help="with --spp: prefill chunk size in tokens")
+    ap.add_argument(
+        "--no-pipelining",
+        action="store_true",
+        help="with --spp: wait for every chunk to leave the last stage before the next starts (for comparison)",
     )
     ap.add_argument("--layout", default="zigzag", choices=SP_LAYOUTS, help="layout of chunks that name none")
     ap.add_argument(
@@ -416,7 +436,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.spp:
+        return _main_spp(args)
     try:
+        if args.plan is None:
+            raise ValueError("--plan is required (or --spp N for a sequence pipeline)")
         ids = read_prompt(args.prompt_file, args.model)
         if args.decode_tp < 1:
             raise ValueError(f"--decode-tp must be >= 1, got {args.decode_tp}")
@@ -457,6 +481,28 @@ def main(argv: list[str] | None = None) -> int:
         docs = [asdict(r) | {"layout": lay} for lay, r in zip(layouts, results, strict=True)]
         args.json.write_text(json.dumps(docs, indent=1))
     return 0 if all(r.match for r in results) else 1
+
+
+def _main_spp(args: argparse.Namespace) -> int:
+    from ..spp.verify import SPPVerifySpec, check, verify_spp
+
+    try:
+        if args.plan is not None or args.kvp or args.decode_tp != 1 or args.retain or args.layouts:
+            raise ValueError("--spp takes no SP plan, --kvp, --decode-tp, --retain or --layouts")
+        ids = read_prompt(args.prompt_file, args.model)
+        spec = SPPVerifySpec(args.model, args.dtype, ids, args.spp, args.chunk, args.max_new_tokens, args.threads,
+                             pipelined=not args.no_pipelining)  # fmt: skip
+        check(spec, resolve_model(spec.model).config.num_layers)
+    except (ValueError, OSError) as e:
+        print(f"spindle verify: error: {e}", file=sys.stderr)
+        return 2
+    mode = "sequence pipelining" if spec.pipelined else "no pipelining"
+    print(f"{len(ids)} tokens in chunks of {spec.chunk} through {spec.spp} pipeline stages ({mode}), one process each")
+    result = verify_spp(spec, timeout_s=args.timeout)
+    print(result.summary())
+    if args.json:
+        args.json.write_text(json.dumps(asdict(result), indent=1))
+    return 0 if result.match else 1
 
 
 if __name__ == "__main__":

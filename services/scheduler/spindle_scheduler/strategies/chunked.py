@@ -22,6 +22,7 @@ from .placement import reserve_blocks
 class ChunkedPrefillStrategy(Strategy):
     takes_decode_options = False
     colocated = True
+    keeps_kv_in_place = True
 
     def __init__(self, latency: LatencyModel | None = None, *, chunk_size: int = 512) -> None:
         super().__init__(latency)

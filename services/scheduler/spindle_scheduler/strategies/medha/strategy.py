@@ -76,6 +76,7 @@ class InFlight:
 class MedhaStrategy(Strategy):
     takes_decode_options = False
     colocated = True
+    keeps_kv_in_place = True
     elastic = True
     needs_latency = True
 

@@ -1,4 +1,4 @@
-"""Command-line flags shared by the follower processes of a decode instance (TP ranks, KVP members)."""
+"""Command-line flags shared by the follower processes of an instance (TP ranks, KVP members, pipeline stages)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,224 @@
+"""The leader (stage 0) of a sequence-pipeline-parallel (SPP) engine: Medha's §3.3 on one instance.
+
+`SPPLeaderEngine` is an `Engine` whose model is the first layer range and whose runner (`SPPRunner`) sends each
+step down the pipeline (wire.py) instead of running the whole model. It keeps every piece of request state: the
+scheduler, the block tables, sampling. The later stages (stage.py) hold only their layers and KV.
+
+What makes it *sequence* pipelining: a step that samples nothing (prefill chunks that do not end a prompt) is not
+waited for. The leader posts it to stage 1 and schedules the next step at once, so chunk i+1 of a long prompt
+runs through stage 0 while chunk i runs through stage 1, back to back, with no micro-batches to fill. A step that
+samples (a prompt's last chunk, decodes) waits for the last stage's final hidden rows, so decode batches pass
+every stage in turn. The lm_head runs on the leader (for tied embeddings it is stage 0's embedding matrix), so
+what comes back is `[rows, H]`, not logits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from spindle_model import LlamaModel, ModelConfig, load_state_dict, resolve_model
+from spindle_model.linear import SmallBatchWeight
+
+from ..config import EngineConfig
+from ..engine import Engine, StepOutput
+from ..kv_cache import KVCache
+from ..model_runner import ModelRunner, StepBatch
+from ..sampling_params import SamplingParams
+from .stage import SEND_TIMEOUT_S, stage_layers
+from .wire import StageStep, post_step, recv_return, wait_posted
+
+log = logging.getLogger("spindle.engine.spp")
+
+KEEPALIVE_S = 1.0  # an idle leader still sends an empty step this often (the stages notice its death)
+
+
+def spp_engine_config(config: EngineConfig, model_config: ModelConfig, spp: int) -> EngineConfig:
+    """`config` for every stage of an `spp`-stage engine: the KV capacity fixed in tokens, the same on every stage
+    (what the largest stage's layers fit into `kv_cache_memory_gb`, unless `kv_cache_tokens` is given), no CUDA
+    graphs and no fused CPU decode (both run the whole model)."""
+    start, end = stage_layers(model_config.num_layers, spp, 0)  # stage 0 has the most layers
+    config = replace(config, cuda_graphs=False, fused_cpu_decode=False)
+    if config.kv_cache_tokens is not None:
+        return config
+    per_token = KVCache.bytes_per_token(end - start, model_config.num_kv_heads, model_config.head_dim,
+                                        config.torch_dtype)  # fmt: skip
+    return replace(config, kv_cache_tokens=config.kv_tokens(per_token))
+
+
+def load_stage(config: EngineConfig, spp: int, stage: int) -> tuple[LlamaModel, Tensor | None]:
+    """Stage `stage`'s layers of `config.model`, and for stage 0 the lm_head weight `[vocab, H]` it samples with."""
+    source = resolve_model(config.model)
+    mc = source.config
+    model = LlamaModel(mc, dtype=config.torch_dtype, device=config.torch_device,
+                       layer_range=stage_layers(mc.num_layers, spp, stage))  # fmt: skip
+    weights = load_state_dict(source.path, dtype=config.torch_dtype)
+    model.load_weights(weights)
+    if stage != 0:
+        return model, None
+    if mc.tie_word_embeddings:
+        assert model.embed_tokens is not None
+        return model, model.embed_tokens
+    return model, weights["lm_head.weight"].to(config.torch_device)
+
+
+@dataclass
+class LeaderStats:
+    steps: int = 0
+    steps_not_waited: int = 0  # posted down the pipeline without waiting (sequence pipelining)
+    busy_s: float = 0.0  # time in stage 0's layers
+    wait_s: float = 0.0  # time waiting for the last stage's rows
+    bytes_out: int = 0
+    step_spans: list[tuple[float, float]] = field(default_factory=list)
+
+
+class SPPRunner(ModelRunner):
+    def __init__(
+        self,
+        model: LlamaModel,
+        cache: KVCache,
+        head: Tensor,
+        ranks: tuple[int, ...],
+        *,
+        attention_backend: str,
+        timeout_s: float,
+        max_in_flight: int,
+    ) -> None:
+        super().__init__(model, cache, attention_backend=attention_backend)
+        self.head = head  # [vocab, H]
+        self._head_small = SmallBatchWeight()
+        self.ranks = ranks
+        self.timeout_s = timeout_s
+        self.max_in_flight = max_in_flight
+        self.seq = 0
+        self.in_flight: deque[list] = deque()  # per posted step not yet known to be through: its sends
+        self.stats = LeaderStats()
+        self.record_spans = False
+        self.pipelined = True  # False: wait for every step to pass the last stage (for comparison)
+        self.last_post = time.monotonic()
+
+    def forward(self, batch: StepBatch, rows: list[int] | None) -> Tensor:
+        t0 = time.time()
+        hidden = super().forward(batch, None)  # [T, H]: stage 0's output
+        t1 = time.time()
+        want = list(range(batch.num_tokens)) if rows is None else rows
+        if not want and not self.pipelined:
+            want = [0]  # a row nobody reads: the step is waited for like one that samples
+        self._post(StageStep.of(self.seq, batch, want), hidden)
+        self.stats.steps += 1
+        self.stats.busy_s += t1 - t0
+        self.stats.bytes_out += hidden.numel() * hidden.element_size()
+        if self.record_spans:
+            self.stats.step_spans.append((t0, t1))
+        if not want:
+            self.stats.steps_not_waited += 1
+            return hidden.new_empty(0, hidden.shape[1])
+        back = recv_return(self.ranks[-1], len(want), hidden.shape[1], hidden.dtype, self.timeout_s)
+        self._drain()  # the last stage answered this step, so every send before it is through
+        self.stats.wait_s += time.time() - t1
+        return back.to(self.device) if rows is None or rows else back[:0].to(self.device)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        if (logits := self._head_small.linear(hidden, self.head, torch.float32)) is not None:
+            return logits
+        return F.linear(hidden, self.head).float()
+
+    def keepalive(self) -> None:
+        self._post(StageStep(self.seq, [], [], [], []), None)
+
+    def stop(self) -> None:
+        """Stop every stage (they forward it down the pipeline) and wait for the sends."""
+        self._post(StageStep(self.seq, [], [], [], [], stop=True), None)
+        self._drain()
+
+    def _post(self, step: StageStep, hidden: Tensor | None) -> None:
+        self.seq += 1
+        self.last_post = time.monotonic()
+        self.in_flight.append(post_step(step, hidden, self.ranks[1]))
+        while len(self.in_flight) > self.max_in_flight:  # stage 1 is behind: wait for it
+            wait_posted(self.in_flight.popleft(), self.timeout_s, f"a step to rank {self.ranks[1]}")
+
+    def _drain(self) -> None:
+        while self.in_flight:
+            wait_posted(self.in_flight.popleft(), self.timeout_s, f"a step to rank {self.ranks[1]}")
+
+
+class SPPLeaderEngine(Engine):
+    """Stage 0 of an SPP engine over `ranks` (this rank first, then each later stage's rank, in order).
+
+    `config` should come from `spp_engine_config` (the stages size their caches the same way). Requests are added,
+    stepped (by its own scheduler or as directed steps) and aborted as on `Engine`; the KV hand-off calls
+    (prefill-only requests, reserve/resume, preemption out) are not available on a pipeline yet and raise
+    ValueError."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: LlamaModel,
+        head: Tensor,
+        ranks: tuple[int, ...],
+        *,
+        timeout_s: float = SEND_TIMEOUT_S,
+        keepalive_s: float = KEEPALIVE_S,
+    ) -> None:
+        if len(ranks) < 2:
+            raise ValueError(f"a pipeline needs two or more stages, got ranks {ranks}")
+        if model.layer_range != stage_layers(model.config.num_layers, len(ranks), 0):
+            raise ValueError(f"the leader holds stage 0: layers {stage_layers(model.config.num_layers, len(ranks), 0)}")
+        super().__init__(replace(config, cuda_graphs=False, fused_cpu_decode=False), model=model)
+        self.ranks = ranks
+        self.runner = SPPRunner(
+            self.model, self.cache, head, ranks, attention_backend=self.attention_backend, timeout_s=timeout_s,
+            max_in_flight=2 * len(ranks),
+        )  # fmt: skip
+        self.keepalive_s = keepalive_s
+        self._closed = False
+
+    @property
+    def spp_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def stats(self) -> LeaderStats:
+        return self.runner.stats
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prefill_only: bool = False
+    ) -> None:
+        if prefill_only:
+            raise ValueError("a pipeline-parallel engine decodes its own requests (no prefill-only hand-off yet)")
+        super().add_request(request_id, prompt_token_ids, params)
+
+    def _no_handoff(self, *_: object, **__: object) -> None:
+        raise ValueError("KV hand-off is not available on a pipeline-parallel engine yet")
+
+    reserve = resume = add_prefilled = preempt_out = export_kv = decode_held = _no_handoff  # type: ignore[assignment]
+
+    def has_unfinished(self) -> bool:
+        due = not self._closed and time.monotonic() - self.runner.last_post >= self.keepalive_s
+        return due or super().has_unfinished()
+
+    def step(self) -> list[StepOutput]:
+        if self._closed:
+            raise RuntimeError("the pipeline is closed")
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            self.runner.keepalive()
+            return []
+        return self._run(chunks)
+
+    def close(self) -> None:
+        """Stop the later stages (best effort); the engine takes no further steps."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.runner.stop()
+        except RuntimeError as e:
+            log.warning("could not stop the pipeline stages: %s", e)

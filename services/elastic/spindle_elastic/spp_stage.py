@@ -1,0 +1,60 @@
+"""`python -m spindle_elastic.spp_stage`: a later stage of a sequence-pipeline-parallel elastic instance.
+
+Joins the data plane, loads its layer range of the model and runs the steps the instance's leader (stage 0, the
+`spindle_elastic` process at --leader-rank) sends down the pipeline, until the leader stops it. It talks no NATS
+and registers nothing: the leader answers for the instance. Exits non-zero when a neighbour dies or goes silent.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from spindle_engine.spp import PipelineStage, load_stage, serve_stage
+from spindle_protocol import service
+from spindle_transfer import DataPlane
+from spindle_worker.follower_args import check_follower_rank, follower_parser
+from spindle_worker.instance import engine_config_from_args
+
+from .__main__ import DEFAULT_KV_CACHE_GB
+from .instance import spp_pipeline_config
+
+log = logging.getLogger("spindle.elastic.spp")
+
+
+def build_parser():
+    p = follower_parser(
+        "python -m spindle_elastic.spp_stage",
+        "A later pipeline stage of a sequence-pipeline-parallel elastic instance: holds its layer range and KV, runs "
+        "what the leader sends. Takes the leader's engine flags (the stages size their caches alike).",
+        "--spp-size",
+        "pipeline stages of the instance (the leader's included)",
+    )
+    p.set_defaults(kv_cache_memory_gb=DEFAULT_KV_CACHE_GB)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    ranks = tuple(check_follower_rank(parser, args, args.spp_size, "spp"))
+    service.setup_logging(args.log_level, "elastic-spp")
+    stage_index = args.rank - ranks[0]
+    try:
+        config = spp_pipeline_config(engine_config_from_args(args), args.spp_size)
+        model, _ = load_stage(config, args.spp_size, stage_index)
+        num_blocks = config.kv_cache_tokens // config.block_size
+        dp = DataPlane.init(args.rank, args.world_size, args.dist_init)
+        log.info(
+            "%s stage %d (rank %d): layers %s, %d KV blocks; following rank %d",
+            args.instance_id, stage_index, args.rank, model.layer_range, num_blocks, ranks[0],
+        )  # fmt: skip
+        serve_stage(PipelineStage(model, ranks, stage_index, num_blocks=num_blocks, block_size=config.block_size))
+    except Exception:
+        log.exception("pipeline stage rank %d failed", args.rank)
+        sys.exit(1)
+    dp.close()
+
+
+if __name__ == "__main__":
+    main()
