@@ -4,8 +4,9 @@
     python bench/paper_medha.py --quick   # fewer requests and rates: a smoke run (bench/results/paper_medha_quick.*)
 
 - Cluster (§5.1-5.2): Llama-3-8B on two DGX-A100 servers (16 A100-80G). Medha runs TP8-SPP2 there, one replica of
-  16 GPUs; sequence pipeline parallelism is not in Spindle yet (issue 23), so `medha` gets the same 16 GPUs as two
-  TP8 replicas behind its KVP load balancer. Sarathi (vLLM's scheduler past 32K tokens) runs TP8-PP2 in the paper;
+  16 GPUs: `Medha (TP8-SPP2)` (the simulator pipelines an iteration over the stages when it samples nothing, see
+  sim/iteration_side.py); `Medha` and its scheduler ablations get the same 16 GPUs as two TP8 replicas behind its
+  KVP load balancer. Sarathi (vLLM's scheduler past 32K tokens) runs TP8-PP2 in the paper;
   here `chunked` (FCFS chunked prefill) with 512- and 2048-token chunks on two TP8 colocated instances, the same
   shape as Medha's. LoongServe (TP2, CP4): `loongserve` on 8 elastic TP2 instances.
 - Workloads: ShareGPT4-like short requests (`medha-mix:0`) and the same with 5 % long requests of 128K-1M tokens
@@ -44,9 +45,11 @@ from spindle_scheduler.workloads import make_workload
 RESULTS = Path(__file__).parent / "results"
 MODEL, HARDWARE, NODES = "llama3-8b", "a100-80g", 2
 MEDHA, FCFS, LRS, EDF = "Medha", "Medha-FCFS", "Medha-LRS", "Medha-EDF"
+MEDHA_SPP = "Medha (TP8-SPP2)"
 S512, S2048, LS = "Sarathi (512)", "Sarathi (2048)", "LoongServe (TP2)"
 SYSTEMS = {  # paper name -> (strategy spec, cluster kind)
     MEDHA: ("medha", "tp8"),
+    MEDHA_SPP: ("medha", "tp8spp2"),
     FCFS: ("medha:policy=fcfs", "tp8"),
     LRS: ("medha:policy=lrs", "tp8"),
     EDF: ("medha:policy=edf", "tp8"),
@@ -62,9 +65,9 @@ LONG_TOKENS = 128_000  # the long requests' own TTFT (past every percentile the 
 
 
 def cluster(kind: str) -> SimSetup:
-    """16 A100s as two TP8 colocated instances (`tp8`) or eight TP2 elastic ones (`tp2`)."""
-    tp = 8 if kind == "tp8" else 2
-    spec = ClusterSpec(HARDWARE, model=MODEL, nodes=NODES, decode_tp=tp)
+    """16 A100s as two TP8 colocated instances (`tp8`), one TP8-SPP2 (`tp8spp2`) or eight TP2 elastic ones (`tp2`)."""
+    tp = 2 if kind == "tp2" else 8
+    spec = ClusterSpec(HARDWARE, model=MODEL, nodes=NODES, decode_tp=tp, spp=2 if kind == "tp8spp2" else None)
     setup = named_cluster(spec, True, elastic=True)
     return setup
 
@@ -155,6 +158,10 @@ def headlines(results: dict[str, Any]) -> list[dict[str, Any]]:
     return [
         {"what": "median TTFT, LoongServe / Medha, 5 % long, 0.75 QPS (Fig. 15b)", "paper": 30.0,
          "spindle": ratio(at(LS, 0.75), at(MEDHA, 0.75))},
+        {"what": "median TTFT, LoongServe / Medha (TP8-SPP2, the paper's replica), 5 % long, 0.75 QPS (Fig. 15b)",
+         "paper": 30.0, "spindle": ratio(at(LS, 0.75), at(MEDHA_SPP, 0.75))},
+        {"what": "long requests' median TTFT, Medha (2 x TP8) / Medha (TP8-SPP2), 5 % long, 0.75 QPS", "paper": None,
+         "spindle": ratio(at(MEDHA, 0.75, "long_ttft_s"), at(MEDHA_SPP, 0.75, "long_ttft_s"))},
         {"what": "capacity (P90 TTFT <= 10 s), Medha / best baseline, 5 % long", "paper": 5.0,
          "spindle": ratio(caps.get(MEDHA), best_base or None), "capacities": caps,
          "note": "a capacity at the highest load is a lower bound; None: the rule fails at every load"},

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .engine import Engine, StepOutput
+from .errors import EngineFatal
 
 T = TypeVar("T")
 log = logging.getLogger("spindle.engine")
@@ -116,6 +117,9 @@ class EngineThread:
                 future.set_result(fn(self.engine))
             except BaseException as e:
                 future.set_exception(e)
+                if isinstance(e, EngineFatal):
+                    log.error("engine call failed, the engine cannot go on: %s", e)
+                    raise
 
     def _loop(self) -> None:
         engine = self.engine

@@ -101,6 +101,7 @@ class SPPRunner(ModelRunner):
         self.stats = LeaderStats()
         self.record_spans = False
         self.pipelined = True  # False: wait for every step to pass the last stage (for comparison)
+        self.kept_logits: list[Tensor] | None = None  # a list: every sampled row's logits are appended (verify)
         self.last_post = time.monotonic()
 
     def forward(self, batch: StepBatch, rows: list[int] | None) -> Tensor:
@@ -125,9 +126,12 @@ class SPPRunner(ModelRunner):
         return back.to(self.device) if rows is None or rows else back[:0].to(self.device)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        if (logits := self._head_small.linear(hidden, self.head, torch.float32)) is not None:
-            return logits
-        return F.linear(hidden, self.head).float()
+        logits = self._head_small.linear(hidden, self.head, torch.float32)
+        if logits is None:
+            logits = F.linear(hidden, self.head).float()
+        if self.kept_logits is not None:
+            self.kept_logits.append(logits.detach().cpu().clone())
+        return logits
 
     def keepalive(self) -> None:
         self._post(StageStep(self.seq, [], [], [], []), None)

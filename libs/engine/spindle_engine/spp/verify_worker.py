@@ -56,8 +56,7 @@ def run_leader(spec: SPPVerifySpec, ranks: tuple[int, ...]) -> tuple[dict[str, t
     runner.record_spans = True
     runner.pipelined = spec.pipelined
     logits: list[torch.Tensor] = []
-    compute = runner.compute_logits
-    runner.compute_logits = lambda h: _kept(compute(h), logits)  # type: ignore[method-assign]
+    runner.kept_logits = logits
     params = SamplingParams(max_tokens=spec.max_new_tokens, temperature=0.0, ignore_eos=True)
     dist.barrier()  # every stage has loaded its layers: time the request alone
     t0 = time.time()
@@ -78,11 +77,6 @@ def run_leader(spec: SPPVerifySpec, ranks: tuple[int, ...]) -> tuple[dict[str, t
         "blocks_leaked": engine.allocator.num_used,
     }  # fmt: skip
     return {"tokens": torch.tensor(tokens), "logits": torch.cat(logits)}, report
-
-
-def _kept(logits: torch.Tensor, into: list[torch.Tensor]) -> torch.Tensor:
-    into.append(logits.detach().cpu().clone())
-    return logits
 
 
 def _model_config(spec: SPPVerifySpec):

@@ -21,13 +21,14 @@ from torch import Tensor
 from spindle_attention.distributed.comm import RANK_GROUP_TAG
 
 from ..control_frames import encode_frame, recv_frame, wait_all
+from ..errors import EngineFatal
 from ..model_runner import StepBatch
 
 SPP_TAG = 24576
 _LENGTH, _PAYLOAD, _HIDDEN, _RETURN = (RANK_GROUP_TAG + SPP_TAG + i for i in range(4))
 
 
-class SPPError(RuntimeError):
+class SPPError(EngineFatal):
     """A pipeline stage is gone, timed out or sent something malformed; the instance cannot go on."""
 
 

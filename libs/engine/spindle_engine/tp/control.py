@@ -25,6 +25,7 @@ from spindle_attention.distributed.comm import RANK_GROUP_TAG
 
 from ..control_frames import encode_frame, recv_frame, send_ints, wait_all
 from ..engine import StepOutput
+from ..errors import EngineFatal
 from ..sampling_params import SamplingParams
 
 CONTROL_TAG = 12288
@@ -89,7 +90,7 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Control)
 
 
-class TPError(RuntimeError):
+class TPError(EngineFatal):
     """A tensor-parallel peer is gone, timed out or diverged; the instance cannot go on."""
 
 

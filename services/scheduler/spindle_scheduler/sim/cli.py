@@ -68,6 +68,12 @@ def _add_run_args(p: argparse.ArgumentParser, num_requests: int) -> None:
         type=int,
         help="GPUs (TP size) of each decode or colocated instance (default 1; named: as --prefill-tp)",
     )
+    g.add_argument(
+        "--spp",
+        type=int,
+        help="sequence-pipeline stages of each colocated instance (Medha's SPP: the instance takes --decode-tp x "
+        "--spp GPUs, holds KV on all of them, and a prompt's chunks pipeline over the stages; default 1)",
+    )
     source = g.add_mutually_exclusive_group()
     source.add_argument("--profile", type=Path, help="profile JSON written by `spindle profile`")
     source.add_argument(
@@ -217,6 +223,7 @@ def _sim_config(args: argparse.Namespace) -> SimConfig:
         num_colocated=args.colocated or 0,
         decode_tp=args.decode_tp or 1,
         colocated_tp=args.decode_tp or 1,
+        colocated_spp=args.spp or 1,
         **_sim_options(args),
     )
 
@@ -238,6 +245,7 @@ def _cluster_spec(args: argparse.Namespace) -> ClusterSpec | None:
         num_prefill=args.instances,
         num_decode=args.decode_instances,
         num_colocated=args.colocated,
+        spp=args.spp,
     )
 
 

@@ -27,6 +27,9 @@ class SimConfig:
     decode_tp: int = 1  # tensor-parallel degree of each decode instance (picks the decode model's coefficients)
     prefill_tp: int = 1  # GPUs of each prefill instance (node packing; the prefill model is fitted at this TP)
     colocated_tp: int = 1  # GPUs of each colocated instance (node packing and the decode model's coefficients)
+    # sequence-pipeline stages of each colocated instance (Medha's SPP): it takes colocated_tp x colocated_spp GPUs,
+    # and its iterations pipeline over the stages (iteration_side.py)
+    colocated_spp: int = 1
     # instances are packed onto nodes in rank order (prefill, then decode, then colocated), an instance of TP t
     # taking t GPUs of one node (pack_nodes)
     gpus_per_node: int = 8
@@ -51,7 +54,8 @@ class SimConfig:
                 f"need >= 1 prefill and >= 1 decode instance, or >= 1 colocated instance; got "
                 f"{self.num_prefill} prefill, {self.num_decode} decode, {self.num_colocated} colocated"
             )
-        sizes = {k: getattr(self, k) for k in ("prefill_tp", "decode_tp", "colocated_tp", "gpus_per_node")}
+        sizes = {k: getattr(self, k) for k in ("prefill_tp", "decode_tp", "colocated_tp", "colocated_spp",
+                                                 "gpus_per_node")}  # fmt: skip
         if min(sizes.values()) < 1:
             raise ValueError(f"TP sizes and gpus_per_node must be >= 1, got {sizes}")
         if self.block_size < 1 or self.prefill_kv_blocks < 1 or self.decode_kv_blocks < 1:
@@ -72,7 +76,7 @@ class SimConfig:
         return (
             [self.prefill_tp] * self.num_prefill
             + [self.decode_tp] * self.num_decode
-            + [self.colocated_tp] * self.num_colocated
+            + [self.colocated_tp * self.colocated_spp] * self.num_colocated
         )
 
     def capacity_tokens(self) -> int:

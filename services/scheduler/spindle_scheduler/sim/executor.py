@@ -139,6 +139,7 @@ class Simulator(PrefillSide, DecodeSide, Swaps, IterationSide):
         self._scaled_up: dict[str, SimDecode] = {}
         self._elastic_kv: dict[str, dict[str, int]] = {}
         self._in_batch: dict[str, int] = {}
+        self._stage_free: dict[str, list[float]] = {}  # sequence-pipeline instance -> when each stage frees up
         self._batch_of: dict[str, int] = {}
         self._migrations: dict[str, int] = {}
         self._remaining = 0

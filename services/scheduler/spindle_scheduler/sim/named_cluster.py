@@ -52,9 +52,10 @@ class ClusterSpec:
     num_prefill: int | None = None
     num_decode: int | None = None
     num_colocated: int | None = None
+    spp: int | None = None  # sequence-pipeline stages of each colocated instance (Medha's SPP; default 1)
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "gpus_per_node", "prefill_tp", "decode_tp"):
+        for name in ("nodes", "gpus_per_node", "prefill_tp", "decode_tp", "spp"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {value}")
@@ -79,18 +80,19 @@ class ClusterShape:
     num_colocated: int
     colocated_tp: int
     text: str
+    colocated_spp: int = 1
 
     @property
     def used_gpus(self) -> int:
         return (
             self.num_prefill * self.prefill_tp
             + self.num_decode * self.decode_tp
-            + self.num_colocated * self.colocated_tp
+            + self.num_colocated * self.colocated_tp * self.colocated_spp
         )
 
     def as_dict(self) -> dict[str, Any]:
         fields = ("model", "hardware", "nodes", "gpus_per_node", "num_prefill", "prefill_tp", "num_decode")
-        out = {k: getattr(self, k) for k in (*fields, "decode_tp", "num_colocated", "colocated_tp")}
+        out = {k: getattr(self, k) for k in (*fields, "decode_tp", "num_colocated", "colocated_tp", "colocated_spp")}
         gpus = self.nodes * self.gpus_per_node
         return out | {"gpus": gpus, "idle_gpus": gpus - self.used_gpus, "shape": self.text}
 
@@ -180,8 +182,11 @@ def check_memory(cm: CostModel, tp: int, role: str, block_size: int) -> None:
         raise ValueError(f"{where}: the weights and activations leave no room for a block of KV")
 
 
-def _counts(spec: ClusterSpec, colocated: bool, ptp: int, dtp: int, gpn: int) -> tuple[int, int, int, int]:
-    """(nodes, prefill, decode, colocated instances): the counts given, the others derived."""
+def _counts(
+    spec: ClusterSpec, colocated: bool, ptp: int, dtp: int, gpn: int, spp: int = 1
+) -> tuple[int, int, int, int]:
+    """(nodes, prefill, decode, colocated instances of dtp x spp GPUs): the counts given, the others derived."""
+    ctp = dtp * spp
     counts: list[int | None]
     if colocated or spec.num_colocated:  # colocated instances; prefill and decode ones only where given
         counts = [spec.num_prefill or 0, spec.num_decode or 0, spec.num_colocated]
@@ -190,9 +195,9 @@ def _counts(spec: ClusterSpec, colocated: bool, ptp: int, dtp: int, gpn: int) ->
     nodes = spec.nodes or (DEFAULT_NODES if None in counts else 0)
     n_p = counts[0] if counts[0] is not None else nodes * gpn // 2 // ptp
     n_d = counts[1] if counts[1] is not None else fill([ptp] * n_p, dtp, gpn, nodes)
-    n_c = counts[2] if counts[2] is not None else fill([ptp] * n_p + [dtp] * n_d, dtp, gpn, nodes)
-    need = -(-packed_gpus([ptp] * n_p + [dtp] * (n_d + n_c), gpn) // gpn)
-    what = f"{n_p} prefill x TP{ptp} + {n_d} decode x TP{dtp} + {n_c} colocated x TP{dtp} instances"
+    n_c = counts[2] if counts[2] is not None else fill([ptp] * n_p + [dtp] * n_d, ctp, gpn, nodes)
+    need = -(-packed_gpus([ptp] * n_p + [dtp] * n_d + [ctp] * n_c, gpn) // gpn)
+    what = f"{n_p} prefill x TP{ptp} + {n_d} decode x TP{dtp} + {n_c} colocated x {_width(dtp, spp)} instances"
     if nodes and need > nodes:
         raise ValueError(f"{what} need {need} nodes of {gpn} GPUs; the cluster has {nodes}")
     if (n_p < 1 or n_d < 1) and n_c < 1:
@@ -200,20 +205,27 @@ def _counts(spec: ClusterSpec, colocated: bool, ptp: int, dtp: int, gpn: int) ->
     return nodes or need, n_p, n_d, n_c
 
 
-def _tp_text(cm: CostModel, tps: dict[str, int], given: dict[str, bool]) -> str:
+def _width(tp: int, spp: int) -> str:
+    return f"TP{tp}" if spp == 1 else f"TP{tp}-SPP{spp}"
+
+
+def _tp_text(cm: CostModel, tps: dict[str, int], given: dict[str, bool], spp: int = 1) -> str:
     """'prefill and decode TP4 (the smallest ...; weights 32.9 GiB/GPU)' for the roles that have instances."""
     groups: dict[tuple[int, bool], list[str]] = {}
     for role, tp in tps.items():
         groups.setdefault((tp, given[role]), []).append(role)
     parts = []
     for (tp, was_given), roles in groups.items():
-        weights = cm.memory(Parallelism(tp=tp)).weights / GIB
+        pp = spp if "colocated" in roles else 1
+        weights = cm.memory(Parallelism(tp=tp, pp=pp)).weights / GIB
         how = "given" if was_given else f"the smallest leaving >= {KV_ROOM:.0%} of a GPU for KV"
         parts.append(f"{' and '.join(roles)} TP{tp} ({how}; weights {weights:.1f} GiB/GPU)")
     return ", ".join(parts)
 
 
-def _shape(spec: ClusterSpec, cm: CostModel, counts: tuple[int, int, int, int], ptp: int, dtp: int) -> ClusterShape:
+def _shape(
+    spec: ClusterSpec, cm: CostModel, counts: tuple[int, int, int, int], ptp: int, dtp: int, spp: int = 1
+) -> ClusterShape:
     nodes, n_p, n_d, n_c = counts
     gpn = cm.hw.gpus_per_node
     roles = [
@@ -226,12 +238,12 @@ def _shape(spec: ClusterSpec, cm: CostModel, counts: tuple[int, int, int, int], 
         how = "colocated: every GPU prefills and decodes" if n_c else "half the GPUs prefill, half decode"
     tps = {role: tp for role, _, tp in roles}
     given = {role: (spec.prefill_tp if role == "prefill" else spec.decode_tp) is not None for role in tps}
-    shape = ClusterShape(cm.model.name, cm.hw.name, nodes, gpn, n_p, ptp, n_d, dtp, n_c, dtp, "")
+    shape = ClusterShape(cm.model.name, cm.hw.name, nodes, gpn, n_p, ptp, n_d, dtp, n_c, dtp, "", spp)
     idle = nodes * gpn - shape.used_gpus
-    instances = " + ".join(f"{n} {role} x TP{tp}" for role, n, tp in roles)
+    instances = " + ".join(f"{n} {role} x {_width(tp, spp if role == 'colocated' else 1)}" for role, n, tp in roles)
     text = (
         f"{cm.model.name} on {nodes} x {gpn} {cm.hw.name} ({nodes * gpn} GPUs): {instances} instances "
-        f"({how}{f'; {idle} GPUs idle' if idle else ''}); {_tp_text(cm, tps, given)}"
+        f"({how}{f'; {idle} GPUs idle' if idle else ''}); {_tp_text(cm, tps, given, spp)}"
     )
     return replace(shape, text=text)
 
@@ -262,8 +274,12 @@ def named_cluster(spec: ClusterSpec, colocated: bool, elastic: bool = False, **s
     ptp = spec.prefill_tp or (default_tp(cm, gpn) if needs_prefill else dtp)
     check_split(cm, ptp, "prefill", gpn)
     check_split(cm, dtp, "decode", gpn)
-    counts = _counts(spec, colocated, ptp, dtp, gpn)
+    spp = spec.spp or 1
+    counts = _counts(spec, colocated, ptp, dtp, gpn, spp)
     _, n_p, n_d, n_c = counts
+    if spp > 1 and (n_p or n_d or not n_c):
+        raise ValueError(f"--spp {spp} shapes colocated instances only (Medha's replicas); got {n_p} prefill and "
+                         f"{n_d} decode instances")  # fmt: skip
     bs = SimConfig.block_size
     if n_p:
         check_memory(cm, ptp, "prefill", bs)
@@ -276,16 +292,17 @@ def named_cluster(spec: ClusterSpec, colocated: bool, elastic: bool = False, **s
         prefill_tp=ptp,
         decode_tp=dtp,
         colocated_tp=dtp,
+        colocated_spp=spp,
         gpus_per_node=gpn,
         block_size=bs,
         prefill_kv_blocks=max(1, cm.max_kv_tokens(Parallelism(tp=ptp), ACTIVATION_TOKENS) // bs),
-        decode_kv_blocks=cm.max_kv_tokens(Parallelism(tp=dtp), ACTIVATION_TOKENS) // bs,
+        decode_kv_blocks=cm.max_kv_tokens(Parallelism(tp=dtp, pp=spp), ACTIVATION_TOKENS) // bs,
         kv_bytes_per_token=cm.model.kv_bytes_per_token,
         **sim,
     )
     if elastic and not config.max_model_len:  # a request's KV spreads over the pool, so the pool bounds a request
         config = replace(config, max_model_len=n_c * config.decode_kv_blocks * bs)
-    return SimSetup(_shape(spec, cm, counts, ptp, dtp), _latency(cm, n_p, ptp, dtp, n_c if elastic else 0), config)
+    return SimSetup(_shape(spec, cm, counts, ptp, dtp, spp), _latency(cm, n_p, ptp, dtp, n_c if elastic else 0), config)
 
 
 def given_shape(config: SimConfig, how: str = "as given") -> ClusterShape:
@@ -296,10 +313,12 @@ def given_shape(config: SimConfig, how: str = "as given") -> ClusterShape:
     nodes = -(-packed_gpus(widths, c.gpus_per_node) // c.gpus_per_node)
     roles = (("prefill", c.num_prefill, c.prefill_tp), ("decode", c.num_decode, c.decode_tp))
     roles += (("colocated", c.num_colocated, c.colocated_tp),)
-    instances = " + ".join(f"{n} {role} x TP{tp}" for role, n, tp in roles if n)
+    instances = " + ".join(
+        f"{n} {role} x {_width(tp, c.colocated_spp if role == 'colocated' else 1)}" for role, n, tp in roles if n
+    )
     text = f"{instances} instances ({how}; packed on {nodes} nodes of {c.gpus_per_node} GPUs)"
     counts = (c.num_prefill, c.prefill_tp, c.num_decode, c.decode_tp, c.num_colocated, c.colocated_tp)
-    return ClusterShape(None, None, nodes, c.gpus_per_node, *counts, text)
+    return ClusterShape(None, None, nodes, c.gpus_per_node, *counts, text, c.colocated_spp)
 
 
 def reshaped(setup: SimSetup, colocated: bool) -> SimSetup:
@@ -308,7 +327,7 @@ def reshaped(setup: SimSetup, colocated: bool) -> SimSetup:
     c = setup.config
     gpus = sum(c.instance_widths())
     if colocated and not c.num_colocated:
-        config = replace(c, num_prefill=0, num_decode=0, num_colocated=gpus // c.colocated_tp)
+        config = replace(c, num_prefill=0, num_decode=0, num_colocated=gpus // (c.colocated_tp * c.colocated_spp))
         how = f"the given {gpus} GPUs as colocated instances"
     elif not colocated and not (c.num_prefill and c.num_decode):
         n_p = gpus // 2 // c.prefill_tp

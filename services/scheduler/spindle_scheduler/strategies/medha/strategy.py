@@ -26,8 +26,10 @@ Choices the paper leaves open (options):
 - Baselines of Fig. 22 as `policy`: `lrs` (relative slack, no prefill-prefill batching), `edf`, `fcfs` (Medha-FCFS
   of §5.2); those three run without prefill-prefill batching.
 
-Not modelled yet (issue 23): sequence pipeline parallelism inside a replica and KVP across replicas (a request whose
-KV outgrows a replica is refused with 400, not spilled onto the next one); n > 1 choices are refused (400).
+A replica may be a sequence pipeline (`spindle up --spp N`, `spindle sim --spp N`: Medha's SPP); the strategy plans
+it like any replica: the pipelining is the instance's (an iteration that samples nothing is done when stage 0 is).
+Not there yet (issue 23): KVP across replicas (a request whose KV outgrows a replica is refused with 400, not
+spilled onto the next one); n > 1 choices are refused (400).
 """
 
 from __future__ import annotations
