@@ -67,6 +67,21 @@ def test_instances_derived_from_the_cluster(spec: ClusterSpec, colocated: bool, 
     assert setup.latency.prefill is not None and setup.latency.prefill.sp_sizes() == sp_sizes(s.num_prefill)
 
 
+def test_sequence_pipeline_replicas_take_tp_x_spp_gpus_and_hold_kv_on_all_of_them() -> None:
+    setup = named_cluster(ClusterSpec("h100-sxm", "llama3-70b", nodes=8, decode_tp=8, spp=4), True)
+    s, c = setup.shape, setup.config
+    assert (s.num_colocated, s.colocated_tp, s.colocated_spp, s.as_dict()["idle_gpus"]) == (2, 8, 4, 0)
+    assert c.colocated_spp == 4 and c.instance_widths() == [32, 32]
+    assert "2 colocated x TP8-SPP4 instances" in s.text
+    cm = CostModel(get_model("llama3-70b"), get_hardware("h100-sxm"))
+    assert c.decode_kv_blocks == cm.max_kv_tokens(Parallelism(tp=8, pp=4)) // c.block_size
+    assert c.decode_kv_blocks > 4 * cm.max_kv_tokens(Parallelism(tp=8)) // c.block_size  # the weights split too
+    with pytest.raises(ValueError, match="colocated instances only"):
+        named_cluster(ClusterSpec("h100-sxm", "llama3-70b", nodes=8, decode_tp=8, spp=4), False)
+    with pytest.raises(ValueError, match="spp must be >= 1"):
+        ClusterSpec("h100-sxm", spp=0)
+
+
 def test_default_tp_leaves_room_for_kv() -> None:
     tp = {m: default_tp(CostModel(get_model(m), get_hardware("h100-sxm")), 8) for m in ("llama3-8b", "llama3-70b")}
     assert tp == {"llama3-8b": 1, "llama3-70b": 4}  # 70B at TP2: 66 of 80 GB are weights
