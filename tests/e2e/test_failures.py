@@ -117,6 +117,26 @@ def read_events_from(lines) -> list:
     return read_events(_R())
 
 
+def kill_member_mid_stream(stack, member: str, leader: str) -> float:
+    """SIGKILL `member` of a multi-process instance (a TP follower, a pipeline stage) while a long greedy stream
+    runs on it: the stream ends with an error event, and `leader` exits non-zero. Returns the seconds from the kill to
+    the stream's end."""
+    body = {"model": "smollm2", "prompt": "Count to a thousand", "max_tokens": 3000, "ignore_eos": True}
+    with httpx.stream(
+        "POST", stack.base_url + "/completions", timeout=60, json={**body, "temperature": 0, "stream": True}
+    ) as resp:
+        lines = resp.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+        events, elapsed = kill_mid_stream(stack, member, lines)
+    assert elapsed < 30
+    assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
+    process = stack.processes[leader]
+    assert wait_until(lambda: process.poll() is not None, 15), f"{leader} kept running without {member}"
+    assert process.returncode != 0
+    return elapsed
+
+
 def kill_mid_stream(stack, name: str, lines) -> tuple[list, float]:
     """SIGKILL service `name` while a stream is open: the rest of the stream's events and the seconds until its
     end."""

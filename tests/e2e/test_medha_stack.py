@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from .conftest import engine_greedy, instance_blocks, no_blocks_held, start_stack, wait_until, write_assumed_profile
-from .test_failures import kill_mid_stream
+from .test_failures import kill_member_mid_stream
 
 pytestmark = pytest.mark.slow
 
@@ -98,17 +98,5 @@ def test_disconnect_while_prefilling_and_n_above_one(medha_stack):
 
 def test_a_dead_stage_ends_the_stream_with_an_error_and_the_instance_exits(medha_stack):
     """Last in the module: it takes the pipeline down. The leader notices the dead stage at its next send."""
-    body = {"model": "smollm2", "prompt": "Count to a thousand", "max_tokens": 3000, "ignore_eos": True}
-    with httpx.stream(
-        "POST", medha_stack.base_url + "/completions", timeout=60, json={**body, "temperature": 0, "stream": True}
-    ) as resp:
-        lines = resp.iter_lines()
-        while not next(lines).startswith("data: "):
-            pass
-        events, elapsed = kill_mid_stream(medha_stack, "elastic-0-spp1", lines)
+    elapsed = kill_member_mid_stream(medha_stack, "elastic-0-spp1", "elastic-0")
     print(f"\n[spp=2] error event {elapsed:.1f}s after the stage's SIGKILL")
-    assert elapsed < 30
-    assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
-    leader = medha_stack.processes["elastic-0"]
-    assert wait_until(lambda: leader.poll() is not None, 15), "the leader kept running without its stage"
-    assert leader.returncode != 0

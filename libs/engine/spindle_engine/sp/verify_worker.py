@@ -269,21 +269,31 @@ def run_spec(spec: VerifySpec, rank: int, shared: _Shared, out: Path) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(report))
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="one process of `spindle verify` (started by it, not by hand)")
+def worker_args(argv: list[str] | None, what: str, spec_help: str) -> argparse.Namespace:
+    """The flags `run_ranks` starts every verify worker with."""
+    ap = argparse.ArgumentParser(description=f"one process of `{what}` (started by it, not by hand)")
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world-size", type=int, required=True)
     ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--spec", type=Path, required=True, help="a VerifySpec as JSON, or a JSON list of them")
+    ap.add_argument("--spec", type=Path, required=True, help=spec_help)
     ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args(argv)
-    raw = json.loads(args.spec.read_text())
-    specs = [VerifySpec(**d) for d in raw] if isinstance(raw, list) else [VerifySpec(**raw)]
-    torch.set_num_threads(specs[0].threads)
+    return ap.parse_args(argv)
+
+
+def join_gloo(args: argparse.Namespace, threads: int) -> None:
+    """Set the torch threads and join the loopback gloo group of the verify run (rank 0 hosts the store)."""
+    torch.set_num_threads(threads)
     if sys.platform == "linux":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     store = dist.TCPStore("127.0.0.1", args.port, args.world_size, args.rank == 0, timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world_size)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = worker_args(argv, "spindle verify", "a VerifySpec as JSON, or a JSON list of them")
+    raw = json.loads(args.spec.read_text())
+    specs = [VerifySpec(**d) for d in raw] if isinstance(raw, list) else [VerifySpec(**raw)]
+    join_gloo(args, specs[0].threads)
     try:
         source = resolve_model(specs[0].model)
         shared = _Shared(specs[0], source.config, source.path)

@@ -7,14 +7,10 @@ the other ranks serve their stage and write theirs.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
-from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -22,6 +18,7 @@ from safetensors.torch import save_file
 
 from ..config import EngineConfig
 from ..sampling_params import SamplingParams
+from ..sp.verify_worker import join_gloo, worker_args
 from .leader import SPPLeaderEngine, load_stage, spp_engine_config
 from .stage import PipelineStage
 
@@ -100,19 +97,9 @@ def run_stage(spec: SPPVerifySpec, rank: int, ranks: tuple[int, ...]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="one process of `spindle verify --spp` (started by it, not by hand)")
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world-size", type=int, required=True)
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--spec", type=Path, required=True, help="an SPPVerifySpec as JSON")
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args(argv)
+    args = worker_args(argv, "spindle verify --spp", "an SPPVerifySpec as JSON")
     spec = SPPVerifySpec(**json.loads(args.spec.read_text()))
-    torch.set_num_threads(spec.threads)
-    if sys.platform == "linux":
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    store = dist.TCPStore("127.0.0.1", args.port, args.world_size, args.rank == 0, timedelta(seconds=120))
-    dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world_size)
+    join_gloo(args, spec.threads)
     ranks = tuple(range(spec.spp))
     try:
         if args.rank == 0:
