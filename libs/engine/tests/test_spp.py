@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from spindle_engine import Engine, SamplingParams
-from spindle_engine.spp import SPPLeaderEngine, StageStep, spp_engine_config, stage_layers
+from spindle_engine.spp import PipelineLayout, SPPLeaderEngine, StageStep, spp_engine_config, stage_layers
 from spindle_engine.spp.testing import CONFIG, pipeline_worker, stage_model
 from spindle_engine.tp.testing import run_script
 from spindle_model.testing import run_gloo, tiny_llama
@@ -34,11 +34,14 @@ SCRIPT = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("world", "tie"), [(2, False)])  # test_spp_verify: SmolLM2 (tied) over 3 stages
-def test_pipeline_engine_gives_the_single_engine_tokens(world, tie, tmp_path):
+@pytest.mark.parametrize(
+    ("world", "tie", "tp"),
+    [(2, False, 1), pytest.param(4, True, 2, marks=pytest.mark.slow)],  # 2 stages x TP 2: 3 KV heads over 2 ranks
+)  # test_spp_verify: SmolLM2 (tied) over 3 stages
+def test_pipeline_engine_gives_the_single_engine_tokens(world, tie, tp, tmp_path):
     _, model = tiny_llama(tie=tie)
     ref = run_script(Engine(CONFIG, model=model), SCRIPT)
-    results = run_gloo(pipeline_worker, world, tmp_path, json.dumps(SCRIPT), tie)
+    results = run_gloo(pipeline_worker, world, tmp_path, json.dumps(SCRIPT), tie, tp)
     leader = results[0]
     got = {k.removeprefix("tokens:"): v.tolist() for k, v in leader.items() if k.startswith("tokens:")}
     assert got == ref
@@ -71,11 +74,14 @@ def test_a_malformed_step_is_rejected_before_the_cache_is_touched():
 
 
 def test_the_leader_refuses_the_kv_hand_off_with_a_clear_error():
-    model, head = stage_model(2, 0)
-    leader = SPPLeaderEngine(spp_engine_config(CONFIG, model.config, 2), model, head, (0, 1))
+    layout = PipelineLayout.consecutive(0, 2)
+    model, head = stage_model(layout, 0)
+    leader = SPPLeaderEngine(spp_engine_config(CONFIG, model.config, 2), model, head, layout)
     with pytest.raises(ValueError, match="decodes its own requests"):
         leader.add_request("p", [5, 6, 7], SamplingParams(max_tokens=2), prefill_only=True)
     with pytest.raises(ValueError, match="hand-off"):
         leader.reserve("r", 10)
     with pytest.raises(ValueError, match="stage 0"):
-        SPPLeaderEngine(CONFIG, stage_model(3, 0)[0], head, (0, 1))
+        SPPLeaderEngine(CONFIG, stage_model(PipelineLayout.consecutive(0, 3), 0)[0], head, layout)
+    with pytest.raises(ValueError, match="one TP size"):
+        PipelineLayout(((0, 1), (2,)))

@@ -22,6 +22,20 @@ def test_smollm2_three_stage_pipeline_matches_the_single_engine(smollm2_verify_r
     assert all(r["steps"] == leader["steps"] for r in result.ranks)
 
 
+@pytest.mark.slow
+def test_smollm2_two_stages_of_two_tensor_parallel_ranks_match_the_single_engine(smollm2_verify_ref):
+    """Medha's 2D: TP 2 inside each of 2 stages (SmolLM2's 3 KV heads split 2 + 1), 4 processes."""
+    base, ref = smollm2_verify_ref
+    spec = SPPVerifySpec("smollm2", "float32", base.token_ids, spp=2, chunk=300, max_new_tokens=base.max_new_tokens,
+                         tp=2)  # fmt: skip
+    result = verify_spp(spec, timeout_s=300, ref=ref)
+    print("\n" + result.summary())
+    assert result.match, result.summary()
+    assert [(r["rank"], r["stage"], r["layers"]) for r in result.ranks] == [
+        (0, 0, [0, 15]), (1, 0, [0, 15]), (2, 1, [15, 30]), (3, 1, [15, 30])
+    ]  # fmt: skip
+
+
 def test_cli_rejects_spp_options_that_cannot_run(tmp_path, capsys):
     prompt = tmp_path / "p.json"
     prompt.write_text("[1, 2, 3]")
@@ -30,6 +44,8 @@ def test_cli_rejects_spp_options_that_cannot_run(tmp_path, capsys):
         (["--spp", "31"], "--spp must be in [2, 30]"),
         (["--spp", "2", "--chunk", "0"], "--chunk must be >= 1"),
         (["--spp", "2", "--plan", "0:@0"], "--spp takes no SP plan"),
+        (["--spp", "2", "--stage-tp", "4"], "--stage-tp must be in [1, 3]"),
+        (["--plan", "0:@0", "--stage-tp", "2"], "--stage-tp applies to --spp"),
         ([], "--plan is required"),
     ]:
         assert main(["--prompt-file", str(prompt), *argv]) == 2

@@ -106,7 +106,9 @@ class InstanceConfig:
     otlp_endpoint: str | None = None
     tp_size: int = 1  # tensor-parallel ranks of this instance: this one (the leader) and the next tp_size - 1
     node: str = ""  # the node it reports in its heartbeats ("": the host name)
-    spp_size: int = 1  # sequence-pipeline stages (processes) of this instance: this one (stage 0) and the next
+    # sequence-pipeline stages of this instance, each of tp_size ranks: this one (stage 0's first) and the next
+    # spp_size * tp_size - 1 ranks
+    spp_size: int = 1
 
     def __post_init__(self) -> None:
         subjects.check_token(self.instance_id, "instance id")
@@ -114,12 +116,11 @@ class InstanceConfig:
             raise ValueError(f"rank {self.rank} is outside a world of {self.world_size}")
         if not isinstance(self.tp_size, int) or self.tp_size < 1 or self.rank + self.tp_size > self.world_size:
             raise ValueError(f"tp_size {self.tp_size} from rank {self.rank} does not fit a world of {self.world_size}")
-        if not isinstance(self.spp_size, int) or self.spp_size < 1 or self.rank + self.spp_size > self.world_size:
-            raise ValueError(
-                f"spp_size {self.spp_size} from rank {self.rank} does not fit a world of {self.world_size}"
-            )
-        if self.spp_size > 1 and self.tp_size > 1:
-            raise ValueError("an instance is tensor-parallel or pipeline-parallel, not both (yet)")
+        if not isinstance(self.spp_size, int) or self.spp_size < 1:
+            raise ValueError(f"spp_size must be a positive integer, got {self.spp_size!r}")
+        if self.rank + self.spp_size * self.tp_size > self.world_size:
+            raise ValueError(f"{self.spp_size} stages x TP {self.tp_size} from rank {self.rank} exceed a world of "
+                             f"{self.world_size}")  # fmt: skip
 
     @classmethod
     def from_args(cls, role: str, args: argparse.Namespace) -> InstanceConfig:

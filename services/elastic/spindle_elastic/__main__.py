@@ -48,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
         "leads; stages R+1..R+S-1 are `python -m spindle_elastic.spp_stage --leader-rank R` processes. Consecutive "
         "chunks of one prompt flow through the stages back to back (Medha's SPP; default %(default)s)",
     )
+    p.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        help="with --spp-size > 1: tensor-parallel ranks inside each stage (Medha's 2D); the instance's S x T ranks "
+        "start at --rank, stage s at R+s*T.. (default %(default)s)",
+    )
     service.add_common_args(p)
     return p
 
@@ -59,6 +66,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--shared-chunk must be >= 0, got {args.shared_chunk}")
     if args.spp_size > 1 and args.partial_kv:
         raise SystemExit("--spp-size > 1 holds whole requests: it takes no --partial-kv")
+    if args.tp_size > 1 and args.spp_size == 1:
+        raise SystemExit("--tp-size applies inside the stages of a pipeline (--spp-size > 1)")
     try:
         config = InstanceConfig.from_args("elastic", args)
     except ValueError as e:

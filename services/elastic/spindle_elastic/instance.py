@@ -18,9 +18,10 @@ parts and decodes batched). One that spans several instances, or holds a request
 request's KV can also move to another elastic instance (migrate.py).
 
 With `spp_size` S > 1 the instance is a sequence pipeline (Medha's SPP): this process holds the first layer range
-and leads an `SPPLeaderEngine`; S - 1 stage processes (`python -m spindle_elastic.spp_stage`) at the next ranks hold
-the rest. Consecutive chunks of one prompt flow through the stages back to back. Such an instance moves no KV: it
-takes no group iterations, migrations or n > 1 requests (they fail with a clear error).
+and leads an `SPPLeaderEngine`; stage processes (`python -m spindle_elastic.spp_stage`) at the next ranks hold the
+rest, `tp_size` T ranks per stage (TP inside each stage: Medha's 2D; S x T processes in all). Consecutive chunks
+of one prompt flow through the stages back to back. Such an instance moves no KV: it takes no group iterations,
+migrations or n > 1 requests (they fail with a clear error).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 from nats.aio.msg import Msg
 
 from spindle_engine import Engine, EngineConfig, StepOutput
-from spindle_engine.spp import SPPLeaderEngine, load_stage, spp_engine_config
+from spindle_engine.spp import PipelineLayout, SPPLeaderEngine, load_stage, spp_engine_config
 from spindle_protocol import subjects
 from spindle_protocol.messages import (
     Abort,
@@ -75,11 +76,11 @@ class ElasticInstance(GroupIterations, KVMigration, Instance):
         spp = self.config.spp_size
         if spp == 1:
             return super().make_engine()
-        config = spp_pipeline_config(self.config.engine, spp)
-        model, head = load_stage(config, spp, 0)
+        layout = PipelineLayout.consecutive(self.config.rank, spp, self.config.tp_size)
+        config = spp_pipeline_config(self.config.engine, spp, layout.tp)
+        model, head = load_stage(config, spp, 0, layout.stages[0])  # TP > 1: joined the data plane first
         assert head is not None
-        ranks = tuple(range(self.config.rank, self.config.rank + spp))
-        return SPPLeaderEngine(config, model, head, ranks)
+        return SPPLeaderEngine(config, model, head, layout)
 
     async def before_engine_stop(self) -> None:
         if isinstance(self.engine, SPPLeaderEngine) and self.thread.is_alive():
@@ -249,8 +250,9 @@ def _whole_here(engine: Engine, cmd: RunIteration) -> bool:
     return all((s := engine.directed.get(d.request_id)) is not None and s.kv_positions is None for d in cmd.decodes)
 
 
-def spp_pipeline_config(config: EngineConfig, spp: int) -> EngineConfig:
-    """The engine configuration of every stage of an `spp`-stage instance (the stage processes compute it too)."""
+def spp_pipeline_config(config: EngineConfig, spp: int, tp: int = 1) -> EngineConfig:
+    """The engine configuration of every member of an `spp`-stage instance of TP `tp` per stage (the stage processes
+    compute it too)."""
     from spindle_model import resolve_model
 
-    return spp_engine_config(config, resolve_model(config.model).config, spp)
+    return spp_engine_config(config, resolve_model(config.model).config, spp, tp)

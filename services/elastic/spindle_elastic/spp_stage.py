@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from spindle_engine.spp import PipelineStage, load_stage, serve_stage
+from spindle_engine.spp import PipelineLayout, PipelineStage, load_stage, serve_stage
 from spindle_protocol import service
 from spindle_transfer import DataPlane
 from spindle_worker.follower_args import check_follower_rank, follower_parser
@@ -25,11 +25,13 @@ log = logging.getLogger("spindle.elastic.spp")
 def build_parser():
     p = follower_parser(
         "python -m spindle_elastic.spp_stage",
-        "A later pipeline stage of a sequence-pipeline-parallel elastic instance: holds its layer range and KV, runs "
-        "what the leader sends. Takes the leader's engine flags (the stages size their caches alike).",
+        "A member of a sequence-pipeline-parallel elastic instance other than its leader: holds its stage's layer "
+        "range (its heads of it with --tp-size > 1) and that KV, runs what the leader or the previous stage sends. "
+        "Takes the leader's engine flags (every member sizes its cache alike).",
         "--spp-size",
         "pipeline stages of the instance (the leader's included)",
     )
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks per stage (default %(default)s)")
     p.set_defaults(kv_cache_memory_gb=DEFAULT_KV_CACHE_GB)
     return p
 
@@ -37,19 +39,22 @@ def build_parser():
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    ranks = tuple(check_follower_rank(parser, args, args.spp_size, "spp"))
+    if args.tp_size < 1:
+        parser.error(f"--tp-size must be >= 1, got {args.tp_size}")
+    check_follower_rank(parser, args, args.spp_size * args.tp_size, "spp x tp")
+    layout = PipelineLayout.consecutive(args.leader_rank, args.spp_size, args.tp_size)
+    stage_index, _ = layout.position(args.rank)
     service.setup_logging(args.log_level, "elastic-spp")
-    stage_index = args.rank - ranks[0]
     try:
-        config = spp_pipeline_config(engine_config_from_args(args), args.spp_size)
-        model, _ = load_stage(config, args.spp_size, stage_index)
+        config = spp_pipeline_config(engine_config_from_args(args), args.spp_size, args.tp_size)
+        dp = DataPlane.init(args.rank, args.world_size, args.dist_init)  # first: a TP stage names global ranks
+        model, _ = load_stage(config, args.spp_size, stage_index, layout.stages[stage_index])
         num_blocks = config.kv_cache_tokens // config.block_size
-        dp = DataPlane.init(args.rank, args.world_size, args.dist_init)
         log.info(
-            "%s stage %d (rank %d): layers %s, %d KV blocks; following rank %d",
-            args.instance_id, stage_index, args.rank, model.layer_range, num_blocks, ranks[0],
+            "%s stage %d (rank %d): layers %s at TP %d, %d KV blocks; following rank %d",
+            args.instance_id, stage_index, args.rank, model.layer_range, args.tp_size, num_blocks, args.leader_rank,
         )  # fmt: skip
-        serve_stage(PipelineStage(model, ranks, stage_index, num_blocks=num_blocks, block_size=config.block_size))
+        serve_stage(PipelineStage(model, layout, args.rank, num_blocks=num_blocks, block_size=config.block_size))
     except Exception:
         log.exception("pipeline stage rank %d failed", args.rank)
         sys.exit(1)

@@ -107,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
         "and medha (they keep a request's KV on its instance) (%(default)s)",
     )
     c.add_argument(
+        "--spp-tp",
+        type=int,
+        default=1,
+        help="with --spp > 1: tensor-parallel ranks inside each stage (Medha's 2D: --spp x --spp-tp processes per "
+        "instance; at most the model's KV heads) (%(default)s)",
+    )
+    c.add_argument(
         "--prefill-per-node",
         type=int,
         default=0,
@@ -213,6 +220,7 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         decode_tp=args.decode_tp,
         decode_kvp=args.decode_kvp,
         elastic_spp=args.spp,
+        elastic_tp=args.spp_tp,
         prefill_per_node=args.prefill_per_node,
         kvp_tokens=args.kvp_tokens,
         kvp_scale_down_tokens=args.kvp_scale_down_tokens,

@@ -3,8 +3,9 @@
 Ranks of the data-plane group: kvstore 0, prefill 1..N, then decode instance i at N+1+i*T..N+(i+1)*T (T =
 `decode_tp`: the leader `spindle_decode`, then T-1 `spindle_decode.tp_follower` processes named decode-i-tpJ;
 or T = `decode_kvp`: the leader, then T-1 `spindle_decode.kvp_follower` members named decode-i-kvpJ), then the
-elastic (colocated) instances elastic-0.. (E of them, each of S = `elastic_spp` ranks: the leader `spindle_elastic`,
-then S-1 `spindle_elastic.spp_stage` processes named elastic-i-sppJ); world size N+M*T+E*S+1.
+elastic (colocated) instances elastic-0.. (E of them, each of S = `elastic_spp` x `elastic_tp` ranks: the leader
+`spindle_elastic`, then S-1 `spindle_elastic.spp_stage` processes named elastic-i-sppJ, J the rank's offset in the
+instance); world size N+M*T+E*S+1.
 deploy/docker-compose.yml describes the same commands; tests/test_deploy.py keeps the two in step.
 """
 
@@ -99,7 +100,8 @@ class StackConfig:
     decode: int = 1  # decode instances
     elastic: int = 0  # elastic (colocated) instances: prefill and decode in one engine; then prefill = decode = 0
     shared_chunk: int | None = None  # elastic: one prompt's tokens per step while others share the instance
-    elastic_spp: int = 1  # sequence-pipeline stages (processes) of each elastic instance
+    elastic_spp: int = 1  # sequence-pipeline stages of each elastic instance
+    elastic_tp: int = 1  # tensor-parallel ranks inside each stage of a pipeline elastic instance (elastic_spp > 1)
     decode_tp: int = 1  # tensor-parallel ranks (processes) of each decode instance
     decode_kvp: int = 1  # KV-parallel members (processes) of each decode instance (with decode_tp 1)
     # > 0: prefill instances report nodes "node-0", "node-1", ... of this many instances each (strategies keep SP
@@ -167,6 +169,10 @@ class StackConfig:
             raise ValueError(f"elastic_spp must be a positive integer, got {self.elastic_spp!r}")
         if self.elastic_spp > 1 and not self.elastic:
             raise ValueError("elastic_spp applies to elastic instances: set elastic > 0 too")
+        if not isinstance(self.elastic_tp, int) or self.elastic_tp < 1:
+            raise ValueError(f"elastic_tp must be a positive integer, got {self.elastic_tp!r}")
+        if self.elastic_tp > 1 and self.elastic_spp == 1:
+            raise ValueError("elastic_tp is TP inside the stages of a pipeline elastic instance: set elastic_spp > 1")
         if not isinstance(self.prefill_per_node, int) or self.prefill_per_node < 0:
             raise ValueError(f"prefill_per_node must be a non-negative integer, got {self.prefill_per_node!r}")
         if not isinstance(self.decode_tp, int) or self.decode_tp < 1:
@@ -215,7 +221,12 @@ class StackConfig:
 
     @property
     def world_size(self) -> int:
-        return self.prefill + self.decode * self.decode_ranks + self.elastic * self.elastic_spp + 1
+        return self.prefill + self.decode * self.decode_ranks + self.elastic * self.elastic_ranks + 1
+
+    @property
+    def elastic_ranks(self) -> int:
+        """Processes (ranks) of one elastic instance: its pipeline stages' TP ranks."""
+        return self.elastic_spp * self.elastic_tp
 
     @property
     def chunk_tokens(self) -> int:
@@ -335,17 +346,18 @@ def build_plan(config: StackConfig, runtime: Runtime, python: str = sys.executab
             argv = (python, "-m", "spindle_decode.tp_follower", *flags)
             specs.append(ServiceSpec(f"decode-{i}-tp{j}", argv, dict(env)))
     for i in range(config.elastic):
-        rank = 1 + config.prefill + config.decode * config.decode_ranks + i * config.elastic_spp
+        rank = 1 + config.prefill + config.decode * config.decode_ranks + i * config.elastic_ranks
         budget = ["--max-num-batched-tokens", str(config.chunk_tokens)]
         if config.shared_chunk is not None:
             budget += ["--shared-chunk", str(config.shared_chunk)]
         if _per_iteration(config.strategy) and config.elastic_spp == 1:  # the group holds what one instance cannot
             budget.append("--partial-kv")
         spp = ["--spp-size", str(config.elastic_spp)] if config.elastic_spp > 1 else []
+        spp += ["--tp-size", str(config.elastic_tp)] if config.elastic_tp > 1 else []
         add(f"elastic-{i}", "elastic", worker(f"elastic-{i}", rank) + engine(config.kv_cache_tokens) + budget + spp)
-        for j in range(1, config.elastic_spp):
+        for j in range(1, config.elastic_ranks):
             flags = ["--instance-id", f"elastic-{i}", "--rank", str(rank + j), "--leader-rank", str(rank)]
-            flags += ["--spp-size", str(config.elastic_spp), "--world-size", str(config.world_size)]
+            flags += [*spp, "--world-size", str(config.world_size)]
             flags += ["--dist-init", runtime.dist_init, *engine(config.kv_cache_tokens)]
             flags += ["--log-level", config.log_level.upper()]
             if runtime.parent_pid:

@@ -169,6 +169,13 @@ def test_a_pipeline_parallel_elastic_instance_takes_consecutive_ranks_for_its_st
     assert specs["elastic-1-spp2"].module == "spindle_elastic.spp_stage"
     assert (stage["--rank"], stage["--leader-rank"], stage["--spp-size"]) == ("6", "4", "3")
     assert "--nats-url" not in stage and stage["--model"] == lead["--model"]
+    twod = StackConfig(prefill=0, decode=0, elastic=1, elastic_spp=2, elastic_tp=2, strategy="chunked")
+    specs = {s.name: s for s in build_plan(twod, RT, python="py")}
+    assert twod.world_size == 5 and [n for n in specs if n.startswith("elastic-0-")] == [
+        "elastic-0-spp1", "elastic-0-spp2", "elastic-0-spp3"
+    ]  # fmt: skip
+    assert flags(specs["elastic-0"].args)["--tp-size"] == "2" == flags(specs["elastic-0-spp3"].args)["--tp-size"]
+    assert flags(specs["elastic-0-spp3"].args)["--rank"] == "4"
 
 
 @pytest.mark.parametrize(
@@ -182,6 +189,7 @@ def test_a_pipeline_parallel_elastic_instance_takes_consecutive_ranks_for_its_st
         ({"prefill": 0, "decode": 0, "elastic": 1, "strategy": "chunked", "shared_chunk": -1}, "shared_chunk"),
         ({"prefill": 0, "decode": 0, "elastic": 1, "strategy": "chunked", "elastic_spp": 0}, "elastic_spp"),
         ({"elastic_spp": 2}, "applies to elastic instances"),
+        ({"prefill": 0, "decode": 0, "elastic": 1, "strategy": "chunked", "elastic_tp": 2}, "set elastic_spp > 1"),
         (
             {"prefill": 0, "decode": 0, "elastic": 2, "strategy": "loongserve", "profile": "p.json", "elastic_spp": 2},
             "moves KV between elastic instances",

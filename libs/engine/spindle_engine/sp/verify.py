@@ -376,6 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--chunk", type=int, default=256, help="with --spp: prefill chunk size in tokens")
     ap.add_argument(
+        "--stage-tp", type=int, default=1, help="with --spp: tensor-parallel ranks inside each stage (Medha's 2D)"
+    )
+    ap.add_argument(
         "--no-pipelining",
         action="store_true",
         help="with --spp: wait for every chunk to leave the last stage before the next starts (for comparison)",
@@ -441,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.plan is None:
             raise ValueError("--plan is required (or --spp N for a sequence pipeline)")
+        if args.stage_tp != 1:
+            raise ValueError("--stage-tp applies to --spp")
         ids = read_prompt(args.prompt_file, args.model)
         if args.decode_tp < 1:
             raise ValueError(f"--decode-tp must be >= 1, got {args.decode_tp}")
@@ -491,13 +496,15 @@ def _main_spp(args: argparse.Namespace) -> int:
             raise ValueError("--spp takes no SP plan, --kvp, --decode-tp, --retain or --layouts")
         ids = read_prompt(args.prompt_file, args.model)
         spec = SPPVerifySpec(args.model, args.dtype, ids, args.spp, args.chunk, args.max_new_tokens, args.threads,
-                             pipelined=not args.no_pipelining)  # fmt: skip
-        check(spec, resolve_model(spec.model).config.num_layers)
+                             pipelined=not args.no_pipelining, tp=args.stage_tp)  # fmt: skip
+        mc = resolve_model(spec.model).config
+        check(spec, mc.num_layers, mc.num_kv_heads)
     except (ValueError, OSError) as e:
         print(f"spindle verify: error: {e}", file=sys.stderr)
         return 2
     mode = "sequence pipelining" if spec.pipelined else "no pipelining"
-    print(f"{len(ids)} tokens in chunks of {spec.chunk} through {spec.spp} pipeline stages ({mode}), one process each")
+    procs = f"{spec.tp} processes (TP) each" if spec.tp > 1 else "one process each"
+    print(f"{len(ids)} tokens in chunks of {spec.chunk} through {spec.spp} pipeline stages ({mode}), {procs}")
     result = verify_spp(spec, timeout_s=args.timeout)
     print(result.summary())
     if args.json:

@@ -2,10 +2,11 @@
 consecutive prefill chunks of one request flow through the stages back to back (leader.py, stage.py, wire.py)."""
 
 from .leader import SPPLeaderEngine, load_stage, spp_engine_config
-from .stage import PipelineStage, serve_stage, stage_layers
+from .stage import PipelineLayout, PipelineStage, serve_stage, stage_layers
 from .wire import SPPError, StageStep
 
 __all__ = [
+    "PipelineLayout",
     "PipelineStage",
     "SPPError",
     "SPPLeaderEngine",

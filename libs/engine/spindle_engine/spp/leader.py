@@ -10,6 +10,10 @@ runs through stage 0 while chunk i runs through stage 1, back to back, with no m
 samples (a prompt's last chunk, decodes) waits for the last stage's final hidden rows, so decode batches pass
 every stage in turn. The lm_head runs on the leader (for tied embeddings it is stage 0's embedding matrix), so
 what comes back is `[rows, H]`, not logits.
+
+With tensor parallelism inside the stages (`PipelineLayout` of S stages x T ranks: Medha's 2D), the leader is stage
+0's first TP rank: it sends the step with its token ids to its stage's TP followers before running its own heads,
+and every stage's output goes to every member of the next stage.
 """
 
 from __future__ import annotations
@@ -23,15 +27,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from spindle_attention.distributed.comm import RankGroup
 from spindle_model import LlamaModel, ModelConfig, load_state_dict, resolve_model
 from spindle_model.linear import SmallBatchWeight
+from spindle_model.parallel import TPShard
 
 from ..config import EngineConfig
 from ..engine import Engine, StepOutput
 from ..kv_cache import KVCache
 from ..model_runner import ModelRunner, StepBatch
 from ..sampling_params import SamplingParams
-from .stage import SEND_TIMEOUT_S, stage_layers
+from .stage import SEND_TIMEOUT_S, PipelineLayout, stage_layers
 from .wire import StageStep, post_step, recv_return, wait_posted
 
 log = logging.getLogger("spindle.engine.spp")
@@ -39,24 +45,29 @@ log = logging.getLogger("spindle.engine.spp")
 KEEPALIVE_S = 1.0  # an idle leader still sends an empty step this often (the stages notice its death)
 
 
-def spp_engine_config(config: EngineConfig, model_config: ModelConfig, spp: int) -> EngineConfig:
-    """`config` for every stage of an `spp`-stage engine: the KV capacity fixed in tokens, the same on every stage
-    (what the largest stage's layers fit into `kv_cache_memory_gb`, unless `kv_cache_tokens` is given), no CUDA
-    graphs and no fused CPU decode (both run the whole model)."""
+def spp_engine_config(config: EngineConfig, model_config: ModelConfig, spp: int, tp: int = 1) -> EngineConfig:
+    """`config` for every member of an `spp`-stage engine (TP `tp` inside each stage): the KV capacity fixed in
+    tokens, the same on every member (what the largest stage's layers at TP rank 0's heads fit into
+    `kv_cache_memory_gb`, unless `kv_cache_tokens` is given), no CUDA graphs and no fused CPU decode (both run the
+    whole model)."""
     start, end = stage_layers(model_config.num_layers, spp, 0)  # stage 0 has the most layers
+    heads = TPShard.create(model_config, 0, tp).num_kv_heads  # ValueError for a TP size the model cannot split
     config = replace(config, cuda_graphs=False, fused_cpu_decode=False)
     if config.kv_cache_tokens is not None:
         return config
-    per_token = KVCache.bytes_per_token(end - start, model_config.num_kv_heads, model_config.head_dim,
-                                        config.torch_dtype)  # fmt: skip
+    per_token = KVCache.bytes_per_token(end - start, heads, model_config.head_dim, config.torch_dtype)
     return replace(config, kv_cache_tokens=config.kv_tokens(per_token))
 
 
-def load_stage(config: EngineConfig, spp: int, stage: int) -> tuple[LlamaModel, Tensor | None]:
-    """Stage `stage`'s layers of `config.model`, and for stage 0 the lm_head weight `[vocab, H]` it samples with."""
+def load_stage(
+    config: EngineConfig, spp: int, stage: int, tp_ranks: tuple[int, ...] = ()
+) -> tuple[LlamaModel, Tensor | None]:
+    """Stage `stage`'s layers of `config.model` (this rank's heads of them when `tp_ranks`, the stage's global
+    ranks, name two or more: dist must be initialised), and for stage 0 the lm_head weight `[vocab, H]`."""
     source = resolve_model(config.model)
     mc = source.config
-    model = LlamaModel(mc, dtype=config.torch_dtype, device=config.torch_device,
+    group = RankGroup(tp_ranks) if len(tp_ranks) > 1 else None
+    model = LlamaModel(mc, dtype=config.torch_dtype, device=config.torch_device, tp_group=group,
                        layer_range=stage_layers(mc.num_layers, spp, stage))  # fmt: skip
     weights = load_state_dict(source.path, dtype=config.torch_dtype)
     model.load_weights(weights)
@@ -84,7 +95,7 @@ class SPPRunner(ModelRunner):
         model: LlamaModel,
         cache: KVCache,
         head: Tensor,
-        ranks: tuple[int, ...],
+        layout: PipelineLayout,
         *,
         attention_backend: str,
         timeout_s: float,
@@ -93,7 +104,7 @@ class SPPRunner(ModelRunner):
         super().__init__(model, cache, attention_backend=attention_backend)
         self.head = head  # [vocab, H]
         self._head_small = SmallBatchWeight()
-        self.ranks = ranks
+        self.layout = layout
         self.timeout_s = timeout_s
         self.max_in_flight = max_in_flight
         self.seq = 0
@@ -105,22 +116,27 @@ class SPPRunner(ModelRunner):
         self.last_post = time.monotonic()
 
     def forward(self, batch: StepBatch, rows: list[int] | None) -> Tensor:
-        t0 = time.time()
-        hidden = super().forward(batch, None)  # [T, H]: stage 0's output
-        t1 = time.time()
         want = list(range(batch.num_tokens)) if rows is None else rows
         if not want and not self.pipelined:
             want = [0]  # a row nobody reads: the step is waited for like one that samples
-        self._post(StageStep.of(self.seq, batch, want), hidden)
+        step = StageStep.of(self.seq, batch, want)
+        followers = self.layout.stages[0][1:]
+        with_ids = step.with_tokens(batch.token_ids) if followers else step
+        sent = [p for f in followers for p in post_step(with_ids, None, f)]  # before the all-reduces need them
+        t0 = time.time()
+        hidden = super().forward(batch, None)  # [T, H]: stage 0's output
+        t1 = time.time()
+        self._track(sent + [p for dst in self.layout.stages[1] for p in post_step(step, hidden, dst)])
         self.stats.steps += 1
         self.stats.busy_s += t1 - t0
-        self.stats.bytes_out += hidden.numel() * hidden.element_size()
+        self.stats.bytes_out += hidden.numel() * hidden.element_size() * self.layout.tp
         if self.record_spans:
             self.stats.step_spans.append((t0, t1))
         if not want:
             self.stats.steps_not_waited += 1
             return hidden.new_empty(0, hidden.shape[1])
-        back = recv_return(self.ranks[-1], len(want), hidden.shape[1], hidden.dtype, self.timeout_s)
+        last = self.layout.stages[-1][0]
+        back = recv_return(last, len(want), hidden.shape[1], hidden.dtype, self.timeout_s)
         self._drain()  # the last stage answered this step, so every send before it is through
         self.stats.wait_s += time.time() - t1
         return back.to(self.device) if rows is None or rows else back[:0].to(self.device)
@@ -134,27 +150,32 @@ class SPPRunner(ModelRunner):
         return logits
 
     def keepalive(self) -> None:
-        self._post(StageStep(self.seq, [], [], [], []), None)
+        self._post_empty(StageStep(self.seq, [], [], [], []))
 
     def stop(self) -> None:
-        """Stop every stage (they forward it down the pipeline) and wait for the sends."""
-        self._post(StageStep(self.seq, [], [], [], [], stop=True), None)
+        """Stop every member (the stages' leaders forward it down the pipeline) and wait for the sends."""
+        self._post_empty(StageStep(self.seq, [], [], [], [], stop=True))
         self._drain()
 
-    def _post(self, step: StageStep, hidden: Tensor | None) -> None:
+    def _post_empty(self, step: StageStep) -> None:
+        dsts = (*self.layout.stages[0][1:], *self.layout.stages[1])
+        self._track([p for dst in dsts for p in post_step(step, None, dst)])
+
+    def _track(self, posted: list) -> None:
+        """Keep one step's sends; wait for the oldest while more than max_in_flight steps are on the wire."""
         self.seq += 1
         self.last_post = time.monotonic()
-        self.in_flight.append(post_step(step, hidden, self.ranks[1]))
+        self.in_flight.append(posted)
         while len(self.in_flight) > self.max_in_flight:  # stage 1 is behind: wait for it
-            wait_posted(self.in_flight.popleft(), self.timeout_s, f"a step to rank {self.ranks[1]}")
+            wait_posted(self.in_flight.popleft(), self.timeout_s, "a step to the next stage")
 
     def _drain(self) -> None:
         while self.in_flight:
-            wait_posted(self.in_flight.popleft(), self.timeout_s, f"a step to rank {self.ranks[1]}")
+            wait_posted(self.in_flight.popleft(), self.timeout_s, "a step to the next stage")
 
 
 class SPPLeaderEngine(Engine):
-    """Stage 0 of an SPP engine over `ranks` (this rank first, then each later stage's rank, in order).
+    """The leader of an SPP engine over `layout` (this rank is `layout.leader`, stage 0's first TP rank).
 
     `config` should come from `spp_engine_config` (the stages size their caches the same way). Requests are added,
     stepped (by its own scheduler or as directed steps) and aborted as on `Engine`; the KV hand-off calls
@@ -166,27 +187,26 @@ class SPPLeaderEngine(Engine):
         config: EngineConfig,
         model: LlamaModel,
         head: Tensor,
-        ranks: tuple[int, ...],
+        layout: PipelineLayout,
         *,
         timeout_s: float = SEND_TIMEOUT_S,
         keepalive_s: float = KEEPALIVE_S,
     ) -> None:
-        if len(ranks) < 2:
-            raise ValueError(f"a pipeline needs two or more stages, got ranks {ranks}")
-        if model.layer_range != stage_layers(model.config.num_layers, len(ranks), 0):
-            raise ValueError(f"the leader holds stage 0: layers {stage_layers(model.config.num_layers, len(ranks), 0)}")
+        want = stage_layers(model.config.num_layers, layout.spp, 0)
+        if model.layer_range != want or model.shard.world != layout.tp:
+            raise ValueError(f"the leader holds stage 0: layers {want} at TP {layout.tp}")
         super().__init__(replace(config, cuda_graphs=False, fused_cpu_decode=False), model=model)
-        self.ranks = ranks
+        self.layout = layout
         self.runner = SPPRunner(
-            self.model, self.cache, head, ranks, attention_backend=self.attention_backend, timeout_s=timeout_s,
-            max_in_flight=2 * len(ranks),
+            self.model, self.cache, head, layout, attention_backend=self.attention_backend, timeout_s=timeout_s,
+            max_in_flight=2 * layout.spp,
         )  # fmt: skip
         self.keepalive_s = keepalive_s
         self._closed = False
 
     @property
     def spp_size(self) -> int:
-        return len(self.ranks)
+        return self.layout.spp
 
     @property
     def stats(self) -> LeaderStats:

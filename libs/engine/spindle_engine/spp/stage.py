@@ -1,10 +1,13 @@
-"""The later stages of a sequence-pipeline-parallel engine: each holds a layer range and its KV, nothing else.
+"""The members of a sequence-pipeline-parallel engine other than its leader: each holds a layer range (and with
+tensor parallelism inside the stage, its heads of it) and that KV, nothing else.
 
-A stage keeps no request state. Every step arrives from the previous stage as a `StageStep` (positions and block
-tables chosen by the leader's scheduler) with the previous stage's hidden states; the stage runs its layers over
-them, writing its layers' KV into its own paged cache at the leader's slots (every stage's cache has the leader's
-block count, so one block table serves all), and passes its output on, or, as the last stage, returns the rows
-the leader samples from. Blocks the leader frees are simply overwritten later.
+A member keeps no request state. Every step arrives as a `StageStep` (positions and block tables chosen by the
+leader's scheduler): a later stage's member gets it from the previous stage's leader with that stage's output hidden
+states; a tensor-parallel follower of stage 0 gets it from the engine's leader with the step's token ids. The
+member runs its layers (all-reducing with the rest of its stage), writing its KV into its own paged cache at the
+leader's slots (every member's cache has the leader's block count, so one block table serves all). A stage's
+leader (its first TP rank) passes the output on to every member of the next stage or, in the last stage, returns
+the rows the leader samples from. Blocks the leader frees are simply overwritten later.
 """
 
 from __future__ import annotations
@@ -28,6 +31,45 @@ LEADER_SILENCE_S = 120.0  # a stage that hears nothing for this long gives up (t
 SEND_TIMEOUT_S = 300.0  # the next stage takes a step within this (it may be busy with the ones before)
 
 
+@dataclass(frozen=True)
+class PipelineLayout:
+    """The ranks of an SPP engine: `stages[s]` are stage s's tensor-parallel ranks, its leader first; the engine's
+    leader is stage 0's leader."""
+
+    stages: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        flat = [r for stage in self.stages for r in stage]
+        if len(self.stages) < 2 or len({len(st) for st in self.stages}) != 1 or not self.stages[0]:
+            raise ValueError(f"a pipeline needs two or more stages of one TP size, got {self.stages}")
+        if len(set(flat)) != len(flat) or min(flat) < 0:
+            raise ValueError(f"pipeline ranks must be distinct and >= 0, got {self.stages}")
+
+    @classmethod
+    def consecutive(cls, first: int, spp: int, tp: int = 1) -> PipelineLayout:
+        """Stage s at ranks first + s*tp .. first + s*tp + tp - 1."""
+        return cls(tuple(tuple(first + s * tp + j for j in range(tp)) for s in range(spp)))
+
+    @property
+    def spp(self) -> int:
+        return len(self.stages)
+
+    @property
+    def tp(self) -> int:
+        return len(self.stages[0])
+
+    @property
+    def leader(self) -> int:
+        return self.stages[0][0]
+
+    def position(self, rank: int) -> tuple[int, int]:
+        """(stage, TP index) of `rank`."""
+        for s, stage in enumerate(self.stages):
+            if rank in stage:
+                return s, stage.index(rank)
+        raise ValueError(f"rank {rank} is not in the pipeline {self.stages}")
+
+
 def stage_layers(num_layers: int, spp: int, stage: int) -> tuple[int, int]:
     """The layer range `[start, end)` of pipeline stage `stage` of `spp` (earlier stages take one more)."""
     if not 1 <= spp <= num_layers:
@@ -49,28 +91,32 @@ class StageStats:
 
 
 class PipelineStage:
-    """Stage `stage` (> 0) of an SPP engine at `ranks[stage]`; `serve()` runs steps until the leader stops it."""
+    """The member of an SPP engine at `rank` (any but the leader); `serve()` runs steps until the leader stops it."""
 
     def __init__(
         self,
         model: LlamaModel,
-        ranks: tuple[int, ...],
-        stage: int,
+        layout: PipelineLayout,
+        rank: int,
         *,
         num_blocks: int,
         block_size: int,
         attention_backend: str = "torch",
         timeout_s: float = LEADER_SILENCE_S,
     ) -> None:
-        if not 0 < stage < len(ranks):
-            raise ValueError(f"stage {stage} is not a later stage of {len(ranks)}")
-        if model.layer_range != stage_layers(model.config.num_layers, len(ranks), stage):
-            raise ValueError(f"stage {stage} needs layers {stage_layers(model.config.num_layers, len(ranks), stage)}")
+        stage, tp_index = layout.position(rank)
+        if rank == layout.leader:
+            raise ValueError(f"rank {rank} leads the pipeline: it runs SPPLeaderEngine")
+        want = stage_layers(model.config.num_layers, layout.spp, stage)
+        if model.layer_range != want or model.shard.world != layout.tp:
+            raise ValueError(f"rank {rank} (stage {stage}) needs layers {want} at TP {layout.tp}")
         self.model = model.eval()
         self.config: ModelConfig = model.config
-        self.ranks = ranks
+        self.layout = layout
+        self.rank = rank
         self.stage = stage
-        self.is_last = stage == len(ranks) - 1
+        self.tp_index = tp_index
+        self.is_last = stage == layout.spp - 1
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.attention_backend = attention_backend
@@ -82,33 +128,52 @@ class PipelineStage:
         self.stats = StageStats()
         self.record_spans = False
 
+    @property
+    def source(self) -> int:
+        """Who sends this member its steps: the engine's leader (stage 0) or the previous stage's leader."""
+        return self.layout.leader if self.stage == 0 else self.layout.stages[self.stage - 1][0]
+
+    @property
+    def next_ranks(self) -> tuple[int, ...]:
+        """Where this member sends its output: the next stage (stage leaders only)."""
+        if self.tp_index or self.is_last:
+            return ()
+        return self.layout.stages[self.stage + 1]
+
     @torch.inference_mode()
     def serve(self) -> None:
-        prev = self.ranks[self.stage - 1]
-        nxt = None if self.is_last else self.ranks[self.stage + 1]
+        src, nxt = self.source, self.next_ranks
         pending: list = []  # sends of earlier steps still on the wire
         elem = self.model.dtype.itemsize
         while True:
             t0 = time.time()
-            step = recv_step(prev, self.timeout_s)
+            step = recv_step(src, self.timeout_s)
             # a malformed step raises ValueError here, before the cache is touched
             batch = step.batch(self.block_size, self.num_blocks) if not step.stop else None
             hidden = None
-            if step.num_tokens:
-                hidden = recv_hidden(prev, step.num_tokens, self.config.hidden_size, self.model.dtype, self.timeout_s)
+            if step.num_tokens and self.stage > 0:
+                hidden = recv_hidden(src, step.num_tokens, self.config.hidden_size, self.model.dtype, self.timeout_s)
                 self.stats.bytes_in += hidden.numel() * elem
             t1 = time.time()
             self.stats.wait_s += t1 - t0
             if step.stop:
-                if nxt is not None:
-                    wait_posted(post_step(step, None, nxt), SEND_TIMEOUT_S, f"stop to rank {nxt}")
                 wait_posted(pending, SEND_TIMEOUT_S, "the last sends")
+                posted = [p for dst in nxt for p in post_step(step, None, dst)]
+                wait_posted(posted, SEND_TIMEOUT_S, f"stop to ranks {nxt}")
                 return
             out = None
-            if hidden is not None:
+            if step.num_tokens:
+                assert batch is not None
                 ctx = attention_context(self.cache, self.model.layer_range[0], self.attention_backend, batch)
                 positions = torch.tensor(batch.positions, dtype=torch.long, device=self.model.device)
-                out = self.model(positions, ctx, hidden=hidden.to(self.model.device))  # [T, H]
+                if self.stage == 0:  # a TP follower of stage 0 embeds the tokens itself
+                    if len(step.token_ids) != step.num_tokens:
+                        raise ValueError(f"step {step.seq}: {len(step.token_ids)} token ids for {step.num_tokens}")
+                    ids = torch.tensor(step.token_ids, dtype=torch.long, device=self.model.device)
+                    out = self.model(positions, ctx, input_ids=ids)  # [T, H]
+                else:
+                    assert hidden is not None
+                    out = self.model(positions, ctx, hidden=hidden.to(self.model.device))  # [T, H]
                 t2 = time.time()
                 self.stats.busy_s += t2 - t1
                 self.stats.steps += 1
@@ -117,13 +182,14 @@ class PipelineStage:
                     self.stats.step_spans.append((t1, t2))
             wait_posted(pending, SEND_TIMEOUT_S, f"step {step.seq - 1} to the next stage")
             pending = []  # a gloo send waited for twice waits for a completion that never comes
-            if nxt is not None:
-                pending = post_step(step, out, nxt)
-                self.stats.bytes_out += 0 if out is None else out.numel() * elem
-            elif step.return_rows:
+            if nxt:
+                forward = step if not step.token_ids else step.without_tokens()
+                pending = [p for dst in nxt for p in post_step(forward, out, dst)]
+                self.stats.bytes_out += 0 if out is None else out.numel() * elem * len(nxt)
+            elif self.is_last and self.tp_index == 0 and step.return_rows:
                 assert out is not None
                 rows = out[torch.tensor(step.return_rows, dtype=torch.long, device=out.device)].cpu()
-                pending = [post_return(rows, self.ranks[0])]
+                pending = [post_return(rows, self.layout.leader)]
                 self.stats.bytes_out += rows.numel() * elem
 
 
@@ -132,9 +198,9 @@ def serve_stage(stage: PipelineStage) -> None:
     try:
         stage.serve()
     except SPPError:
-        log.exception("pipeline stage %d stopped", stage.stage)
+        log.exception("pipeline rank %d (stage %d) stopped", stage.rank, stage.stage)
         raise
     log.info(
-        "pipeline stage %d done: %d steps, %d tokens, busy %.2fs, waiting %.2fs",
-        stage.stage, stage.stats.steps, stage.stats.tokens, stage.stats.busy_s, stage.stats.wait_s,
+        "pipeline rank %d (stage %d) done: %d steps, %d tokens, busy %.2fs, waiting %.2fs",
+        stage.rank, stage.stage, stage.stats.steps, stage.stats.tokens, stage.stats.busy_s, stage.stats.wait_s,
     )  # fmt: skip

@@ -50,20 +50,23 @@ class SPPVerifyResult:
         ])  # fmt: skip
 
 
-def check(spec: SPPVerifySpec, num_layers: int) -> None:
+def check(spec: SPPVerifySpec, num_layers: int, num_kv_heads: int) -> None:
     """ValueError for a spec that cannot run."""
     if not 2 <= spec.spp <= num_layers:
         raise ValueError(f"--spp must be in [2, {num_layers}] (the model's layers), got {spec.spp}")
+    if not 1 <= spec.tp <= num_kv_heads:
+        raise ValueError(f"--stage-tp must be in [1, {num_kv_heads}] (the model's KV heads), got {spec.tp}")
     if spec.chunk < 1:
         raise ValueError(f"--chunk must be >= 1, got {spec.chunk}")
     if spec.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {spec.max_new_tokens}")
 
 
-def _prefill_span(reports: list[dict], num_chunks: int) -> tuple[list[float], float]:
-    """Per stage, the compute of the prompt's chunks (its first `num_chunks` steps), and their overlap."""
+def _prefill_span(reports: list[dict], num_chunks: int, tp: int) -> tuple[list[float], float]:
+    """Per stage (its first TP rank), the compute of the prompt's chunks (its first `num_chunks` steps), and their
+    overlap."""
     busy, lo, hi = [], float("inf"), 0.0
-    for r in sorted(reports, key=lambda r: r["stage"]):
+    for r in sorted((r for r in reports if r["rank"] % tp == 0), key=lambda r: r["stage"]):
         spans = r["spans"][:num_chunks]
         busy.append(sum(b - a for a, b in spans))
         if spans:
@@ -75,13 +78,15 @@ def verify_spp(spec: SPPVerifySpec, *, timeout_s: float = 600.0, ref: Reference 
     """Run `spec` and compare; `ref` (`sp.verify.reference` of the same prompt and tokens) may be passed to reuse."""
     from spindle_model import resolve_model
 
-    check(spec, resolve_model(spec.model).config.num_layers)
+    mc = resolve_model(spec.model).config
+    check(spec, mc.num_layers, mc.num_kv_heads)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="spindle-verify-spp-") as tmp:
         out = Path(tmp)
-        run_ranks(asdict(spec), spec.spp, out, timeout_s, worker="spindle_engine.spp.verify_worker")
+        world = spec.spp * spec.tp
+        run_ranks(asdict(spec), world, out, timeout_s, worker="spindle_engine.spp.verify_worker")
         tensors = load_file(str(out / "rank0.safetensors"))
-        reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(spec.spp)]
+        reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     seconds = time.perf_counter() - t0
     ref_spec = VerifySpec(spec.model, spec.dtype, "0:@0", "zigzag", spec.token_ids, max_new_tokens=spec.max_new_tokens)
     ref_logits, ref_tokens, _ = ref if ref is not None else reference(ref_spec)
@@ -94,7 +99,7 @@ def verify_spp(spec: SPPVerifySpec, *, timeout_s: float = 600.0, ref: Reference 
     decode = logits[1:]
     decode_diff = (decode - ref_decode).abs().max().item() if decode.shape == ref_decode.shape else float("inf")
     num_chunks = -(-len(spec.token_ids) // spec.chunk)
-    busy, overlap = _prefill_span(reports, num_chunks)
+    busy, overlap = _prefill_span(reports, num_chunks, spec.tp)
     leader = reports[0]
     leaked = leader["blocks_leaked"]
     ok = diff <= tol and decode_diff <= tol and tokens == ref_tokens and leaked == 0

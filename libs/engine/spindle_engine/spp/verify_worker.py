@@ -20,7 +20,7 @@ from ..config import EngineConfig
 from ..sampling_params import SamplingParams
 from ..sp.verify_worker import join_gloo, worker_args
 from .leader import SPPLeaderEngine, load_stage, spp_engine_config
-from .stage import PipelineStage
+from .stage import PipelineLayout, PipelineStage
 
 BLOCK_SIZE = 16
 
@@ -35,6 +35,11 @@ class SPPVerifySpec:
     max_new_tokens: int = 8
     threads: int = 1
     pipelined: bool = True  # False: the leader waits for every step (no sequence pipelining), for comparison
+    tp: int = 1  # tensor-parallel ranks inside each stage
+
+    @property
+    def layout(self) -> PipelineLayout:
+        return PipelineLayout.consecutive(0, self.spp, self.tp)
 
     def engine_config(self) -> EngineConfig:
         room = len(self.token_ids) + self.max_new_tokens + BLOCK_SIZE
@@ -44,11 +49,12 @@ class SPPVerifySpec:
         )  # fmt: skip
 
 
-def run_leader(spec: SPPVerifySpec, ranks: tuple[int, ...]) -> tuple[dict[str, torch.Tensor], dict]:
-    config = spp_engine_config(spec.engine_config(), _model_config(spec), spec.spp)
-    model, head = load_stage(config, spec.spp, 0)
+def run_leader(spec: SPPVerifySpec) -> tuple[dict[str, torch.Tensor], dict]:
+    layout = spec.layout
+    config = spp_engine_config(spec.engine_config(), _model_config(spec), spec.spp, spec.tp)
+    model, head = load_stage(config, spec.spp, 0, layout.stages[0])
     assert head is not None
-    engine = SPPLeaderEngine(config, model, head, ranks, keepalive_s=3600.0)
+    engine = SPPLeaderEngine(config, model, head, layout, keepalive_s=3600.0)
     runner = engine.runner
     runner.record_spans = True
     runner.pipelined = spec.pipelined
@@ -68,7 +74,7 @@ def run_leader(spec: SPPVerifySpec, ranks: tuple[int, ...]) -> tuple[dict[str, t
     engine.close()
     s = runner.stats
     report = {
-        "role": "leader", "stage": 0, "layers": list(model.layer_range), "steps": s.steps,
+        "role": "leader", "stage": 0, "rank": 0, "layers": list(model.layer_range), "steps": s.steps,
         "steps_not_waited": s.steps_not_waited, "busy_s": s.busy_s, "wait_s": s.wait_s, "bytes_out": s.bytes_out,
         "ttft_s": (first_at or done) - t0, "total_s": done - t0, "start": t0, "spans": s.step_spans,
         "blocks_leaked": engine.allocator.num_used,
@@ -82,17 +88,19 @@ def _model_config(spec: SPPVerifySpec):
     return resolve_model(spec.model).config
 
 
-def run_stage(spec: SPPVerifySpec, rank: int, ranks: tuple[int, ...]) -> dict:
-    config = spp_engine_config(spec.engine_config(), _model_config(spec), spec.spp)
-    model, _ = load_stage(config, spec.spp, rank)
-    stage = PipelineStage(model, ranks, rank, num_blocks=config.kv_cache_tokens // BLOCK_SIZE, block_size=BLOCK_SIZE)
+def run_stage(spec: SPPVerifySpec, rank: int) -> dict:
+    layout = spec.layout
+    config = spp_engine_config(spec.engine_config(), _model_config(spec), spec.spp, spec.tp)
+    stage_index, _ = layout.position(rank)
+    model, _ = load_stage(config, spec.spp, stage_index, layout.stages[stage_index])
+    stage = PipelineStage(model, layout, rank, num_blocks=config.kv_cache_tokens // BLOCK_SIZE, block_size=BLOCK_SIZE)
     stage.record_spans = True
     dist.barrier()
     stage.serve()
     s = stage.stats
     return {
-        "role": "stage", "stage": rank, "layers": list(model.layer_range), "steps": s.steps, "busy_s": s.busy_s,
-        "wait_s": s.wait_s, "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "spans": s.step_spans,
+        "role": "stage", "stage": stage_index, "rank": rank, "layers": list(model.layer_range), "steps": s.steps,
+        "busy_s": s.busy_s, "wait_s": s.wait_s, "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "spans": s.step_spans,
     }  # fmt: skip
 
 
@@ -100,13 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     args = worker_args(argv, "spindle verify --spp", "an SPPVerifySpec as JSON")
     spec = SPPVerifySpec(**json.loads(args.spec.read_text()))
     join_gloo(args, spec.threads)
-    ranks = tuple(range(spec.spp))
     try:
         if args.rank == 0:
-            tensors, report = run_leader(spec, ranks)
+            tensors, report = run_leader(spec)
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(args.out / "rank0.safetensors"))
         else:
-            report = run_stage(spec, args.rank, ranks)
+            report = run_stage(spec, args.rank)
         (args.out / f"rank{args.rank}.json").write_text(json.dumps(report))
     finally:
         dist.destroy_process_group()

@@ -1,8 +1,10 @@
 """The stage-to-stage channel of a sequence-pipeline-parallel (SPP) engine (point-to-point on the default group).
 
-Each step the leader (stage 0) sends stage 1 one `StageStep` (what the step computes: per chunk its first
-position, its length and its block table, in the batch order of `model_runner.StepBatch`), then the stage's output
-hidden states `[T, H]`; every middle stage forwards the step and its own output to the next. The last stage sends
+Each step the leader (stage 0) sends every member of stage 1 one `StageStep` (what the step computes: per chunk its
+first position, its length and its block table, in the batch order of `model_runner.StepBatch`), then the stage's
+output hidden states `[T, H]`; every middle stage's leader forwards the step and its own output to the next stage.
+With tensor parallelism inside the stages, the leader first sends its own stage's TP followers the step with its
+token ids (they embed them and run their heads of stage 0 beside the leader). The last stage sends
 the leader the rows `return_rows` of its final-norm hidden states, only for steps that name any (the steps that
 sample a token); the others are not answered, which is what lets the leader start the next chunk of a prompt
 while the later stages still work on this one. `stop` ends every stage's loop; a step with no chunks keeps the
@@ -39,6 +41,13 @@ class StageStep(msgspec.Struct, frozen=True):
     tables: list[list[int]]
     return_rows: list[int]
     stop: bool = False
+    token_ids: list[int] = msgspec.field(default_factory=list)  # for stage 0's TP followers only
+
+    def with_tokens(self, token_ids: list[int]) -> StageStep:
+        return msgspec.structs.replace(self, token_ids=token_ids)
+
+    def without_tokens(self) -> StageStep:
+        return msgspec.structs.replace(self, token_ids=[])
 
     @property
     def num_tokens(self) -> int:
