@@ -191,6 +191,17 @@ def test_a_pipeline_parallel_elastic_instance_takes_consecutive_ranks_for_its_st
         ({"elastic_spp": 2}, "applies to elastic instances"),
         ({"prefill": 0, "decode": 0, "elastic": 1, "strategy": "chunked", "elastic_tp": 2}, "set elastic_spp > 1"),
         (
+            {
+                "prefill": 0,
+                "decode": 0,
+                "elastic": 1,
+                "elastic_spp": 2,
+                "strategy": "medha:spp_overlap=1",
+                "profile": "p.json",
+            },
+            "samples asynchronously",
+        ),
+        (
             {"prefill": 0, "decode": 0, "elastic": 2, "strategy": "loongserve", "profile": "p.json", "elastic_spp": 2},
             "moves KV between elastic instances",
         ),

@@ -236,6 +236,10 @@ class RunBatch:
     instances: tuple[str, ...]
     prefills: tuple[PrefillPart, ...] = ()
     decodes: tuple[DecodePart, ...] = ()
+    # a pipeline instance may start the next iteration before this one's sampled tokens are back (the strategy
+    # keeps every request it samples out of the next spp_size - 1 iterations). The simulator models it; Spindle's
+    # pipeline engine waits for every step that samples, so the services ignore it.
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         members = set(self.instances)

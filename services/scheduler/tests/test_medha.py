@@ -172,9 +172,9 @@ def test_a_sequence_pipeline_replica_overlaps_a_prompts_chunks_and_waits_for_the
     from spindle_scheduler.sim import SimConfig
     from spindle_scheduler.workloads import TraceRequest
 
-    def ttft(spp: int, trace: list[TraceRequest]) -> list[float]:
+    def ttft(spp: int, trace: list[TraceRequest], spec: str = "medha:tpot_slo=0.1") -> list[float]:
         config = SimConfig(num_prefill=0, num_decode=0, num_colocated=1, colocated_spp=spp, decode_kv_blocks=40_000)
-        sim = Simulator("medha:tpot_slo=0.1", latency(), replace(config, max_model_len=600_000))
+        sim = Simulator(spec, latency(), replace(config, max_model_len=600_000))
         result = sim.run(trace)
         check_invariants(sim, result)
         return [r.ttft for r in sorted(result.records, key=lambda r: r.arrived_at)]
@@ -185,3 +185,9 @@ def test_a_sequence_pipeline_replica_overlaps_a_prompts_chunks_and_waits_for_the
     # a short request decoding through the long prefill: every iteration samples, so none overlaps
     beside = [TraceRequest(0.0, 50, 4000), TraceRequest(0.01, 100_000, 2)]
     assert 0.95 < ttft(2, beside)[1] / ttft(1, beside)[1] < 1.05
+    # spp_overlap: the decode takes every other iteration, so the prompt's chunks overlap again
+    overlapped = ttft(2, beside, "medha:tpot_slo=0.1,spp_overlap=1")[1] / ttft(1, beside)[1]
+    assert overlapped < 0.75, overlapped
+
+    with pytest.raises(ValueError, match="spp_overlap must be 0 or 1"):
+        create_strategy("medha:spp_overlap=2", latency())

@@ -170,6 +170,7 @@ class SimInstance:
             max_model_len=self.max_model_len,
             node=self.node,
             tp_size=getattr(self, "tp", 1),
+            spp_size=getattr(self, "spp", 1),
             kvp_group=getattr(self, "kvp_group", ""),
             kv_bytes_per_token=self.kv_bytes_per_token,
             **self._load(),
@@ -223,6 +224,7 @@ class SimColocated(SimDecode):
     (Sarathi-style mixed batch). A request takes blocks for its whole sequence when its first chunk starts."""
 
     kvp_group: str = ""
+    spp: int = 1  # sequence-pipeline stages (SimConfig.colocated_spp)
     prefills: deque[ChunkJob] = field(default_factory=deque)
     queued_tokens: int = 0
     step_chunk: ChunkJob | None = None  # the chunk in the step now running

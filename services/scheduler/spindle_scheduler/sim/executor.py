@@ -118,7 +118,16 @@ class Simulator(PrefillSide, DecodeSide, Swaps, IterationSide):
             for j in range(n_d)
         ]
         colocated = [
-            SimColocated(f"elastic-{k}", "elastic", 1 + n_p + n_d + k, cfg.decode_kv_blocks, bs, ctx, tp=tp_c)
+            SimColocated(
+                f"elastic-{k}",
+                "elastic",
+                1 + n_p + n_d + k,
+                cfg.decode_kv_blocks,
+                bs,
+                ctx,
+                tp=tp_c,
+                spp=cfg.colocated_spp,
+            )
             for k in range(cfg.num_colocated)
         ]
         ordered: list[SimInstance] = [*prefills, *decodes, *colocated]
@@ -140,6 +149,7 @@ class Simulator(PrefillSide, DecodeSide, Swaps, IterationSide):
         self._elastic_kv: dict[str, dict[str, int]] = {}
         self._in_batch: dict[str, int] = {}
         self._stage_free: dict[str, list[float]] = {}  # sequence-pipeline instance -> when each stage frees up
+        self._sampled_by: dict[str, float] = {}
         self._batch_of: dict[str, int] = {}
         self._migrations: dict[str, int] = {}
         self._remaining = 0

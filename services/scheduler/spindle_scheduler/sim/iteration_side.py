@@ -19,7 +19,10 @@ On a sequence-pipeline instance (`colocated_spp` S > 1, Medha's SPP) an iteratio
 its S stages (T / S each, after the previous stage and once the stage is free; the activations passed between
 stages are not charged: a 2,048-token chunk of Llama-3-8B is 16 MB, ~0.1 ms over NVLink). An iteration that samples
 nothing (prefill parts that do not end their prompts, no decodes) is done for the strategy when stage 0 is, so the
-next one starts while the later stages still work; one that samples is done when its last stage is.
+next one starts while the later stages still work; one that samples is done when its last stage is, unless the
+strategy marks it `overlap` (it keeps the requests it samples out of the next S - 1 iterations): then it is done at
+stage 0 too, its sampled tokens are timed when the last stage ends, and an iteration that names one of those
+requests does not enter stage 0 before that.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class IterationSide(SimBase):
     _batch_of: dict[str, int]  # request id -> batch id of the iteration it is in now (migrating: -1)
     _migrations: dict[str, int]  # instance -> migrations off it in flight
     _stage_free: dict[str, list[float]]  # sequence-pipeline instance -> when each of its stages frees up
+    _sampled_by: dict[str, float]  # request -> when its last sampled token leaves the pipeline (overlap only)
 
     def _member(self, iid: str) -> SimColocated:
         inst = self.instances[iid]
@@ -91,28 +95,36 @@ class IterationSide(SimBase):
             assert held and self.records[d.request_id].token_times, f"{d.request_id} decodes before its prefill"
             assert set(held) <= set(a.instances), f"{d.request_id}'s KV on {sorted(held)} outside {a.instances}"
         seconds = self._iteration_seconds(a, prefills, decodes)
+        sampled_s = seconds
         if self.config.colocated_spp > 1 and len(a.instances) == 1:
             samples = bool(decodes) or any(p.last for p in prefills)
-            seconds = self._pipelined(a.instances[0], now, seconds, samples)
+            rids = [p.request_id for p in prefills] + [d.request_id for d in decodes]
+            ready = max((self._sampled_by.get(rid, 0.0) for rid in rids), default=0.0)
+            seconds, sampled_s = self._pipelined(a.instances[0], max(now, ready), seconds, samples and not a.overlap)
+            seconds, sampled_s = seconds + max(0.0, ready - now), sampled_s + max(0.0, ready - now)
+            if a.overlap:
+                for rid in [p.request_id for p in prefills if p.last] + [d.request_id for d in decodes]:
+                    self._sampled_by[rid] = now + sampled_s
         for rid in [p.request_id for p in prefills] + [d.request_id for d in decodes]:
             self._batch_of[rid] = a.batch_id
         for iid in a.instances:
             self._in_batch[iid] = a.batch_id
             self._member(iid).busy_spans.append((now, now + seconds))
         kept = RunBatch(a.batch_id, a.instances, tuple(prefills), tuple(decodes)) if prefills or decodes else None
-        self.queue.push(now + seconds, EventKind.ITERATION_DONE, (a, kept, seconds))
+        self.queue.push(now + seconds, EventKind.ITERATION_DONE, (a, kept, seconds, now + sampled_s))
 
-    def _pipelined(self, iid: str, now: float, seconds: float, samples: bool) -> float:
-        """Seconds until the strategy sees an iteration of full-pass time `seconds` done on pipeline `iid`."""
+    def _pipelined(self, iid: str, now: float, seconds: float, wait: bool) -> tuple[float, float]:
+        """(seconds until the strategy sees an iteration of full-pass time `seconds` done on pipeline `iid`, seconds
+        until its last stage ends): done at the last stage's end when `wait`, else at stage 0's."""
         spp = self.config.colocated_spp
         free = self._stage_free.setdefault(iid, [0.0] * spp)
-        end = now
+        end = first = now
         for stage in range(spp):
             end = max(end, free[stage]) + seconds / spp
             free[stage] = end
-            if stage == 0 and not samples:
-                done = end
-        return (end if samples else done) - now
+            if stage == 0:
+                first = end
+        return (end if wait else first) - now, end - now
 
     def _iteration_seconds(self, a: RunBatch, prefills: list[PrefillPart], decodes: list[DecodePart]) -> float:
         s, lat, tp = len(a.instances), self.latency, self.config.colocated_tp
@@ -139,8 +151,8 @@ class IterationSide(SimBase):
                 seconds += lat.decode.predict(math.ceil(b / s), kv / s, tp, 1)
         return seconds
 
-    def _on_iteration_done(self, now: float, payload: tuple[RunBatch, RunBatch | None, float]) -> None:
-        sent, ran, seconds = payload
+    def _on_iteration_done(self, now: float, payload: tuple[RunBatch, RunBatch | None, float, float]) -> None:
+        sent, ran, seconds, at = payload  # `at`: when its sampled tokens leave the pipeline (now, but with overlap)
         for iid in sent.instances:
             del self._in_batch[iid]
         for p in ran.prefills if ran else ():
@@ -156,7 +168,7 @@ class IterationSide(SimBase):
                 )  # fmt: skip
                 self._emit(progress, now)
             else:
-                self._first_token(rec, sent.instances[0], now)
+                self._first_token(rec, sent.instances[0], now, at)
         for d in ran.decodes if ran else ():
             rid = d.request_id
             del self._batch_of[rid]
@@ -165,32 +177,35 @@ class IterationSide(SimBase):
                 self._free_elastic(rid)
                 continue
             self._hold(rid, d.master, 1)
-            rec.token_times.append(now)
+            rec.token_times.append(at)
             if len(rec.token_times) >= rec.num_decode_tokens:
-                self._finish_elastic(rec, d.master, now)
+                self._finish_elastic(rec, d.master, now, at)
         self._emit(IterationDone(instance_id=sent.instances[0], batch_id=sent.batch_id, seconds=seconds), now)
 
-    def _first_token(self, rec: RequestRecord, instance_id: str, now: float) -> None:
+    def _first_token(self, rec: RequestRecord, instance_id: str, now: float, at: float | None = None) -> None:
+        """The first token, sampled at `at` (default now; later under overlap: the strategy hears of it now)."""
         rid = rec.request_id
-        rec.prefill_end = now
-        rec.token_times.append(now)
+        at = now if at is None else at
+        rec.prefill_end = at
+        rec.token_times.append(at)
         finished = rec.num_decode_tokens <= 1
-        seconds = now - (rec.prefill_start or now)
+        seconds = at - (rec.prefill_start or at)
         self._emit(PrefillDone(request_id=rid, instance_id=instance_id, seconds=seconds, finished=finished), now)
         if finished:
             self._free_elastic(rid)
             if rec.state == "pending":
-                self._end(rec, "finished", now)
+                self._end(rec, "finished", at)
             return
         if rec.state != "pending":
             self._free_elastic(rid)
             return
-        rec.transfer_end = rec.decode_start = now
+        rec.transfer_end = rec.decode_start = at
         self._emit(DecodeStarted(request_id=rid, instance_id=rec.decode_instance), now)
 
-    def _finish_elastic(self, rec: RequestRecord, master: str, now: float) -> None:
+    def _finish_elastic(self, rec: RequestRecord, master: str, now: float, at: float | None = None) -> None:
         self._free_elastic(rec.request_id)
-        self._end(rec, "finished", now)
+        self._end(rec, "finished", now if at is None else at)
+        self._sampled_by.pop(rec.request_id, None)
         done = RequestFinished(
             request_id=rec.request_id, instance_id=master, finish_reason="length",
             num_output_tokens=len(rec.token_times),

@@ -28,6 +28,10 @@ Choices the paper leaves open (options):
 
 A replica may be a sequence pipeline (`spindle up --spp N`, `spindle sim --spp N`: Medha's SPP); the strategy plans
 it like any replica: the pipelining is the instance's (an iteration that samples nothing is done when stage 0 is).
+With `spp_overlap=1` it also keeps every request an iteration samples out of the next S - 1 iterations of an
+S-stage replica (decodes in S micro-batches), so that iteration need not be waited for either (`RunBatch.overlap`):
+a schedule for a pipeline engine that samples asynchronously, which the simulator models and Spindle's engine does
+not have (the services refuse the option).
 Not there yet (issue 23): KVP across replicas (a request whose KV outgrows a replica is refused with 400, not
 spilled onto the next one); n > 1 choices are refused (400).
 """
@@ -62,6 +66,9 @@ class Replica:
     queue: list[Prefilling] = field(default_factory=list)  # prompts not done, in arrival order
     decoding: dict[str, int] = field(default_factory=dict)  # request -> KV tokens it holds
     running: int | None = None  # batch id of the iteration in flight
+    spp: int = 1  # sequence-pipeline stages
+    iterations: int = 0  # iterations sent
+    sampled_at: dict[str, int] = field(default_factory=dict)  # request -> the iteration that last sampled it
 
     def free(self) -> int:
         return self.capacity - sum(self.reserved.values())
@@ -94,6 +101,7 @@ class MedhaStrategy(Strategy):
         max_chunk: int = 8192,
         max_share: float = 0.5,
         max_prefills: int = 8,
+        spp_overlap: int = 0,
     ) -> None:
         super().__init__(latency)
         if policy not in POLICIES:
@@ -106,6 +114,9 @@ class MedhaStrategy(Strategy):
             raise ValueError(f"medha: need 1 <= min_chunk <= max_chunk, got {min_chunk}, {max_chunk}")
         if not 0 <= max_share < 1 or max_prefills < 1:
             raise ValueError("medha: max_share must be in [0, 1) and max_prefills >= 1")
+        if spp_overlap not in (0, 1):
+            raise ValueError(f"medha: spp_overlap must be 0 or 1, got {spp_overlap!r}")
+        self.spp_overlap = bool(spp_overlap)
         self.policy, self.tpot_slo, self.ttft_min_s, self.ttft_factor = policy, tpot_slo, ttft_min_s, ttft_factor
         self.min_chunk, self.max_chunk, self.max_prefills = min_chunk, max_chunk, max_prefills
         self.max_share = max_share if policy == "ilrs" else 0.0
@@ -116,16 +127,22 @@ class MedhaStrategy(Strategy):
         self._model: MixedBatchModel | None = None
         self._ids = itertools.count(1)
 
+    @classmethod
+    def stack_gap(cls, options: dict[str, object]) -> str:
+        if options.get("spp_overlap"):
+            return "spp_overlap=1 needs a pipeline engine that samples asynchronously (Spindle's waits for each step)"
+        return cls.real_stack_gap
+
     def options(self) -> dict[str, object]:
         return {
             "policy": self.policy, "tpot_slo": self.tpot_slo, "ttft_min_s": self.ttft_min_s,
             "ttft_factor": self.ttft_factor, "min_chunk": self.min_chunk, "max_chunk": self.max_chunk,
-            "max_share": self._share_given, "max_prefills": self.max_prefills,
+            "max_share": self._share_given, "max_prefills": self.max_prefills, "spp_overlap": int(self.spp_overlap),
         }  # fmt: skip
 
     def describe(self) -> str:
         defaults = {"policy": "ilrs", "ttft_min_s": 0.25, "ttft_factor": 3.0, "min_chunk": 64, "max_chunk": 8192,
-                    "max_share": 0.5, "max_prefills": 8, "tpot_slo": 0.0}  # fmt: skip
+                    "max_share": 0.5, "max_prefills": 8, "tpot_slo": 0.0, "spp_overlap": 0}  # fmt: skip
         opts = {k: v for k, v in self.options().items() if defaults.get(k) != v}
         return f"{self.name}:{','.join(f'{k}={v}' for k, v in opts.items())}" if opts else self.name
 
@@ -159,7 +176,8 @@ class MedhaStrategy(Strategy):
             if inst.id not in self.replicas:
                 info = inst.info
                 block = info.block_size or 1
-                self.replicas[inst.id] = Replica(inst.id, info.rank, info.tp_size, info.kv_blocks_total * block, block)
+                self.replicas[inst.id] = Replica(inst.id, info.rank, info.tp_size, info.kv_blocks_total * block, block,
+                                                 spp=info.spp_size)  # fmt: skip
                 self._model = None  # a new TP degree may need its fit
         for r in self.replicas.values():
             for rid in [x for x in r.reserved if x not in state.requests]:
@@ -171,6 +189,7 @@ class MedhaStrategy(Strategy):
         for r in self.replicas.values():
             r.reserved.pop(rid, None)
             r.decoding.pop(rid, None)
+            r.sampled_at.pop(rid, None)
             r.queue = [p for p in r.queue if p.rid != rid]
 
     # ---- the strategy interface ----
@@ -240,8 +259,8 @@ class MedhaStrategy(Strategy):
         self._place(now)
         actions: list[Action] = []
         for r in sorted(self.replicas.values(), key=lambda x: x.rank):
-            if r.running is None and (r.queue or r.decoding):
-                actions.append(self._iteration(r, now))
+            if r.running is None and (r.queue or r.decoding) and (batch := self._iteration(r, now)) is not None:
+                actions.append(batch)
         return actions
 
     def _place(self, now: float) -> None:
@@ -258,19 +277,35 @@ class MedhaStrategy(Strategy):
             best.reserved[p.rid] = -(-tokens // best.block) * best.block
             best.queue.append(p)
 
-    def _iteration(self, r: Replica, now: float) -> RunBatch:
-        decode_kv = sum(r.decoding.values())
-        remaining = {p.rid: self.alone_s(r.tp, p.done, p.left) for p in r.queue}
-        order = sorted(r.queue, key=lambda p: priority(self.policy, p, now, remaining[p.rid]))
+    def _iteration(self, r: Replica, now: float) -> RunBatch | None:
+        overlap = self.spp_overlap and r.spp > 1
+        k = r.iterations
+
+        def ready(rid: str) -> bool:
+            """With overlap, a request sampled in one of the last spp - 1 iterations has its token in the pipeline."""
+            return not overlap or k - r.sampled_at.get(rid, -r.spp) >= r.spp
+
+        decoding = [rid for rid in r.decoding if ready(rid)]
+        queue = [p for p in r.queue if ready(p.rid)]
+        if not decoding and not queue:  # all in the pipeline: the next iteration waits for the oldest samples
+            decoding, queue = list(r.decoding), list(r.queue)
+        decode_kv = sum(r.decoding[rid] for rid in decoding)
+        remaining = {p.rid: self.alone_s(r.tp, p.done, p.left) for p in queue}
+        order = sorted(queue, key=lambda p: priority(self.policy, p, now, remaining[p.rid]))
 
         def slack(p: Prefilling) -> float:
             return relative_slack(p, now, remaining[p.rid])
 
         limits = PackLimits(self.target_s(r.tp), self.min_chunk, self.max_chunk, self.max_share, self.max_prefills)
-        chunks = pack(self.model(), r.tp, order, len(r.decoding), decode_kv, limits, slack)
+        chunks = pack(self.model(), r.tp, order, len(decoding), decode_kv, limits, slack)
+        if not chunks and not decoding:
+            return None
         bid = next(self._ids)
         parts = tuple(PrefillPart(p.spec, p.done, p.done + n, (KVShard(r.id, p.done, p.done + n),)) for p, n in chunks)
-        decodes = tuple(DecodePart(rid, r.id) for rid in r.decoding)
+        decodes = tuple(DecodePart(rid, r.id) for rid in decoding)
         r.running = bid
-        self.in_flight[bid] = InFlight(r.id, [(p.rid, n) for p, n in chunks], list(r.decoding))
-        return RunBatch(bid, (r.id,), prefills=parts, decodes=decodes)
+        r.iterations += 1
+        for rid in [*decoding, *(p.rid for p, n in chunks if p.done + n >= p.prompt)]:
+            r.sampled_at[rid] = k
+        self.in_flight[bid] = InFlight(r.id, [(p.rid, n) for p, n in chunks], decoding)
+        return RunBatch(bid, (r.id,), prefills=parts, decodes=decodes, overlap=overlap)
