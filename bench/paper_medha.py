@@ -3,13 +3,13 @@
     python bench/paper_medha.py           # bench/results/paper_medha.{json,png}
     python bench/paper_medha.py --quick   # fewer requests and rates: a smoke run (bench/results/paper_medha_quick.*)
 
-- Cluster (§5.1-5.2): Llama-3-8B on two DGX-A100 servers (16 A100-80G). Medha runs TP8-SPP2 there, one replica of
-  16 GPUs: `Medha (TP8-SPP2)` (the simulator pipelines an iteration over the stages when it samples nothing, see
+- Cluster (§5.1-5.2): Llama-3-8B on two DGX-A100 servers (16 A100-80G). Medha runs TP8-SPP2 there, one replica of 16
+  GPUs: `Medha (TP8-SPP2)` (the simulator pipelines an iteration over the stages when it samples nothing, see
   sim/iteration_side.py), and `Medha (TP8-SPP2, overlap)` (decodes in one micro-batch per stage, so every iteration
-  overlaps: `medha:spp_overlap=1`, a schedule for an engine that samples asynchronously); `Medha` and its
-  scheduler ablations get the same 16 GPUs as two TP8 replicas behind its KVP load balancer. Sarathi (vLLM's scheduler past 32K tokens) runs TP8-PP2 in the paper;
-  here `chunked` (FCFS chunked prefill) with 512- and 2048-token chunks on two TP8 colocated instances, the same
-  shape as Medha's. LoongServe (TP2, CP4): `loongserve` on 8 elastic TP2 instances.
+  overlaps: `medha:spp_overlap=1`, a schedule for an engine that samples asynchronously); `Medha` and its scheduler
+  ablations get the same 16 GPUs as two TP8 replicas behind its KVP load balancer. Sarathi (vLLM's scheduler past 32K
+  tokens) runs TP8-PP2 in the paper; here `chunked` (FCFS chunked prefill) with 512- and 2048-token chunks on two TP8
+  colocated instances, the same shape as Medha's. LoongServe (TP2, CP4): `loongserve` on 8 elastic TP2 instances.
 - Workloads: ShareGPT4-like short requests (`medha-mix:0`) and the same with 5 % long requests of 128K-1M tokens
   (`medha-mix:0.05`, Medha-SWE's P50 393K / P90 839K prompt and 518 / 808 output tokens); Poisson arrivals at
   0.25-1.75 QPS as Fig. 15/16.
