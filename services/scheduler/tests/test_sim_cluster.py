@@ -188,3 +188,20 @@ def test_every_strategy_runs_on_this_machines_fitted_device(name: str, tmp_path:
     d = json.loads(out.read_text())
     assert d["completed"] == d["num_requests"] == 30, d["strategy"]
     assert d["cluster"]["hardware"] == "cpu" and d["cluster"]["gpus"] == 4  # the fitted device keeps its name
+
+
+def test_compare_gives_pipeline_replicas_only_to_strategies_that_can_run_on_them() -> None:
+    from spindle_scheduler.sim.compare import build_compare_parser, prepare
+
+    args = build_compare_parser().parse_args(
+        ["--hardware", "a100-80g", "--nodes", "2", "--decode-tp", "8", "--spp", "2", "--num-requests", "10"]
+    )
+    entries = {e.asked: e for e in prepare(args, ["medha", "loongserve", "single"])}
+    assert (entries["medha"].setup.shape.num_colocated, entries["medha"].setup.shape.colocated_spp) == (1, 2)
+    assert (entries["loongserve"].setup.shape.num_colocated, entries["loongserve"].setup.shape.colocated_spp) == (2, 1)
+    assert entries["single"].setup.shape.num_prefill > 0 and not entries["single"].skipped
+    from spindle_scheduler.sim.cli import build_parser, setups
+
+    single = build_parser().parse_args(["--hardware", "a100-80g", "--spp", "2", "--strategy", "single"])
+    with pytest.raises(ValueError, match="--spp shapes pipeline replicas"):
+        setups(single, ["single"])

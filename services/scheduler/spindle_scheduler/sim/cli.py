@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -253,17 +253,24 @@ def setups(args: argparse.Namespace, specs: list[str]) -> dict[str, SimSetup]:
     """Each strategy's cluster shape, latency model and config: on a named cluster, the GPUs shaped as it runs
     (one build per shape); otherwise the same instances and latency source for all."""
     cluster = _cluster_spec(args)
+    if (args.spp or 1) > 1 and len(specs) == 1 and not strategy_class(specs[0]).keeps_kv_in_place:
+        raise ValueError(f"--spp shapes pipeline replicas for strategies that keep a request's KV on one colocated "
+                         f"instance (chunked, medha), not {specs[0]}")  # fmt: skip
     if cluster is None:  # the given instances; their GPUs reshaped for a strategy they do not suit
         config = _sim_config(args)
         setup = SimSetup(given_shape(config), _latency(args), config)
-        return {spec: reshaped(setup, strategy_class(spec).colocated) for spec in specs}
-    built: dict[tuple[bool, bool], SimSetup] = {}
+        return {
+            spec: reshaped(setup, strategy_class(spec).colocated, strategy_class(spec).keeps_kv_in_place)
+            for spec in specs
+        }
+    built: dict[tuple[bool, bool, bool], SimSetup] = {}
     out = {}
     for spec in specs:
         cls = strategy_class(spec)
-        kind = (cls.colocated, cls.elastic)
-        if kind not in built:
-            built[kind] = named_cluster(cluster, *kind, **_sim_options(args))
+        kind = (cls.colocated, cls.elastic, cls.keeps_kv_in_place)
+        if kind not in built:  # a pipeline (--spp) only for the strategies that can run on one
+            shaped = cluster if cls.keeps_kv_in_place else replace(cluster, spp=None)
+            built[kind] = named_cluster(shaped, cls.colocated, cls.elastic, **_sim_options(args))
         out[spec] = built[kind]
     return out
 

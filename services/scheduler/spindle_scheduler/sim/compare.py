@@ -150,18 +150,20 @@ def prepare(args: argparse.Namespace, specs: list[str]) -> list[Entry]:
         config = _sim_config(args)
         given = SimSetup(given_shape(config), _latency(args), config)
 
-    def shape(colocated: bool, elastic: bool) -> SimSetup:
+    def shape(colocated: bool, elastic: bool, pipelines: bool) -> SimSetup:
+        """`pipelines`: the strategy can run on sequence-pipeline replicas (--spp); the others get plain ones."""
         if given is not None:
-            return reshaped(given, colocated)
+            return reshaped(given, colocated, pipelines)
         assert named is not None
-        return named_cluster(named, colocated, elastic, **_sim_options(args))
+        return named_cluster(named if pipelines else replace(named, spp=None), colocated, elastic,
+                             **_sim_options(args))  # fmt: skip
 
-    built: dict[tuple[bool, bool], SimSetup | str] = {}
+    built: dict[tuple[bool, bool, bool], SimSetup | str] = {}
     entries: list[Entry] = []
     ran: dict[str, str] = {}  # spec as run -> as asked
     for asked in specs:
         cls = strategy_class(asked)
-        kind = (cls.colocated, cls.elastic)
+        kind = (cls.colocated, cls.elastic, cls.keeps_kv_in_place)
         if kind not in built:
             try:
                 built[kind] = shape(*kind)
@@ -253,6 +255,8 @@ def short_shape(shape: ClusterShape) -> str:
         )
         if n
     ]
+    if shape.colocated_spp > 1 and shape.num_colocated:  # pipeline replicas: colocated only
+        return " + ".join(f"{n} {role} TP{tp}" for role, n, tp in roles) + f"-SPP{shape.colocated_spp}"
     if len({tp for _, _, tp in roles}) == 1:
         return " + ".join(f"{n} {role}" for role, n, _ in roles) + f", TP{roles[0][2]}"
     return " + ".join(f"{n} {role} TP{tp}" for role, n, tp in roles)

@@ -321,18 +321,23 @@ def given_shape(config: SimConfig, how: str = "as given") -> ClusterShape:
     return ClusterShape(None, None, nodes, c.gpus_per_node, *counts, text, c.colocated_spp)
 
 
-def reshaped(setup: SimSetup, colocated: bool) -> SimSetup:
+def reshaped(setup: SimSetup, colocated: bool, pipelines: bool = True) -> SimSetup:
     """A cluster given as instance counts, for a strategy that runs colocated (`colocated`) or disaggregated: the
-    same GPUs as colocated instances, or half prefill and the rest decode, when the given ones do not suit it."""
+    same GPUs as colocated instances, or half prefill and the rest decode, when the given ones do not suit it.
+    Colocated instances given as pipelines (`colocated_spp` > 1) become plain ones for a strategy that cannot use
+    them (`pipelines` False: it moves KV between instances)."""
     c = setup.config
     gpus = sum(c.instance_widths())
-    if colocated and not c.num_colocated:
+    if colocated and c.num_colocated and c.colocated_spp > 1 and not pipelines:
+        config = replace(c, colocated_spp=1, num_colocated=gpus // c.colocated_tp)
+        how = f"the given {gpus} GPUs as colocated instances without pipeline stages"
+    elif colocated and not c.num_colocated:
         config = replace(c, num_prefill=0, num_decode=0, num_colocated=gpus // (c.colocated_tp * c.colocated_spp))
         how = f"the given {gpus} GPUs as colocated instances"
     elif not colocated and not (c.num_prefill and c.num_decode):
         n_p = gpus // 2 // c.prefill_tp
         n_d = (gpus - n_p * c.prefill_tp) // c.decode_tp
-        config = replace(c, num_prefill=n_p, num_decode=n_d, num_colocated=0)
+        config = replace(c, num_prefill=n_p, num_decode=n_d, num_colocated=0, colocated_spp=1)
         how = f"the given {gpus} GPUs split: half prefill, the rest decode"
     else:
         return setup
