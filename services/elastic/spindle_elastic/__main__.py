@@ -8,10 +8,9 @@ from dataclasses import replace
 from spindle_protocol import service
 from spindle_worker import InstanceConfig
 
-from .instance import ElasticInstance
+from .instance import DEFAULT_KV_CACHE_GB, ElasticInstance
 
 DEFAULT_SHARED_CHUNK = 512
-DEFAULT_KV_CACHE_GB = 2.0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -59,6 +59,8 @@ from .migrate import KVMigration
 
 log = logging.getLogger("spindle.elastic")
 
+DEFAULT_KV_CACHE_GB = 2.0  # an elastic instance (every member of a pipeline) holds every request's KV
+
 
 @dataclass
 class ElasticJob(Job):

@@ -7,6 +7,7 @@ and registers nothing: the leader answers for the instance. Exits non-zero when 
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 
@@ -16,13 +17,12 @@ from spindle_transfer import DataPlane
 from spindle_worker.follower_args import check_follower_rank, follower_parser
 from spindle_worker.instance import engine_config_from_args
 
-from .__main__ import DEFAULT_KV_CACHE_GB
-from .instance import spp_pipeline_config
+from .instance import DEFAULT_KV_CACHE_GB, spp_pipeline_config
 
 log = logging.getLogger("spindle.elastic.spp")
 
 
-def build_parser():
+def build_parser() -> argparse.ArgumentParser:
     p = follower_parser(
         "python -m spindle_elastic.spp_stage",
         "A member of a sequence-pipeline-parallel elastic instance other than its leader: holds its stage's layer "

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +37,7 @@ from ..engine import Engine, StepOutput
 from ..kv_cache import KVCache
 from ..model_runner import ModelRunner, StepBatch
 from ..sampling_params import SamplingParams
-from .stage import SEND_TIMEOUT_S, PipelineLayout, stage_layers
+from .stage import SEND_TIMEOUT_S, PipelineLayout, PipelineStats, stage_layers
 from .wire import StageStep, post_step, recv_return, wait_posted
 
 log = logging.getLogger("spindle.engine.spp")
@@ -48,11 +48,10 @@ KEEPALIVE_S = 1.0  # an idle leader still sends an empty step this often (the st
 def spp_engine_config(config: EngineConfig, model_config: ModelConfig, spp: int, tp: int = 1) -> EngineConfig:
     """`config` for every member of an `spp`-stage engine (TP `tp` inside each stage): the KV capacity fixed in
     tokens, the same on every member (what the largest stage's layers at TP rank 0's heads fit into
-    `kv_cache_memory_gb`, unless `kv_cache_tokens` is given), no CUDA graphs and no fused CPU decode (both run the
-    whole model)."""
+    `kv_cache_memory_gb`, unless `kv_cache_tokens` is given). The leader turns off CUDA graphs and the fused CPU
+    decode itself (both run the whole model)."""
     start, end = stage_layers(model_config.num_layers, spp, 0)  # stage 0 has the most layers
     heads = TPShard.create(model_config, 0, tp).num_kv_heads  # ValueError for a TP size the model cannot split
-    config = replace(config, cuda_graphs=False, fused_cpu_decode=False)
     if config.kv_cache_tokens is not None:
         return config
     per_token = KVCache.bytes_per_token(end - start, heads, model_config.head_dim, config.torch_dtype)
@@ -79,16 +78,6 @@ def load_stage(
     return model, weights["lm_head.weight"].to(config.torch_device)
 
 
-@dataclass
-class LeaderStats:
-    steps: int = 0
-    steps_not_waited: int = 0  # posted down the pipeline without waiting (sequence pipelining)
-    busy_s: float = 0.0  # time in stage 0's layers
-    wait_s: float = 0.0  # time waiting for the last stage's rows
-    bytes_out: int = 0
-    step_spans: list[tuple[float, float]] = field(default_factory=list)
-
-
 class SPPRunner(ModelRunner):
     def __init__(
         self,
@@ -109,7 +98,7 @@ class SPPRunner(ModelRunner):
         self.max_in_flight = max_in_flight
         self.seq = 0
         self.in_flight: deque[list] = deque()  # per posted step not yet known to be through: its sends
-        self.stats = LeaderStats()
+        self.stats = PipelineStats()
         self.record_spans = False
         self.pipelined = True  # False: wait for every step to pass the last stage (for comparison)
         self.kept_logits: list[Tensor] | None = None  # a list: every sampled row's logits are appended (verify)
@@ -205,11 +194,7 @@ class SPPLeaderEngine(Engine):
         self._closed = False
 
     @property
-    def spp_size(self) -> int:
-        return self.layout.spp
-
-    @property
-    def stats(self) -> LeaderStats:
+    def stats(self) -> PipelineStats:
         return self.runner.stats
 
     def add_request(

@@ -80,11 +80,14 @@ def stage_layers(num_layers: int, spp: int, stage: int) -> tuple[int, int]:
 
 
 @dataclass
-class StageStats:
+class PipelineStats:
+    """What one member of a pipeline did (the leader's and every stage's)."""
+
     steps: int = 0
     tokens: int = 0
-    busy_s: float = 0.0  # time in this stage's layers
-    wait_s: float = 0.0  # time waiting for the previous stage
+    steps_not_waited: int = 0  # leader: posted down the pipeline without waiting (sequence pipelining)
+    busy_s: float = 0.0  # time in this member's layers
+    wait_s: float = 0.0  # stage: waiting for the previous stage; leader: for the last stage's rows
     bytes_in: int = 0
     bytes_out: int = 0
     step_spans: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of each step's compute
@@ -125,7 +128,7 @@ class PipelineStage:
             len(model.layers), num_blocks, block_size, model.num_local_kv_heads, self.config.head_dim, model.dtype,
             model.device,
         )  # fmt: skip
-        self.stats = StageStats()
+        self.stats = PipelineStats()
         self.record_spans = False
 
     @property

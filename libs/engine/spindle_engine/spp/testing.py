@@ -40,8 +40,8 @@ def stage_model(layout: PipelineLayout, rank: int, **tiny: object) -> tuple[Llam
 
 def pipeline_worker(rank: int, world: int, script_json: str, tie: bool = True, tp: int = 1) -> dict[str, torch.Tensor]:
     layout = PipelineLayout.consecutive(0, world // tp, tp)
-    config = spp_engine_config(CONFIG, tiny_llama(tie=tie)[1].config, layout.spp, tp)
     model, head = stage_model(layout, rank, tie=tie)
+    config = spp_engine_config(CONFIG, model.config, layout.spp, tp)
     if rank != layout.leader:
         stage = PipelineStage(model, layout, rank, num_blocks=config.kv_cache_tokens // config.block_size,
                               block_size=config.block_size)  # fmt: skip

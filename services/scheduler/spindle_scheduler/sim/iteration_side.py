@@ -99,12 +99,12 @@ class IterationSide(SimBase):
         if self.config.colocated_spp > 1 and len(a.instances) == 1:
             samples = bool(decodes) or any(p.last for p in prefills)
             rids = [p.request_id for p in prefills] + [d.request_id for d in decodes]
-            ready = max((self._sampled_by.get(rid, 0.0) for rid in rids), default=0.0)
-            seconds, sampled_s = self._pipelined(a.instances[0], max(now, ready), seconds, samples and not a.overlap)
-            seconds, sampled_s = seconds + max(0.0, ready - now), sampled_s + max(0.0, ready - now)
+            start = max([now, *(self._sampled_by.get(rid, now) for rid in rids)])
+            done_at, sampled_at = self._pipelined(a.instances[0], start, seconds, samples and not a.overlap)
+            seconds, sampled_s = done_at - now, sampled_at - now
             if a.overlap:
                 for rid in [p.request_id for p in prefills if p.last] + [d.request_id for d in decodes]:
-                    self._sampled_by[rid] = now + sampled_s
+                    self._sampled_by[rid] = sampled_at
         for rid in [p.request_id for p in prefills] + [d.request_id for d in decodes]:
             self._batch_of[rid] = a.batch_id
         for iid in a.instances:
@@ -113,18 +113,18 @@ class IterationSide(SimBase):
         kept = RunBatch(a.batch_id, a.instances, tuple(prefills), tuple(decodes)) if prefills or decodes else None
         self.queue.push(now + seconds, EventKind.ITERATION_DONE, (a, kept, seconds, now + sampled_s))
 
-    def _pipelined(self, iid: str, now: float, seconds: float, wait: bool) -> tuple[float, float]:
-        """(seconds until the strategy sees an iteration of full-pass time `seconds` done on pipeline `iid`, seconds
-        until its last stage ends): done at the last stage's end when `wait`, else at stage 0's."""
+    def _pipelined(self, iid: str, start: float, seconds: float, wait: bool) -> tuple[float, float]:
+        """(when the strategy sees an iteration of full-pass time `seconds`, entering pipeline `iid` at `start`, done,
+        when its last stage ends): done at the last stage's end when `wait`, else at stage 0's."""
         spp = self.config.colocated_spp
         free = self._stage_free.setdefault(iid, [0.0] * spp)
-        end = first = now
+        end = first = start
         for stage in range(spp):
             end = max(end, free[stage]) + seconds / spp
             free[stage] = end
             if stage == 0:
                 first = end
-        return (end if wait else first) - now, end - now
+        return (end if wait else first), end
 
     def _iteration_seconds(self, a: RunBatch, prefills: list[PrefillPart], decodes: list[DecodePart]) -> float:
         s, lat, tp = len(a.instances), self.latency, self.config.colocated_tp
