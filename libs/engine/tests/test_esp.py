@@ -79,3 +79,34 @@ def test_an_abort_seen_by_one_member_drops_the_request_everywhere(tmp_path) -> N
             got |= dict(zip(r["index:a"].tolist(), r["tokens:a"].tolist(), strict=True))
     assert [got[i] for i in range(MAX_TOKENS)] == want["a"]
     assert [int(r["blocks"]) for r in ranks] == [0, 0, 0]
+
+
+def test_kv_parallel_chunks_spill_a_prompt_over_members(tmp_path) -> None:
+    """Medha's KVP (§3.4): a prompt's chunks computed by one member after another (uneven sizes), each attending the
+    earlier chunks' KV where it stays, beside another request's chunks and decodes; then decodes on the last
+    member over all three parts, and on a member that holds a middle part."""
+    g = torch.Generator().manual_seed(5)
+    prompts = {rid: torch.randint(3, 301, (n,), generator=g).tolist() for rid, n in (("e", 70), ("f", 20))}
+    want = reference_tokens(prompts, "greedy", MAX_TOKENS)
+    all3 = [0, 1, 2]
+    steps: list[dict] = [
+        {"members": [0], "chunks": [["e", 0, 0, 25]]},  # e on member 0 alone
+        {"members": [1], "chunks": [["f", 0, 0, 9]]},  # f on member 1 alone (member index 0 of [1])
+        {"members": [0, 1], "chunks": [["e", 1, 25, 41], ["f", 1, 9, 20]]},  # e spills onto 1 (a hand-over)
+        {"members": all3, "chunks": [["e", 2, 41, 70]], "decodes": [["f", 1]]},  # and onto 2: its first token
+        {"members": all3, "decodes": [["e", 2], ["f", 1]]},
+        {"members": all3, "decodes": [["e", 1], ["f", 1]]},  # a holder of the middle part masters a step
+    ]
+    steps += [{"members": all3, "decodes": [["e", 2], ["f", (i + 1) % 3]]} for i in range(MAX_TOKENS)]
+    script = {"prompts": prompts, "sampling": "greedy", "max_tokens": MAX_TOKENS, "steps": steps}
+    ranks = run_gloo(script_worker, 3, tmp_path, json.dumps(script), timeout=240)
+    for rid, tokens in want.items():
+        got: dict[int, int] = {}
+        for r in ranks:
+            if f"index:{rid}" in r:
+                for i, t in zip(r[f"index:{rid}"].tolist(), r[f"tokens:{rid}"].tolist(), strict=True):
+                    assert i not in got, f"{rid}: output {i} sampled twice"
+                    got[i] = t
+        assert [got.get(i) for i in range(len(tokens))] == tokens, rid
+    assert [int(r["blocks"]) for r in ranks] == [0, 0, 0]
+    assert [int(r["directed"]) for r in ranks] == [0, 0, 0]

@@ -174,12 +174,16 @@ class KVShardSpec(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class IterationPrefill(msgspec.Struct, frozen=True, kw_only=True):
-    """Prompt tokens [start, end) of `request` in an iteration; `retain`: the members that keep which of that KV."""
+    """Prompt tokens [start, end) of `request` in an iteration; `retain`: the members that keep which of that KV.
+    Without `master`, the group computes them in one sequence-parallel pass (whole prompts only); with it, `master`
+    computes them alone and keeps their KV, attending the earlier tokens' KV wherever members hold it (Medha's KV
+    parallelism: a prompt that outgrows one instance continues on the next)."""
 
     request: RequestSpec
     start: int
     end: int
     retain: list[KVShardSpec]
+    master: str = ""
 
 
 class IterationDecode(msgspec.Struct, frozen=True, kw_only=True):

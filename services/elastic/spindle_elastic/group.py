@@ -1,10 +1,12 @@
 """An iteration that spans several elastic instances (or holds a request in parts): `spindle_engine.esp`.
 
 Every member gets the same `RunIteration` and runs it with the group (`run_iteration`, on the engine thread):
-prompts over the whole group in one ring pass, each member keeping the range its `retain` names; multi-master
-decodes, each request's master keeping its new token's KV. The member that samples a token publishes it (the
-prompt's last-token member for the first one, the master after that); every member that keeps part of a request
-keeps its job, silently, so it can master the request later; members forget what they no longer hold.
+prompts over the whole group in one ring pass, each member keeping the range its `retain` names; prompt chunks
+that name a master (Medha's KV parallelism: the master computes them, attending the earlier KV wherever it is);
+multi-master decodes, each request's master keeping its new token's KV. The member that samples a token publishes
+it (the prompt's last-token member or the last chunk's master for the first one, the master after that); every
+member that keeps part of a request keeps its job, silently, so it can master the request later; members forget
+what they no longer hold.
 
 What the iteration could not run is reported once, by the first member that objected (no KV room: 503; a prompt
 that did not load: 400). A member that dies, or an exchange that fails, fails every request of the iteration on
@@ -22,11 +24,11 @@ import msgspec
 from nats.aio.msg import Msg
 
 from spindle_engine import Engine, SamplingParams
-from spindle_engine.esp import DecodeWork, ESPOutput, Flag, IterationResult, PrefillWork, run_iteration
+from spindle_engine.esp import ChunkWork, DecodeWork, ESPOutput, Flag, IterationResult, PrefillWork, run_iteration
 from spindle_protocol import subjects
-from spindle_protocol.messages import IterationAbandoned, KVShardSpec, RequestSpec, RunIteration
+from spindle_protocol.messages import IterationAbandoned, IterationPrefill, KVShardSpec, RequestSpec, RunIteration
 from spindle_protocol.prompts import load_prompt
-from spindle_worker import Job, sampling_params
+from spindle_worker import InstanceConfig, Job, sampling_params
 
 log = logging.getLogger("spindle.elastic.group")
 
@@ -42,6 +44,7 @@ class GroupIterations:
     """The group side of an elastic instance (mixed into `ElasticInstance`, which provides the attributes)."""
 
     id: str
+    config: InstanceConfig
     jobs: dict[str, Job]
     abandoned: dict[int, threading.Event]  # per iteration: set when another member gave it up
 
@@ -57,16 +60,22 @@ class GroupIterations:
         me = members.index(self.id)
         rows = [p.request.request_id for p in cmd.prefills] + [d.request_id for d in cmd.decodes]
         try:
+            if self.config.spp_size > 1:  # its engine holds stage 0's layers: the group's exchanges need them all
+                raise ValueError("a sequence-pipeline instance runs its iterations alone (KV parallelism over "
+                                 "pipelines, Medha's 3D, is not on the services yet: medha:kvp=1)")  # fmt: skip
             ranks = [cmd.ranks[m] for m in members]
             decodes = [DecodeWork(d.request_id, members.index(d.master)) for d in cmd.decodes]
-            prefills = [self._prefill_work(p.request, p.start, p.end, p.retain, members) for p in cmd.prefills]
+            prefills = [self._prefill_work(p.request, p.start, p.end, p.retain, members)
+                        for p in cmd.prefills if not p.master]  # fmt: skip
+            chunks = [_chunk_work(p, members) for p in cmd.prefills if p.master]
         except (KeyError, ValueError) as e:  # the same command on every member: all refuse it alike
             for rid in rows:
                 await self._refuse(rid, 400 if me == 0 else 0, f"iteration {cmd.batch_id}: {e}")
             return
         errors: dict[str, str] = {}
         for p in cmd.prefills:
-            errors |= await self._load_directed(p.request, raw)
+            if not p.master or (p.master == self.id and p.start == 0):  # a chunk's prompt loads on its master
+                errors |= await self._load_directed(p.request, raw)
         aborted = {rid for rid in rows if self.is_aborted(rid)}
         specs = {rid: msgspec.msgpack.encode(self.jobs[rid].spec) for rid in rows if rid in self.jobs}
 
@@ -74,7 +83,7 @@ class GroupIterations:
 
         def work(engine: Engine) -> IterationResult:
             return run_iteration(
-                engine, me, ranks, prefills, decodes, aborted=aborted, spec_of=specs.__getitem__,
+                engine, me, ranks, prefills, decodes, chunks=chunks, aborted=aborted, spec_of=specs.__getitem__,
                 params_of=_params_of, batch_id=cmd.batch_id, cancel=cancel, timeout_s=EXCHANGE_TIMEOUT_S,
             )  # fmt: skip
 
@@ -93,9 +102,10 @@ class GroupIterations:
             return
         finally:
             self.abandoned.pop(cmd.batch_id, None)
+        chunked = {c.request_id for c in chunks}
         for rid, spec in result.handed.items():  # this member masters them from now on
             log.info("%s: masters %s from iteration %d on (handed over)", self.id, rid, cmd.batch_id)
-            self._adopt_job(msgspec.msgpack.decode(spec, type=RequestSpec), raw)
+            self._adopt_job(msgspec.msgpack.decode(spec, type=RequestSpec), raw, prefilled=rid not in chunked)
         for out in result.outputs:
             await self._publish(out)
         for rid in result.gone:
@@ -103,6 +113,8 @@ class GroupIterations:
         for rid, flag in result.refused.items():
             if flag == Flag.NOT_LOADED:
                 await self._refuse(rid, 400, errors.get(rid, "the prompt could not be loaded"))
+            elif flag == Flag.OUT_OF_ORDER:
+                await self._refuse(rid, 500, f"iteration {cmd.batch_id}: a chunk of {rid} out of order")
             else:
                 await self._refuse(rid, 503, f"no KV room on {self.id} for iteration {cmd.batch_id}")
 
@@ -129,10 +141,10 @@ class GroupIterations:
             return {rid: str(e)}
         return {}
 
-    def _adopt_job(self, spec: RequestSpec, raw: Msg) -> None:
+    def _adopt_job(self, spec: RequestSpec, raw: Msg, prefilled: bool) -> None:
         job = self.jobs.get(spec.request_id) or self.new_job(spec, raw)
         if job is not None:  # None: aborted meanwhile (the next iteration drops it)
-            job.prefilled = True
+            job.prefilled = job.prefilled or prefilled
 
     async def _publish(self, out: ESPOutput) -> None:
         job = self.jobs.get(out.request_id)
@@ -157,3 +169,14 @@ class GroupIterations:
         else:
             await self.call(lambda e: e.abort(rid))
             self.forget(rid)
+
+
+def _chunk_work(p: IterationPrefill, members: list[str]) -> ChunkWork:
+    """A prompt chunk its master computes (Medha's KVP); ValueError when the command is not one."""
+    rid = p.request.request_id
+    if p.request.sampling.n != 1:
+        raise ValueError("an elastic group decodes one choice (n = 1)")
+    kept = [(s.instance, s.start, s.end) for s in p.retain]
+    if kept != [(p.master, p.start, p.end)]:
+        raise ValueError(f"tokens [{p.start}, {p.end}) of {rid} must stay on their master {p.master}")
+    return ChunkWork(rid, members.index(p.master), p.start, p.end)

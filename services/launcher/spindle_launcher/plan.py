@@ -53,6 +53,16 @@ def _keeps_kv_in_place(strategy: str) -> bool:
         return False
 
 
+def _spreads_kv(strategy: str) -> bool:
+    """Whether the strategy, with its options, may spread a request's KV over instances (`Strategy.spreads_kv`)."""
+    from spindle_scheduler.strategy import parse_strategy_spec, strategy_class
+
+    try:
+        return strategy_class(strategy).spreads_kv(parse_strategy_spec(strategy)[1])
+    except ValueError:
+        return False
+
+
 def _predicts(strategy: str) -> bool:
     """Whether the strategy needs a latency model (`Strategy.needs_latency`)."""
     from spindle_scheduler.strategy import strategy_class
@@ -160,6 +170,12 @@ class StackConfig:
                 raise ValueError(
                     f"strategy {self.strategy!r} moves KV between elastic instances, which a pipeline-parallel "
                     "instance does not do yet: use elastic_spp 1, or the chunked or medha strategy"
+                )
+            if self.elastic_spp > 1 and self.elastic > 1 and _spreads_kv(self.strategy):
+                raise ValueError(
+                    f"strategy {self.strategy!r} may spread a request's KV over several elastic instances (KV "
+                    "parallelism), which pipeline instances do not do on the services yet: add kvp=1 to its options "
+                    "(e.g. medha:kvp=1), or run one elastic instance"
                 )
         else:
             for what, n in (("prefill", self.prefill), ("decode", self.decode)):

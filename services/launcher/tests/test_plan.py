@@ -157,7 +157,7 @@ def test_elastic_plan_is_one_colocated_engine_per_instance() -> None:
 
 
 def test_a_pipeline_parallel_elastic_instance_takes_consecutive_ranks_for_its_stages() -> None:
-    config = StackConfig(prefill=0, decode=0, elastic=2, elastic_spp=3, strategy="medha", profile="p.json")
+    config = StackConfig(prefill=0, decode=0, elastic=2, elastic_spp=3, strategy="medha:kvp=1", profile="p.json")
     specs = {s.name: s for s in build_plan(config, RT, python="py")}
     assert config.world_size == 7
     names = [n for n in specs if n.startswith("elastic")]
@@ -204,6 +204,10 @@ def test_a_pipeline_parallel_elastic_instance_takes_consecutive_ranks_for_its_st
         (
             {"prefill": 0, "decode": 0, "elastic": 2, "strategy": "loongserve", "profile": "p.json", "elastic_spp": 2},
             "moves KV between elastic instances",
+        ),
+        (
+            {"prefill": 0, "decode": 0, "elastic": 2, "strategy": "medha", "profile": "p.json", "elastic_spp": 2},
+            "add kvp=1",
         ),
     ],
 )

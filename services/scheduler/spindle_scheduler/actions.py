@@ -190,18 +190,22 @@ class PrefillPart:
     """Prompt tokens [start, end) of `spec`, computed in one iteration by a group (sequence-parallel over its
     members). `retain`: where that KV stays when the iteration ends, tiling [start, end) over members of the
     group (LoongServe's proactive scale-down: members keep ranges as the ring passes the KV by, so nothing moves
-    afterwards); the last holder takes the request's new tokens unless a DecodePart names another master."""
+    afterwards); the last holder takes the request's new tokens unless a DecodePart names another master.
+    With `master`, the part is instead computed by that member alone, which keeps its KV (retain names it alone),
+    attending the request's earlier KV wherever the group's members hold it (Medha's KV parallelism, §3.4)."""
 
     spec: RequestSpec
     start: int
     end: int
     retain: tuple[KVShard, ...]
+    master: str = ""
 
     def __post_init__(self) -> None:
         assert 0 <= self.start < self.end <= self.spec.prompt.num_tokens, f"bad part [{self.start}, {self.end})"
         r = self.retain
         assert r and r[0].start == self.start and r[-1].end == self.end, f"retain must tile the part: {r}"
         assert all(a.end == b.start for a, b in itertools.pairwise(r)) and all(x.start < x.end for x in r), r
+        assert not self.master or (len(r) == 1 and r[0].instance == self.master), f"a master part retains on {r}"
 
     @property
     def request_id(self) -> str:
@@ -240,6 +244,9 @@ class RunBatch:
     # keeps every request it samples out of the next spp_size - 1 iterations). The simulator models it; Spindle's
     # pipeline engine waits for every step that samples, so the services ignore it.
     overlap: bool = False
+    # every member computes its own chunks (parts with a master) and decodes over the KV the group holds (Medha's KV
+    # parallelism), rather than sequence-parallel passes over the group: how the simulator times it
+    kvp: bool = False
 
     def __post_init__(self) -> None:
         members = set(self.instances)
@@ -247,6 +254,8 @@ class RunBatch:
         assert self.prefills or self.decodes, "an iteration runs something"
         assert all(s.instance in members for p in self.prefills for s in p.retain), "KV retained outside the group"
         assert all(d.master in members for d in self.decodes), "a master outside the group"
+        assert all(p.master in members for p in self.prefills if p.master), "a master outside the group"
+        assert not self.kvp or all(p.master for p in self.prefills), "a KV-parallel iteration has no SP passes"
         ids = [p.request_id for p in self.prefills] + [d.request_id for d in self.decodes]
         assert len(set(ids)) == len(ids), "a request twice in one iteration"
 

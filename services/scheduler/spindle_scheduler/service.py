@@ -203,7 +203,9 @@ class SchedulerService:
             members=list(a.instances),
             ranks={i: state.instances[i].info.rank for i in a.instances if i in state.instances},
             prefills=[
-                IterationPrefill(request=p.spec, start=p.start, end=p.end, retain=shard_specs(p.retain))
+                IterationPrefill(
+                    request=p.spec, start=p.start, end=p.end, retain=shard_specs(p.retain), master=p.master
+                )
                 for p in a.prefills
             ],
             decodes=[IterationDecode(request_id=d.request_id, master=d.master) for d in a.decodes],

@@ -43,6 +43,12 @@ class Strategy(ABC):
     # that instance may be a sequence pipeline (`spindle up --spp N`: stages that move no KV)
     keeps_kv_in_place: bool = False
 
+    @classmethod
+    def spreads_kv(cls, options: dict[str, object]) -> bool:
+        """Whether, with these options, one request's KV may sit on several colocated instances at once (what a
+        pipeline instance on the services cannot take part in yet)."""
+        return not cls.keeps_kv_in_place
+
     def __init__(self, latency: LatencyModel | None = None) -> None:
         if self.needs_latency and (latency is None or latency.prefill is None):
             raise ValueError(f"strategy {self.name!r} needs a latency model with prefill coefficients")

@@ -21,7 +21,8 @@ redrawn) or *clipped* (out-of-range draws are moved to the bound). How each work
   P50 393K/P90 839K, decode P50 518/P90 808) truncated to the paper's 128K–1M range with the quantiles fitted
   to the *truncated* distribution (the fit is nearly log-uniform over 128K–1M: sigma ~4.1, which is what
   P50/P90 imply inside that range). ``medha-mix`` = ShareGPT4 + 5 % long; ``medha-mix:SHARE`` or
-  ``medha_mix(share)`` for other shares.
+  ``medha_mix(share)`` for other shares. ``medha-2m:SHARE``: the same with SHARE of 2M-token prompts (§5.4's 3D
+  runs).
 - ``csps-{needlebench,bookcorpus}`` (CSPS Table 2; median/p99/std of input and output): lognormal through the
   median and p99, clipped at 1M tokens (the paper's largest inputs; BookCorpus reports no max). A lognormal
   cannot also match the reported std (NeedleBench input std 506K vs ~200K for the fit; BookCorpus 183K vs
@@ -342,6 +343,13 @@ def medha_mix(long_share: float = 0.05) -> Mixture:
     return Mixture((MEDHA_SHAREGPT4, MEDHA_LONG), (1 - long_share, long_share))
 
 
+def medha_2m(long_share: float = 0.05) -> Mixture:
+    """Medha §5.4's 3D workload: ShareGPT4 with `long_share` of 2M-token requests (Medha-SWE's outputs)."""
+    if not 0 <= long_share <= 1:
+        raise ValueError(f"long_share must be in [0, 1], got {long_share}")
+    return Mixture((MEDHA_SHAREGPT4, Independent(Fixed(2_000_000), MEDHA_LONG.decode)), (1 - long_share, long_share))
+
+
 def _tetris(lo: int, hi: int, mean: float) -> TotalSplit:
     return TotalSplit(LogNormal.from_range_mean(lo, hi, mean), LONG_CONTEXT_DECODE)
 
@@ -390,7 +398,7 @@ WORKLOADS: dict[str, Workload] = {
 
 
 def resolve_workload(name: str) -> Workload:
-    """A registered name, or ``constant:P:D``, ``loongserve-zipf:ALPHA``, ``medha-mix:SHARE``."""
+    """A registered name, or ``constant:P:D``, ``loongserve-zipf:ALPHA``, ``medha-mix:SHARE``, ``medha-2m:SHARE``."""
     if name in WORKLOADS:
         return WORKLOADS[name]
     head, _, args = name.partition(":")
@@ -404,10 +412,13 @@ def resolve_workload(name: str) -> Workload:
             return _loongserve_zipf(float(args))
         if head == "medha-mix":
             return medha_mix(float(args))
+        if head == "medha-2m":
+            return medha_2m(float(args))
     except ValueError as e:
         raise ValueError(f"bad workload arguments in {name!r}: {e}") from e
     raise ValueError(
-        f"unknown workload {name!r}; known: {sorted(WORKLOADS)} or constant:P:D, loongserve-zipf:ALPHA, medha-mix:SHARE"
+        f"unknown workload {name!r}; known: {sorted(WORKLOADS)} or constant:P:D, loongserve-zipf:ALPHA, "
+        "medha-mix:SHARE, medha-2m:SHARE"
     )
 
 

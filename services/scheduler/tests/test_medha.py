@@ -144,7 +144,7 @@ def test_kvp_load_balancer_spreads_by_pending_work_and_waits_for_room() -> None:
     b = batches(core.admit(request_spec("b", prompt=1000, out=100), 0.0))
     assert {a[0].instances, b[0].instances} == {("e0",), ("e1",)}
     assert not batches(core.admit(request_spec("c", prompt=1000, out=100), 0.0))  # no room: it waits
-    assert core.admit(request_spec("d", prompt=2000, out=10), 0.0)[0].status == 400  # type: ignore[attr-defined]
+    assert core.admit(request_spec("d", prompt=3300, out=10), 0.0)[0].status == 400  # type: ignore[attr-defined]
     strategy = core.strategy
     assert strategy.replicas["e0"].reserved["a"] == 1104  # 1,100 tokens reserve whole blocks of 16 (69)
     assert [p.rid for p in strategy.waiting] == ["c"]
@@ -191,3 +191,46 @@ def test_a_sequence_pipeline_replica_overlaps_a_prompts_chunks_and_waits_for_the
 
     with pytest.raises(ValueError, match="spp_overlap must be 0 or 1"):
         create_strategy("medha:spp_overlap=2", latency())
+
+
+def test_kvp_spans_place_a_request_no_replica_holds_over_several() -> None:
+    from spindle_scheduler.strategies.medha.kvp import Room, Span, place
+
+    rooms = [Room("a", 1600, 16, 0.0), Room("b", 800, 16, 1.0), Room("c", 1600, 16, 2.0)]
+    assert place(rooms, 1000, 100, 0, 0) == [Span("a", 0, 1000, 1104)]  # one replica when one can
+    # 3000 + 10 tokens: a's 1,600, b's 800, the rest (600 prompt + 10 decoded) on c, which masters the decodes
+    assert place(rooms, 3000, 10, 0, 0) == [Span("a", 0, 1600, 1600), Span("b", 1600, 2400, 800),
+                                            Span("c", 2400, 3000, 624)]  # fmt: skip
+    assert place(rooms, 3000, 10, 2, 0) is None  # at most two replicas
+    assert place(rooms, 1000, 100, 1, 0) == [Span("a", 0, 1000, 1104)]
+    # kvp_tokens: at most 500 tokens of one request on one replica, so 1,100 take three
+    spans = place(rooms, 1000, 100, 0, 500)
+    assert spans is not None and [(s.id, s.start, s.end) for s in spans] == [("a", 0, 500), ("b", 500, 999),
+                                                                            ("c", 999, 1000)]  # fmt: skip
+    # the last replica keeps at least one prompt token: it computes the last chunk and samples the first token
+    assert place([Room("a", 1600, 16, 0.0), Room("b", 64, 16, 1.0)], 1600, 10, 0, 0) == [
+        Span("a", 0, 1599, 1600), Span("b", 1599, 1600, 16)]  # fmt: skip
+
+
+def test_a_request_larger_than_a_replica_spans_two_and_decodes_on_the_second() -> None:
+    """KVP in the simulator: a 30,000-token prompt on replicas of 20,000 tokens: its first chunks fill one, the next
+    run on the other as a group iteration (each member masters its own work), it decodes there, every short request
+    still finishes, and every block comes back."""
+    from dataclasses import replace
+
+    from spindle_scheduler.sim import SimConfig
+    from spindle_scheduler.workloads import TraceRequest
+
+    config = SimConfig(num_prefill=0, num_decode=0, num_colocated=2, decode_kv_blocks=1250)  # 20,000 tokens each
+    trace = [TraceRequest(0.0, 30_000, 8)] + [TraceRequest(0.05 * i, 300, 20) for i in range(1, 30)]
+    sim = Simulator("medha:tpot_slo=0.1", latency(), replace(config, max_model_len=60_000))
+    result = sim.run(trace)
+    check_invariants(sim, result)
+    summary = result.summary("kvp")
+    assert summary.completed == 30 and summary.failed == 0 and summary.rejected == 0
+    big = next(r for r in result.records if r.num_prefill_tokens == 30_000)
+    assert len(big.prefill_instances) == 2 and big.decode_instance == big.prefill_instances[1]
+    assert len(big.token_times) == 8
+    # with kvp=1 it is refused (400): no one replica holds it
+    one = Simulator("medha:tpot_slo=0.1,kvp=1", latency(), replace(config, max_model_len=60_000)).run(trace)
+    assert one.summary("kvp").rejected == 1

@@ -5,14 +5,17 @@ iteration of a group of instances, on the engine's directed requests (`Engine.ad
   import (KV migration).
 - `prefill.prefill_part`: a prompt over the whole group in one ring pass, each member retaining its range
   (proactive scale-down, §4.1).
-- `decode.decode_step`: one multi-master decode step (§4.2): each request's master runs its dense layers and
-  keeps its new token's KV, every member attends the queries over what it holds.
+- `decode.multi_master_step`: one multi-master step: decodes (LoongServe §4.2) and prompt chunks (Medha's KV
+  parallelism, §3.4), each request's master running its dense layers over its new tokens and keeping their KV,
+  every member that holds earlier KV of it attending its queries over that.
 - `iteration.run_iteration`: one iteration as every member runs it (agree on what runs, hand requests over to
   new masters, prefill, decode, share the sampled tokens).
 - `exchange`: the point-to-point messages and tags.
 """
 
 from .exchange import ESPError
-from .iteration import DecodeWork, ESPOutput, Flag, IterationResult, PrefillWork, run_iteration
+from .iteration import ChunkWork, DecodeWork, ESPOutput, Flag, IterationResult, PrefillWork, run_iteration
 
-__all__ = ["DecodeWork", "ESPError", "ESPOutput", "Flag", "IterationResult", "PrefillWork", "run_iteration"]
+__all__ = [
+    "ChunkWork", "DecodeWork", "ESPError", "ESPOutput", "Flag", "IterationResult", "PrefillWork", "run_iteration",
+]  # fmt: skip

@@ -1,21 +1,24 @@
-"""Multi-master decoding on an elastic group (LoongServe §4.2): one decode step over the group's members.
+"""Multi-master steps on an elastic group: LoongServe's distributed decoding (§4.2) and Medha's KV-parallel chunked
+prefill (§3.4), one code path.
 
-Each request of the step has one master, which runs its dense layers and stores its new token's KV; any member
-may hold other parts of its KV. Per layer, on every member (masters and pure holders alike):
+Each request of the step has one master, which runs its dense layers over the request's new tokens (one for a
+decode, a prompt chunk's for a chunk) and stores their KV; other members may hold earlier parts of its KV (the
+holders). Per layer, on every member (masters and pure holders alike):
 
-1. post every receive: the queries of each other member's requests, the partial states of our own;
-2. write our requests' new k/v here, send our queries to every other member;
-3. attend our queries over what we hold of them (the new token included);
-4. serve: attend each received query over what we hold of that request (nothing: out 0, lse -inf), send
-   `(lse, out)` back;
-5. merge every member's state per own request (`merge_attn_states_many`).
+1. post every receive: the queries of each request held here and mastered elsewhere, the partial states of our own;
+2. write our requests' new k/v here, send each request's queries to its holders;
+3. attend our queries over what we hold of them (the new tokens included, causally by position);
+4. serve: attend each received query over what we hold of that request, send `(lse, out)` back;
+5. merge every holder's state per own query token (`merge_attn_states_many`; a member that sent nothing for a
+   token weighs zero).
 
-Queries go to every member of the group, not only to holders, so every message size follows from the command
-(each request's master) alone: members need not agree on who holds what. A member holding nothing of a request
-answers with an empty state, which the merge weighs zero.
+Who holds what comes from the iteration's flags, which every member gathered, so every message size follows from
+the command and that table alone.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -30,32 +33,46 @@ from . import parts
 from .exchange import Tags, Waiter
 
 
-class ESPDecodeContext:
+@dataclass(frozen=True)
+class StepWork:
+    """One request's share of a multi-master step: `tokens` new tokens (its next ones: 1 for a decode) computed by
+    `master`, whose queries every member in `holders` (others holding earlier KV of it) attends."""
+
+    request_id: str
+    master: int
+    tokens: int
+    holders: tuple[int, ...]
+
+
+class MultiMasterContext:
     def __init__(
-        self,
-        engine: Engine,
-        me: int,
-        ranks: list[int],
-        masters: list[tuple[str, int]],
-        new_slots: Tensor,
-        tags: Tags,
+        self, engine: Engine, me: int, ranks: list[int], works: list[StepWork], new_slots: Tensor, tags: Tags,
         waiter: Waiter,
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.engine, self.me, self.ranks, self.tags, self.waiter = engine, me, ranks, tags, waiter
         self.first_layer = engine.model.layer_range[0]
         _, _, _, self.hkv, self.d = engine.cache.k.shape
         self.hq = engine.model.num_local_q_heads
         self.dtype = engine.cache.k.dtype
-        self.by_master = {m: [rid for rid, x in masters if x == m] for m in range(len(ranks))}
-        self.mine = self.by_master[me]
-        self.new_slots = new_slots  # [B] the slot of each own request's new token
+        self.mine = [w for w in works if w.master == me]
+        self.new_slots = new_slots  # [T] the slots of our requests' new tokens, in `mine` order
+        # queries we serve, per master: the works it masters that we hold part of
+        self.served = {m: [w for w in works if w.master == m and me in w.holders] for m in range(len(ranks)) if m != me}
+        self.served = {m: ws for m, ws in self.served.items() if ws}
+        # partial states we get back, per holder: the query rows of our works it holds, in `mine` row order
+        rows, at = {}, 0
+        for w in self.mine:
+            for h in w.holders:
+                rows.setdefault(h, []).extend(range(at, at + w.tokens))
+            at += w.tokens
+        self.rows = {h: torch.tensor(r) for h, r in rows.items()}
+        self.local: dict[str, tuple[Tensor, Tensor, int]] = {}  # request -> (slots, positions, first query position)
         bs = engine.config.block_size
-        self.local: dict[str, tuple[Tensor, Tensor, int]] = {}  # request -> (slots, positions, query position)
-        for rid, _ in masters:
-            seq = engine.directed.get(rid)
-            if seq is not None and parts.num_entries(seq):
-                self.local[rid] = (parts.slots(seq, bs), parts.positions(seq), seq.num_tokens - 1)
-        self.peers = [m for m in range(len(ranks)) if m != me]
+        for w in works:
+            seq = engine.directed.get(w.request_id)
+            if seq is not None and (w.master == me or me in w.holders):
+                first = seq.num_computed_tokens
+                self.local[w.request_id] = (parts.slots(seq, bs), parts.positions(seq), first)
 
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         out = self._exchange(layer, q, k, v)
@@ -67,92 +84,101 @@ class ESPDecodeContext:
         assert not self.mine
         self._exchange(layer, None, None, None)
 
-    def _attend(self, li: int, rids: list[str], q: Tensor) -> tuple[Tensor, Tensor]:
-        """Partial attention of one query per request over what this member holds of it: out `[n, Hq, D]`,
-        lse `[Hq, n]` (out 0, lse -inf for a request held nothing of here)."""
-        out = q.new_zeros(len(rids), self.hq, self.d)
-        lse = torch.full((self.hq, len(rids)), float("-inf"))
-        rows = [i for i, r in enumerate(rids) if r in self.local]
-        if not rows:
-            return out, lse
-        ks, vs, kpos, qpos, cu = [], [], [], [], [0]
-        for i in rows:
-            s, pos, qp = self.local[rids[i]]
+    def _attend(self, li: int, works: list[StepWork], q: Tensor) -> tuple[Tensor, Tensor]:
+        """Partial attention of `works`' queries (`q [T, Hq, D]`, their tokens in order) over what this member holds
+        of each: out `[T, Hq, D]`, lse `[Hq, T]`."""
+        ks, vs, kpos, qpos, cu_q, cu_k = [], [], [], [], [0], [0]
+        for w in works:
+            s, pos, first = self.local[w.request_id]
             k, v = parts.read(self.engine, li, s)
             ks.append(k)
             vs.append(v)
             kpos.append(pos)
-            qpos.append(qp)
-            cu.append(cu[-1] + pos.numel())
-        idx = torch.tensor(rows)
-        o, l_ = attention_fwd(
-            q[idx], torch.cat(ks), torch.cat(vs),
-            q_positions=torch.tensor(qpos), k_positions=torch.cat(kpos),
-            cu_seqlens_q=torch.arange(len(rows) + 1, dtype=torch.int32),
-            cu_seqlens_k=torch.tensor(cu, dtype=torch.int32), return_lse=True,
+            qpos.append(torch.arange(first, first + w.tokens))
+            cu_q.append(cu_q[-1] + w.tokens)
+            cu_k.append(cu_k[-1] + pos.numel())
+        out, lse = attention_fwd(
+            q, torch.cat(ks), torch.cat(vs), q_positions=torch.cat(qpos), k_positions=torch.cat(kpos),
+            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32), cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32),
+            return_lse=True,
         )  # fmt: skip
-        assert l_ is not None
-        out[idx], lse[:, idx] = o, l_
+        assert lse is not None
         return out, lse
 
     def _result_specs(self, n: int) -> list[tuple[torch.dtype, tuple[int, ...]]]:
         return [(torch.float32, (self.hq, n)), (self.dtype, (n, self.hq, self.d))]
 
+    def _state_bytes(self, n: int) -> int:
+        return n * self.hq * (4 + self.d * self.dtype.itemsize)
+
     def _exchange(self, layer: int, q: Tensor | None, k: Tensor | None, v: Tensor | None) -> Tensor | None:
         li = layer - self.first_layer
-        b = len(self.mine)
-        q_in = {m: torch.empty(len(self.by_master[m]), self.hq, self.d, dtype=self.dtype) for m in self.peers}
-        q_in = {m: buf for m, buf in q_in.items() if buf.shape[0]}
-        r_in = {h: torch.empty(b * self.hq * (4 + self.d * self.dtype.itemsize), dtype=torch.uint8) for h in self.peers}
+        q_in = {m: torch.empty(sum(w.tokens for w in ws), self.hq, self.d, dtype=self.dtype)
+                for m, ws in self.served.items()}  # fmt: skip
+        r_in = {h: torch.empty(self._state_bytes(r.numel()), dtype=torch.uint8) for h, r in self.rows.items()}
         recv_q = [dist.irecv(buf, self.ranks[m], tag=self.tags.query(layer)) for m, buf in q_in.items()]
-        recv_r = [dist.irecv(buf, self.ranks[h], tag=self.tags.result(layer)) for h, buf in r_in.items()] if b else []
+        recv_r = [dist.irecv(buf, self.ranks[h], tag=self.tags.result(layer)) for h, buf in r_in.items()]
         sends, keep = [], []
         own = None
-        if b:
-            assert q is not None and k is not None and v is not None and q.shape[0] == b
+        if self.mine:
+            assert q is not None and k is not None and v is not None and q.shape[0] == self.new_slots.numel()
             parts.write(self.engine, li, self.new_slots, k, v)
-            q_send = q.contiguous()
-            sends += [dist.isend(q_send, self.ranks[h], tag=self.tags.query(layer)) for h in self.peers]
+            for h, r in self.rows.items():
+                keep.append(q.index_select(0, r).contiguous())
+                sends.append(dist.isend(keep[-1], self.ranks[h], tag=self.tags.query(layer)))
             own = self._attend(li, self.mine, q)
         self.waiter.wait_all(recv_q, f"layer {layer} queries")
         for m, buf in q_in.items():
-            out, lse = self._attend(li, self.by_master[m], buf)
+            out, lse = self._attend(li, self.served[m], buf)
             keep.append(pack([lse.contiguous(), out.contiguous()]))
             sends.append(dist.isend(keep[-1], self.ranks[m], tag=self.tags.result(layer)))
-        if not b:
+        if not self.mine:
             self.waiter.wait_all(sends, f"layer {layer} states")
             return None
         assert own is not None and q is not None
         self.waiter.wait_all(recv_r, f"layer {layer} partial states")
-        outs = q.new_zeros(len(self.ranks), b, self.hq, self.d)
-        lses = torch.full((len(self.ranks), self.hq, b), float("-inf"))
+        t = q.shape[0]
+        outs = q.new_zeros(len(self.ranks), t, self.hq, self.d)
+        lses = torch.full((len(self.ranks), self.hq, t), float("-inf"))
         outs[self.me], lses[self.me] = own
         for h, buf in r_in.items():
-            lse, out = unpack(buf, self._result_specs(b))
-            outs[h], lses[h] = out, lse
+            r = self.rows[h]
+            lse, out = unpack(buf, self._result_specs(r.numel()))
+            outs[h, r], lses[h][:, r] = out, lse
         merged, _ = merge_attn_states_many(outs, lses)
         self.waiter.wait_all(sends, f"layer {layer} sends")
         return merged.to(q.dtype)
 
 
 @torch.inference_mode()
-def decode_step(
-    engine: Engine, me: int, ranks: list[int], masters: list[tuple[str, int]], tags: Tags, waiter: Waiter
+def multi_master_step(
+    engine: Engine, me: int, ranks: list[int], works: list[StepWork], tags: Tags, waiter: Waiter
 ) -> dict[str, tuple[int, TokenLogprobs | None]]:
-    """One decode step of `masters` (request id, master member) over the group; every member calls it with the
-    same list. The requests this member masters must be directed here, with room for one more entry. Returns
-    their sampled (token, logprobs); their sequences are not advanced (the iteration does that on every member)."""
-    mine = [rid for rid, m in masters if m == me]
-    seqs = [engine.directed[rid] for rid in mine]
-    new_slots = torch.tensor([parts.append_entry(engine, s, s.num_tokens - 1) for s in seqs], dtype=torch.int64)
-    ctx = ESPDecodeContext(engine, me, ranks, masters, new_slots, tags, waiter)
-    if not seqs:
+    """One step of `works` over the group; every member calls it with the same list. The requests this member
+    masters must be directed here with room for their new tokens. Returns the tokens sampled here: a decode's, and a
+    chunk's that ends its prompt (the first token); sequences are not advanced (the iteration does that)."""
+    mine = [w for w in works if w.master == me]
+    seqs = [engine.directed[w.request_id] for w in mine]
+    slots, positions, ids, last_rows, sampled_seqs = [], [], [], [], []
+    for w, s in zip(mine, seqs, strict=True):
+        first = s.num_computed_tokens
+        assert first + w.tokens <= s.num_tokens, f"{w.request_id}: tokens [{first}, {first + w.tokens}) not known yet"
+        slots += [parts.append_entry(engine, s, p) for p in range(first, first + w.tokens)]
+        positions += range(first, first + w.tokens)
+        ids += s.token_ids[first : first + w.tokens]
+        if first + w.tokens == s.num_tokens:  # the request's last known token: its logits sample the next
+            last_rows.append(len(positions) - 1)
+            sampled_seqs.append(s)
+    ctx = MultiMasterContext(engine, me, ranks, works, torch.tensor(slots, dtype=torch.int64), tags, waiter)
+    if not mine:
         for layer in engine.model.layers:
             ctx.serve_layer(layer.layer_id)
         return {}
-    positions = torch.tensor([s.num_tokens - 1 for s in seqs])
-    ids = torch.tensor([s.token_ids[-1] for s in seqs])
-    hidden = engine.model(positions.to(engine.cache.k.device), ctx, input_ids=ids.to(engine.cache.k.device))
-    logits = engine.model.compute_logits(hidden)  # [B, vocab]
-    sampled: Sampled = sample(logits, seqs, engine.generator, engine.eos_token_ids, engine.grammars)
-    return {rid: (t, lp) for rid, t, lp in zip(mine, sampled.tokens, sampled.logprobs, strict=True)}
+    device = engine.cache.k.device
+    hidden = engine.model(torch.tensor(positions).to(device), ctx, input_ids=torch.tensor(ids).to(device))
+    if not last_rows:
+        return {}
+    logits = engine.model.compute_logits(hidden[torch.tensor(last_rows).to(device)])  # [B, vocab]
+    sampled: Sampled = sample(logits, sampled_seqs, engine.generator, engine.eos_token_ids, engine.grammars)
+    rids = [s.request_id for s in sampled_seqs]
+    return {rid: (t, lp) for rid, t, lp in zip(rids, sampled.tokens, sampled.logprobs, strict=True)}

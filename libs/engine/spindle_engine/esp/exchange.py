@@ -115,10 +115,11 @@ def all_gather(mine: Tensor, me: int, ranks: list[int], tag: int, waiter: Waiter
 
 
 class Handover(msgspec.Struct, frozen=True):
-    """A request that changes master: what the new one needs to sample it (the caller's encoded spec)."""
+    """A request that changes master: what the new one needs to compute and sample it (the caller's encoded spec)."""
 
     token_ids: list[int]
     num_prompt_tokens: int
+    num_computed: int  # tokens whose KV exists (on other members)
     spec: bytes
 
 
@@ -147,6 +148,8 @@ def recv_handover(src: int, max_tokens: int, tags: Tags, waiter: Waiter) -> Hand
         h = _decoder.decode(payload.numpy().tobytes())
     except msgspec.DecodeError as e:
         raise ESPError(f"a malformed hand-over from rank {src}: {e}") from e
-    if not 0 < h.num_prompt_tokens < len(h.token_ids) <= max_tokens or len(h.spec) > MAX_HANDOVER_BYTES:
-        raise ESPError(f"a hand-over of {len(h.token_ids)} tokens ({h.num_prompt_tokens} prompt) from rank {src}")
+    n = len(h.token_ids)
+    if not (0 < h.num_prompt_tokens <= n <= max_tokens and 0 < h.num_computed < n) or len(h.spec) > MAX_HANDOVER_BYTES:
+        raise ESPError(f"a hand-over of {n} tokens ({h.num_prompt_tokens} prompt, {h.num_computed} computed) "
+                       f"from rank {src}")  # fmt: skip
     return h

@@ -5,11 +5,13 @@
    load its prompt; one all-gather gives everyone the same table. A prefill runs when every member is ready, a
    decode when some member has it and none objects. So an abort or a finish that reached the members at
    different times never makes them disagree on what runs (which would leave one waiting on another).
-2. **Hand over** each decode whose master does not have it yet (scale-up spread the masters): the lowest member
-   that has it sends the tokens so far and the caller's encoded spec.
+2. **Hand over** each decode or chunk whose master does not have it yet (scale-up spread the masters, or a
+   prompt's KV spilled onto another member): the lowest member that has it sends the tokens so far, how many are
+   computed, and the caller's encoded spec.
 3. **Prefill** each prompt over the whole group (prefill.py), members retaining their ranges; the ranges go to
    blocks after the last pass, so the cache holds one pass's shard at a time beside them.
-4. **Decode** one token of every decode (decode.py), multi-master.
+4. **Multi-master step** (decode.py): one token of every decode, and every prompt chunk (Medha's KVP: the next
+   tokens of a prompt computed by one member, attending the earlier KV wherever it is held), each on its master.
 5. **Share tokens.** The member that sampled a request's token (its prefill's last-token member, or its
    master) sends it, and whether it ended, to everyone, so every member holding part of a request keeps the same
    tokens (any of them may master it later) and frees its part when it ends. A member left holding nothing of a
@@ -30,7 +32,7 @@ from ..sampler import TokenLogprobs, sample
 from ..sampling_params import SamplingParams
 from ..sequence import Sequence
 from . import parts
-from .decode import decode_step
+from .decode import StepWork, multi_master_step
 from .exchange import Handover, Tags, Waiter, all_gather, recv_handover, send_handover
 from .prefill import keep, prefill_part, shard_tokens
 
@@ -41,6 +43,7 @@ class Flag(enum.IntEnum):
     ABORTED = 2
     NO_ROOM = 3
     NOT_LOADED = 4
+    OUT_OF_ORDER = 5  # a chunk that does not start where the prompt's computed tokens end
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,21 @@ class PrefillWork:
 class DecodeWork:
     request_id: str
     master: int
+
+
+@dataclass(frozen=True)
+class ChunkWork:
+    """Prompt tokens [start, end) computed by `master` alone, attending the prompt's earlier KV on every member that
+    holds some (Medha's KV parallelism); `master` keeps their KV. A chunk at 0 must be directed on its master."""
+
+    request_id: str
+    master: int
+    start: int
+    end: int
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start
 
 
 @dataclass(frozen=True)
@@ -75,8 +93,16 @@ class IterationResult:
 
 
 def _flags(
-    engine: Engine, me: int, group: int, prefills: list[PrefillWork], decodes: list[DecodeWork], aborted: set[str]
+    engine: Engine,
+    me: int,
+    group: int,
+    prefills: list[PrefillWork],
+    chunks: list[ChunkWork],
+    decodes: list[DecodeWork],
+    aborted: set[str],
 ) -> torch.Tensor:
+    """`[rows, 2]`: per request of the command (prefills, chunks, decodes), this member's flag and the KV entries it
+    holds of it (the holders a multi-master step sends queries to)."""
     out = []
     for p in prefills:
         seq = engine.directed.get(p.request_id)
@@ -94,9 +120,27 @@ def _flags(
             s, e = p.retain.get(me, (0, 0))
             kept += -(-(e - s) // bs)
             shards.append(-(-shard_tokens(engine.directed[p.request_id].num_prompt_tokens, group, me) // bs))
-    need = max(max(shards), kept) + sum(1 for d in decodes if d.master == me)
+    mastered = sum(-(-c.tokens // bs) + 1 for c in chunks if c.master == me)
+    need = max(max(shards), kept) + mastered + sum(1 for d in decodes if d.master == me)
     if need > engine.allocator.num_free:
         out = [Flag.NO_ROOM if f == Flag.READY else f for f in out]
+    for c in chunks:
+        seq = engine.directed.get(c.request_id)
+        if c.request_id in aborted:
+            out.append(Flag.ABORTED)
+        elif seq is None:
+            if c.master == me and c.start == 0:
+                out.append(Flag.NOT_LOADED)
+            elif c.master == me and not engine.allocator.can_allocate(c.tokens, []):
+                out.append(Flag.NO_ROOM)
+            else:
+                out.append(Flag.ABSENT)
+        elif seq.num_computed_tokens != c.start or c.end > seq.num_prompt_tokens:
+            out.append(Flag.OUT_OF_ORDER)
+        elif c.master == me and (need > engine.allocator.num_free or not parts.room_for(engine, seq, c.tokens)):
+            out.append(Flag.NO_ROOM)
+        else:
+            out.append(Flag.READY)
     for d in decodes:
         seq = engine.directed.get(d.request_id)
         if d.request_id in aborted:
@@ -107,7 +151,12 @@ def _flags(
             out.append(Flag.NO_ROOM)
         else:
             out.append(Flag.READY)
-    return torch.tensor([int(f) for f in out], dtype=torch.int64)
+    rids = [p.request_id for p in prefills] + [c.request_id for c in chunks] + [d.request_id for d in decodes]
+    held = [parts.num_entries(s) if (s := engine.directed.get(rid)) is not None else 0 for rid in rids]
+    return torch.tensor([[int(f), n] for f, n in zip(out, held, strict=True)], dtype=torch.int64).reshape(-1, 2)
+
+
+_BLOCKING = (Flag.ABORTED, Flag.NO_ROOM, Flag.NOT_LOADED, Flag.OUT_OF_ORDER)
 
 
 def run_iteration(
@@ -117,6 +166,7 @@ def run_iteration(
     prefills: list[PrefillWork],
     decodes: list[DecodeWork],
     *,
+    chunks: list[ChunkWork] = (),  # type: ignore[assignment]
     aborted: set[str],
     spec_of: Callable[[str], bytes],
     params_of: Callable[[bytes], SamplingParams],
@@ -125,47 +175,55 @@ def run_iteration(
     timeout_s: float = 60.0,
 ) -> IterationResult:
     """Run the iteration on this member (`me`: its index in `ranks`). Prefill requests must be directed here
-    (`Engine.add_directed`, nothing computed). `spec_of(request_id)` encodes a request this member hands over,
-    `params_of` decodes one it receives. The iteration talks under its `batch_id`'s tags. Raises ESPError when a
-    member fails mid-way, `cancel` is set (another member gave up) or a peer is silent for `timeout_s`; its
-    requests' state here is then undefined and the caller drops them."""
+    (`Engine.add_directed`, nothing computed), and a chunk at 0 on its master. `spec_of(request_id)` encodes a
+    request this member hands over, `params_of` decodes one it receives. The iteration talks under its `batch_id`'s
+    tags. Raises ESPError when a member fails mid-way, `cancel` is set (another member gave up) or a peer is silent
+    for `timeout_s`; its requests' state here is then undefined and the caller drops them."""
     res = IterationResult()
     g = len(ranks)
+    chunks = list(chunks)
     tags, waiter = Tags.for_batch(batch_id), Waiter(timeout_s, cancel)
-    table = all_gather(_flags(engine, me, g, prefills, decodes, aborted), me, ranks, tags.flags, waiter, "flags")
-    rows = [p.request_id for p in prefills] + [d.request_id for d in decodes]
+    mine = _flags(engine, me, g, prefills, chunks, decodes, aborted)
+    table = all_gather(mine, me, ranks, tags.flags, waiter, "flags")  # [members, rows, 2]
+    flags, held = table[:, :, 0], table[:, :, 1]
+    rows = [p.request_id for p in prefills] + [c.request_id for c in chunks] + [d.request_id for d in decodes]
+    n_pre, n_multi = len(prefills), len(chunks) + len(decodes)
     run: list[bool] = []
     for j, rid in enumerate(rows):
-        col = table[:, j]
-        if j < len(prefills):
+        col = flags[:, j]
+        if j < n_pre:
             ok = bool((col == Flag.READY).all())
         else:
-            ok = bool((col == Flag.READY).any()) and not bool(((col == Flag.ABORTED) | (col == Flag.NO_ROOM)).any())
+            ok = bool((col == Flag.READY).any()) and not any(bool((col == f).any()) for f in _BLOCKING)
         run.append(ok)
         if ok:
             continue
-        objectors = [m for m in range(g) if col[m] in (Flag.NO_ROOM, Flag.NOT_LOADED)]
+        objectors = [m for m in range(g) if col[m] in (Flag.NO_ROOM, Flag.NOT_LOADED, Flag.OUT_OF_ORDER)]
         if objectors and objectors[0] == me:
             res.refused[rid] = Flag(int(col[me]))
         else:
             res.gone.append(rid)
         parts.drop(engine, rid)
     run_prefills = [p for p, ok in zip(prefills, run, strict=False) if ok]
-    run_decodes = [d for d, ok in zip(decodes, run[len(prefills) :], strict=True) if ok]
+    # the multi-master rows: chunks, then decodes, as (row, request, master, new tokens, is a chunk)
+    multi = [(n_pre + j, c.request_id, c.master, c.tokens, True) for j, c in enumerate(chunks)]
+    multi += [(n_pre + len(chunks) + j, d.request_id, d.master, 1, False) for j, d in enumerate(decodes)]
+    multi = [x for x in multi if run[x[0]]]
+    assert len(run) == n_pre + n_multi
 
-    for j, d in enumerate(decodes):  # 2. hand-overs, in command order on every member
-        col = table[:, len(prefills) + j]
-        if not run[len(prefills) + j] or col[d.master] == Flag.READY:
+    for j, rid, master, _, _ in multi:  # 2. hand-overs, in command order on every member
+        col = flags[:, j]
+        if col[master] == Flag.READY:
             continue
         sender = int((col == Flag.READY).nonzero()[0])
         if me == sender:
-            seq = engine.directed[d.request_id]
-            h = Handover(seq.token_ids, seq.num_prompt_tokens, spec_of(d.request_id))
-            send_handover(h, ranks[d.master], tags, waiter)
-        elif me == d.master:
+            seq = engine.directed[rid]
+            h = Handover(seq.token_ids, seq.num_prompt_tokens, seq.num_computed_tokens, spec_of(rid))
+            send_handover(h, ranks[master], tags, waiter)
+        elif me == master:
             h = recv_handover(ranks[sender], engine.max_model_len + 1, tags, waiter)
-            parts.new_sequence(engine, d.request_id, h.token_ids, h.num_prompt_tokens, params_of(h.spec))
-            res.handed[d.request_id] = h.spec
+            parts.new_sequence(engine, rid, h.token_ids, h.num_prompt_tokens, params_of(h.spec), h.num_computed)
+            res.handed[rid] = h.spec
 
     sampled: dict[str, tuple[int, TokenLogprobs | None]] = {}
     retained = []
@@ -178,44 +236,48 @@ def run_iteration(
             sampled[p.request_id] = (s.tokens[0], s.logprobs[0])
     for rid, positions, kv in retained:
         keep(engine, rid, positions, kv)
-    masters = [(d.request_id, d.master) for d in run_decodes]
-    sampled |= decode_step(engine, me, ranks, masters, tags, waiter)  # 4.
+    works = [
+        StepWork(rid, master, n, tuple(m for m in range(g) if m != master and int(held[m, j]) > 0))
+        for j, rid, master, n, _ in multi
+    ]
+    sampled |= multi_master_step(engine, me, ranks, works, tags, waiter)  # 4.
 
-    ran = [p.request_id for p in run_prefills] + [d.request_id for d in run_decodes]
-    master = {d.request_id: d.master for d in run_decodes}
-    mine = torch.full((len(ran), 2), -1, dtype=torch.int64)
+    ran = [(p.request_id, 0, -1) for p in run_prefills] + [(rid, n, master) for _, rid, master, n, _ in multi]
+    out = torch.full((len(ran), 2), -1, dtype=torch.int64)
     reasons: dict[str, str | None] = {}
-    for i, rid in enumerate(ran):
+    for i, (rid, n, _) in enumerate(ran):
         if rid in sampled:
             seq = engine.directed[rid]
             token = sampled[rid][0]
-            reasons[rid] = _advance(engine, seq, token, rid in master, holds_new=True)
-            mine[i] = torch.tensor([token, int(reasons[rid] is not None)])
-    shared = all_gather(mine, me, ranks, tags.tokens, waiter, "tokens").amax(dim=0)  # 5.
-    for i, rid in enumerate(ran):
-        token, ended = int(shared[i, 0]), bool(shared[i, 1])
+            reasons[rid] = _advance(engine, seq, token, n, holds_new=True)
+            out[i] = torch.tensor([token, int(reasons[rid] is not None)])
+    shared = all_gather(out, me, ranks, tags.tokens, waiter, "tokens").amax(dim=0)  # 5.
+    for i, (rid, n, master) in enumerate(ran):
+        token, ended = int(shared[i, 0]), int(shared[i, 1]) > 0
         seq = engine.directed.get(rid)
         if seq is None:
             continue
         if rid in sampled:
             res.outputs.append(ESPOutput(rid, token, len(seq.output_token_ids) - 1, reasons[rid], sampled[rid][1]))
         else:
-            _advance(engine, seq, token, rid in master, holds_new=False)
-        if ended or (parts.num_entries(seq) == 0 and master.get(rid) != me):
+            _advance(engine, seq, token if token >= 0 else None, n, holds_new=master == me)
+        if ended or (parts.num_entries(seq) == 0 and master != me):
             parts.drop(engine, rid, "stop" if ended else "moved")
             if not (ended and rid in sampled):  # a finish the caller publishes ends the job there
                 res.gone.append(rid)
     return res
 
 
-def _advance(engine: Engine, seq: Sequence, token: int, decoding: bool, holds_new: bool) -> str | None:
-    """`token` follows. After a decode step the previous token's KV exists: here when this member mastered it
-    (`holds_new`), else elsewhere. Returns why the request ends, if it does."""
-    if decoding:
-        if not holds_new and seq.kv_positions is None:  # the new entry is on its master: this one holds a part
+def _advance(engine: Engine, seq: Sequence, token: int | None, new: int, holds_new: bool) -> str | None:
+    """After a multi-master step, `new` more tokens of `seq` have KV: here when this member mastered them
+    (`holds_new`), else elsewhere; then `token` (if any) follows. Returns why the request ends, if it does."""
+    if new:
+        if not holds_new and seq.kv_positions is None:  # the new entries are on the master: this one holds a part
             seq.kv_positions = torch.arange(seq.num_computed_tokens)
-        seq.num_computed_tokens += 1
+        seq.num_computed_tokens += new
         if seq.kv_positions is not None:
             parts.set_positions(seq, seq.kv_positions)
+    if token is None:
+        return None
     seq.token_ids.append(token)
     return engine._stop_reason(seq, token)

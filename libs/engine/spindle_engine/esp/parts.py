@@ -86,14 +86,19 @@ def import_kv(engine: Engine, seq: Sequence, pos: Tensor, kv: Tensor) -> None:
 
 
 def new_sequence(
-    engine: Engine, request_id: str, token_ids: list[int], num_prompt_tokens: int, params: SamplingParams
+    engine: Engine,
+    request_id: str,
+    token_ids: list[int],
+    num_prompt_tokens: int,
+    params: SamplingParams,
+    num_computed: int | None = None,
 ) -> Sequence:
-    """A directed sequence joining this member mid-decode (no KV here yet): its last token's KV is still to
-    compute, the others' sit on other members."""
+    """A directed sequence joining this member with no KV here yet: the KV of its first `num_computed` tokens sits
+    on other members (default: all but the last token's, which is still to compute: mid-decode)."""
     engine._check_new_id(request_id)
     seq = Sequence(request_id, list(token_ids), params, num_prompt_tokens=num_prompt_tokens)
     seq.status = SequenceStatus.RUNNING
-    seq.num_computed_tokens = len(token_ids) - 1
+    seq.num_computed_tokens = len(token_ids) - 1 if num_computed is None else num_computed
     seq.kv_positions = torch.empty(0, dtype=torch.int64)
     engine.directed[request_id] = seq
     return seq

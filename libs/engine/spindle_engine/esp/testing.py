@@ -2,8 +2,9 @@
 
 `script_worker` runs under `spindle_model.testing.run_gloo`: every rank builds the same tiny-model engine, adds
 the prompts as directed requests when a prefill names them, and plays the script. A step is either an iteration
-`{"members": [ranks], "prefills": [[rid, {member: [start, end]}]], "decodes": [[rid, master]]}` (members are
-indices into "members"; ranks outside it skip the step) or a migration `{"migrate": [rid, src rank, dst rank]}`
+`{"members": [ranks], "prefills": [[rid, {member: [start, end]}]], "chunks": [[rid, master, start, end]],
+"decodes": [[rid, master]]}` (members are indices into "members"; ranks outside it skip the step; a chunk at 0 is
+directed on its master) or a migration `{"migrate": [rid, src rank, dst rank]}`
 (the KV and tokens go over plain point-to-point messages here; the elastic service uses its data plane). Each rank
 returns the tokens it sampled (`tokens:<rid>`, `index:<rid>`), its blocks in use and its directed requests left.
 """
@@ -19,7 +20,7 @@ from ..config import EngineConfig
 from ..engine import Engine
 from ..sampling_params import SamplingParams
 from . import parts
-from .iteration import DecodeWork, PrefillWork, run_iteration
+from .iteration import ChunkWork, DecodeWork, PrefillWork, run_iteration
 
 
 def _params(kind: str, max_tokens: int) -> SamplingParams:
@@ -68,10 +69,15 @@ def script_worker(rank: int, world: int, script_json: str) -> dict[str, torch.Te
         ]
         for p in prefills:
             engine.add_directed(p.request_id, prompts[p.request_id], params)
+        chunks = [ChunkWork(rid, m, s, e) for rid, m, s, e in step.get("chunks", [])]
+        for c in chunks:
+            if c.start == 0 and c.master == me:
+                engine.add_directed(c.request_id, prompts[c.request_id], params)
         decodes = [DecodeWork(rid, m) for rid, m in step.get("decodes", [])]
         res = run_iteration(
-            engine, me, members, prefills, decodes, aborted=set(step.get("aborted", {}).get(str(rank), [])),
-            spec_of=lambda rid: rid.encode(), params_of=lambda _: params, batch_id=batch_id, timeout_s=30.0,
+            engine, me, members, prefills, decodes, chunks=chunks,
+            aborted=set(step.get("aborted", {}).get(str(rank), [])), spec_of=lambda rid: rid.encode(),
+            params_of=lambda _: params, batch_id=batch_id, timeout_s=30.0,
         )  # fmt: skip
         for o in res.outputs:
             sampled.setdefault(o.request_id, {})[o.index] = o.token

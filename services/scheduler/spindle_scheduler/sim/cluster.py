@@ -37,6 +37,8 @@ class SimConfig:
     prefill_kv_blocks: int = 32768  # per prefill instance (512K tokens at block size 16)
     decode_kv_blocks: int = 32768  # per decode or colocated instance
     kv_bytes_per_token: int = LLAMA3_8B_KV_BYTES_PER_TOKEN  # sizes the prefill -> decode transfer
+    # a query token's q and partial output over every layer (KV-parallel steps send them); 0: 4x the KV's (GQA 4)
+    query_bytes_per_token: int = 0
     decode_step_s: float = 0.02  # decode step time when the latency model has no decode part
     heartbeat_s: float = HEARTBEAT_S  # virtual seconds between heartbeats of every instance
     tick_s: float = 0.25  # virtual seconds between core.tick calls
@@ -60,8 +62,8 @@ class SimConfig:
             raise ValueError(f"TP sizes and gpus_per_node must be >= 1, got {sizes}")
         if self.block_size < 1 or self.prefill_kv_blocks < 1 or self.decode_kv_blocks < 1:
             raise ValueError("block_size and KV block counts must be >= 1")
-        if self.kv_bytes_per_token < 0:
-            raise ValueError(f"kv_bytes_per_token must be >= 0, got {self.kv_bytes_per_token}")
+        if self.kv_bytes_per_token < 0 or self.query_bytes_per_token < 0:
+            raise ValueError("kv_bytes_per_token and query_bytes_per_token must be >= 0")
         if not self.decode_step_s > 0:
             raise ValueError(f"decode_step_s must be > 0, got {self.decode_step_s}")
         if not (self.heartbeat_s > 0 and self.tick_s > 0):

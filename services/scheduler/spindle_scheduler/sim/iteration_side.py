@@ -15,6 +15,12 @@ batch of b requests over K cached tokens on a group of k takes the decode step a
 multi-master decoding on a named elastic cluster; without that key, k masters each step b/k requests over K/k
 tokens); both in one iteration add. A migration of n tokens takes the transfer model's time for their bytes.
 
+An iteration whose prefill parts name masters (Medha's KV parallelism: a group of replicas sharing requests) takes
+the slowest member's time plus the exchange: each member runs its own chunks and decodes as one mixed batch over
+the KV it holds of them, plus the attention of the other members' queries over the KV it holds of theirs (the
+mixed-batch model's history and decode-KV terms: Eq. 5/6's attention split over the holders); the exchange sends
+every such query token's q and partial output once (`query_bytes_per_token`, the transfer model).
+
 On a sequence-pipeline instance (`colocated_spp` S > 1, Medha's SPP) an iteration's time T is split evenly over
 its S stages (T / S each, after the previous stage and once the stage is free; the activations passed between
 stages are not charged: a 2,048-token chunk of Llama-3-8B is 16 MB, ~0.1 ms over NVLink). An iteration that samples
@@ -85,6 +91,8 @@ class IterationSide(SimBase):
             if p.start == 0:
                 rec.prefill_start = now
                 rec.prefill_instance, rec.decode_instance = a.instances[0], p.retain[-1].instance
+            if p.master:  # a KV-parallel chunk: its master decodes the request once the prompt is done
+                rec.decode_instance = p.master
             rec.prefill_instances = tuple(dict.fromkeys((*rec.prefill_instances, *a.instances)))
             rec.max_sp = max(rec.max_sp, len(a.instances))
             for shard in p.retain:
@@ -110,7 +118,9 @@ class IterationSide(SimBase):
         for iid in a.instances:
             self._in_batch[iid] = a.batch_id
             self._member(iid).busy_spans.append((now, now + seconds))
-        kept = RunBatch(a.batch_id, a.instances, tuple(prefills), tuple(decodes)) if prefills or decodes else None
+        kept = None
+        if prefills or decodes:
+            kept = RunBatch(a.batch_id, a.instances, tuple(prefills), tuple(decodes), kvp=a.kvp)
         self.queue.push(now + seconds, EventKind.ITERATION_DONE, (a, kept, seconds, now + sampled_s))
 
     def _pipelined(self, iid: str, start: float, seconds: float, wait: bool) -> tuple[float, float]:
@@ -126,8 +136,32 @@ class IterationSide(SimBase):
                 first = end
         return (end if wait else first), end
 
+    def _kvp_iteration_seconds(self, a: RunBatch, prefills: list[PrefillPart], decodes: list[DecodePart]) -> float:
+        lat, tp = self.latency, self.config.colocated_tp
+        assert lat.mixed is not None and tp in lat.mixed.fits, "KV-parallel iterations need the mixed-batch model"
+        f = lat.mixed.fit_for(tp)
+        held = {rid: self._elastic_kv.get(rid, {}) for rid in [p.request_id for p in prefills]}
+        held |= {d.request_id: self._elastic_kv.get(d.request_id, {}) for d in decodes}
+        slowest, remote_tokens = 0.0, 0
+        for m in a.instances:
+            chunks = [(held[p.request_id].get(m, 0) - p.num_tokens, p.num_tokens) for p in prefills if p.master == m]
+            own = [d for d in decodes if d.master == m]
+            kv = sum(held[d.request_id].get(m, 0) for d in own)
+            t = lat.mixed.predict(tp, chunks, len(own), kv) if chunks or own else 0.0
+            served = [(held[p.request_id].get(m, 0), p.num_tokens) for p in prefills if p.master != m]
+            served += [(held[d.request_id].get(m, 0), 1) for d in decodes if d.master != m]
+            t += sum(f.c_hist * h * n for h, n in served if h)
+            remote_tokens += sum(n for h, n in served if h)
+            slowest = max(slowest, t)
+        if remote_tokens and lat.transfer is not None:
+            per_token = self.config.query_bytes_per_token or 4 * self.config.kv_bytes_per_token
+            slowest += lat.transfer.predict(remote_tokens * per_token)
+        return slowest
+
     def _iteration_seconds(self, a: RunBatch, prefills: list[PrefillPart], decodes: list[DecodePart]) -> float:
         s, lat, tp = len(a.instances), self.latency, self.config.colocated_tp
+        if a.kvp:
+            return self._kvp_iteration_seconds(a, prefills, decodes)
         mixed = decodes or any(p.start for p in prefills)
         if s == 1 and prefills and mixed and lat.mixed is not None and tp in lat.mixed.fits:
             kv = sum(sum(self._elastic_kv[d.request_id].values()) for d in decodes)

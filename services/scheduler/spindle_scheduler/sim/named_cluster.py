@@ -298,6 +298,7 @@ def named_cluster(spec: ClusterSpec, colocated: bool, elastic: bool = False, **s
         prefill_kv_blocks=max(1, cm.max_kv_tokens(Parallelism(tp=ptp), ACTIVATION_TOKENS) // bs),
         decode_kv_blocks=cm.max_kv_tokens(Parallelism(tp=dtp, pp=spp), ACTIVATION_TOKENS) // bs,
         kv_bytes_per_token=cm.model.kv_bytes_per_token,
+        query_bytes_per_token=2 * cm.model.layers * cm.model.q_dim * cm.model.dtype_bytes,
         **sim,
     )
     if elastic and not config.max_model_len:  # a request's KV spreads over the pool, so the pool bounds a request

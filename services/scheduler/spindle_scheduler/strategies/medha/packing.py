@@ -8,7 +8,8 @@ with the longest chunk that still fits. Prefill-prefill batching (`max_share` > 
 this iteration, it leaves the requests behind it a share of the iteration's prefill time proportional to the
 head's remaining relative slack (§4.2: "the fraction of space allocated to short requests is proportional to their
 remaining slack", read as the slack of the long request they share with: a long prompt far from its deadline can
-afford to let short ones in, one about to miss it takes the whole iteration), capped at `max_share`.
+afford to let short ones in, one about to miss it takes the whole iteration), capped at `max_share`. A request
+that spans replicas (KVP) takes at most what this replica holds of its prompt (`Prefilling.room`).
 """
 
 from __future__ import annotations
@@ -47,23 +48,23 @@ def pack(
     base = model.predict(tp, (), num_decodes, decode_kv)
     head = queue[0]
     budget = limits.target_s
-    whole = model.largest_chunk(tp, head.done, min(head.left, limits.max_chunk), budget, (), num_decodes, decode_kv)
-    if limits.max_share > 0 and whole < head.left and len(queue) > 1:
+    whole = model.largest_chunk(tp, head.done, min(head.room, limits.max_chunk), budget, (), num_decodes, decode_kv)
+    if limits.max_share > 0 and whole < head.room and len(queue) > 1:
         share = limits.max_share * min(1.0, max(0.0, slack(head)))
         budget_head = base + (1.0 - share) * max(0.0, limits.target_s - base)
-        whole = model.largest_chunk(tp, head.done, min(head.left, limits.max_chunk), budget_head, (), num_decodes,
+        whole = model.largest_chunk(tp, head.done, min(head.room, limits.max_chunk), budget_head, (), num_decodes,
                                     decode_kv)  # fmt: skip
-    n = max(whole, min(limits.min_chunk, head.left))
+    n = max(whole, min(limits.min_chunk, head.room))
     taken.append((head, n))
     chunks.append((head.done, n))
-    if n < head.left and limits.max_share <= 0:
+    if n < head.room and limits.max_share <= 0:
         return taken  # no space sharing: the head takes the iteration
     for p in queue[1:]:
         if len(taken) >= limits.max_prefills:
             break
-        limit = min(p.left, limits.max_chunk)
+        limit = min(p.room, limits.max_chunk)
         m = model.largest_chunk(tp, p.done, limit, limits.target_s, chunks, num_decodes, decode_kv)
-        if m < min(limits.min_chunk, p.left):
+        if m < min(limits.min_chunk, p.room):
             continue  # what is left is too small to be worth a chunk: a shorter request behind may still fit
         taken.append((p, m))
         chunks.append((p.done, m))

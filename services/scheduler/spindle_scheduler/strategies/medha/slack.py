@@ -18,6 +18,7 @@ class Prefilling:
     arrived: float
     deadline_s: float  # the TTFT deadline's length from arrival (the deadline rule's)
     done: int = 0
+    until: int = 0  # where the replica computing its next chunks stops holding its KV (KVP spans); 0: the prompt's end
 
     @property
     def rid(self) -> str:
@@ -30,6 +31,11 @@ class Prefilling:
     @property
     def left(self) -> int:
         return self.prompt - self.done
+
+    @property
+    def room(self) -> int:
+        """Prompt tokens its next chunks may take on the replica that computes them now."""
+        return (self.until or self.prompt) - self.done
 
     @property
     def deadline(self) -> float:

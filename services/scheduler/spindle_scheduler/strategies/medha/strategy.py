@@ -9,9 +9,14 @@ Each elastic (colocated) instance is a replica that prefills and decodes in one 
 3. Predictions come from the mixed-batch step (`MixedBatchModel`: the cost model's on a named cluster, built from
    Eq. 1 and the decode step of a `spindle profile` on the real stack).
 
-KVP load balancer (§4.3): a new request goes to the replica with room for its whole future KV (prompt +
+KVP load balancer (§4.3, kvp.py): a new request goes to the replica with room for its whole future KV (prompt +
 max_tokens, reserved so no admission can force an eviction) and the least predicted pending prefill work, then the
-most free KV; with no room anywhere it waits, first in first out, until KV frees.
+most free KV; with no room anywhere it waits, first in first out, until KV frees. A request no one replica can hold
+(or that would hold more than `kvp_tokens` on one) spans replicas (KV parallelism, §3.4): its first chunks fill one
+replica's share, the next go to the next replica, whose iterations attend the earlier KV where it stays (a
+`PrefillPart` with a `master`), and the last replica masters its decodes, every holder attending its queries over
+its share. While a request spans replicas, they run their iterations together, as one group (each member packs
+its own chunks and decodes, to the target time, as alone), so the request's KV is always in one iteration.
 
 Choices the paper leaves open (options):
 - Deadlines (`ttft_min_s`, `ttft_factor`): the TTFT deadline of a request is ttft_min_s + ttft_factor x its prompt's
@@ -32,8 +37,9 @@ With `spp_overlap=1` it also keeps every request an iteration samples out of the
 S-stage replica (decodes in S micro-batches), so that iteration need not be waited for either (`RunBatch.overlap`):
 a schedule for a pipeline engine that samples asynchronously, which the simulator models and Spindle's engine does
 not have (the services refuse the option).
-Not there yet (issue 23): KVP across replicas (a request whose KV outgrows a replica is refused with 400, not
-spilled onto the next one); n > 1 choices are refused (400).
+Options of KV parallelism: `kvp` (the most replicas one request spans; 0: as many as it needs, 1: never spans, so a
+request larger than a replica is refused) and `kvp_tokens` (the most KV tokens of one request on one replica; 0:
+its room). n > 1 choices are refused (400).
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from ...latency import LatencyModel
 from ...mixed_batch import MixedBatchModel
 from ...state import ClusterState
 from ...strategy import Strategy, register_strategy
+from .kvp import Room, Span, fits_ever, place
 from .packing import PackLimits, pack
 from .slack import POLICIES, Prefilling, priority, relative_slack
 
@@ -76,9 +83,9 @@ class Replica:
 
 @dataclass
 class InFlight:
-    replica: str
-    prefills: list[tuple[str, int]]  # (request, tokens) of its chunks
-    decodes: list[str]
+    replicas: tuple[str, ...]
+    prefills: list[tuple[str, int, str]]  # (request, tokens, replica) of its chunks
+    decodes: list[tuple[str, str]]  # (request, master)
 
 
 @register_strategy("medha")
@@ -102,6 +109,8 @@ class MedhaStrategy(Strategy):
         max_share: float = 0.5,
         max_prefills: int = 8,
         spp_overlap: int = 0,
+        kvp: int = 0,
+        kvp_tokens: int = 0,
     ) -> None:
         super().__init__(latency)
         if policy not in POLICIES:
@@ -116,6 +125,9 @@ class MedhaStrategy(Strategy):
             raise ValueError("medha: max_share must be in [0, 1) and max_prefills >= 1")
         if spp_overlap not in (0, 1):
             raise ValueError(f"medha: spp_overlap must be 0 or 1, got {spp_overlap!r}")
+        if kvp < 0 or kvp_tokens < 0:
+            raise ValueError(f"medha: kvp and kvp_tokens must be >= 0, got {kvp}, {kvp_tokens}")
+        self.kvp, self.kvp_tokens = kvp, kvp_tokens
         self.spp_overlap = bool(spp_overlap)
         self.policy, self.tpot_slo, self.ttft_min_s, self.ttft_factor = policy, tpot_slo, ttft_min_s, ttft_factor
         self.min_chunk, self.max_chunk, self.max_prefills = min_chunk, max_chunk, max_prefills
@@ -123,9 +135,14 @@ class MedhaStrategy(Strategy):
         self._share_given = max_share
         self.replicas: dict[str, Replica] = {}
         self.waiting: deque[Prefilling] = deque()  # admitted, no replica with room yet
+        self.spans: dict[str, list[Span]] = {}  # request -> the replicas holding its KV, when more than one
         self.in_flight: dict[int, InFlight] = {}
         self._model: MixedBatchModel | None = None
         self._ids = itertools.count(1)
+
+    @classmethod
+    def spreads_kv(cls, options: dict[str, object]) -> bool:
+        return options.get("kvp", 0) != 1
 
     @classmethod
     def stack_gap(cls, options: dict[str, object]) -> str:
@@ -138,11 +155,13 @@ class MedhaStrategy(Strategy):
             "policy": self.policy, "tpot_slo": self.tpot_slo, "ttft_min_s": self.ttft_min_s,
             "ttft_factor": self.ttft_factor, "min_chunk": self.min_chunk, "max_chunk": self.max_chunk,
             "max_share": self._share_given, "max_prefills": self.max_prefills, "spp_overlap": int(self.spp_overlap),
+            "kvp": self.kvp, "kvp_tokens": self.kvp_tokens,
         }  # fmt: skip
 
     def describe(self) -> str:
         defaults = {"policy": "ilrs", "ttft_min_s": 0.25, "ttft_factor": 3.0, "min_chunk": 64, "max_chunk": 8192,
-                    "max_share": 0.5, "max_prefills": 8, "tpot_slo": 0.0, "spp_overlap": 0}  # fmt: skip
+                    "max_share": 0.5, "max_prefills": 8, "tpot_slo": 0.0, "spp_overlap": 0, "kvp": 0,
+                    "kvp_tokens": 0}  # fmt: skip
         opts = {k: v for k, v in self.options().items() if defaults.get(k) != v}
         return f"{self.name}:{','.join(f'{k}={v}' for k, v in opts.items())}" if opts else self.name
 
@@ -186,6 +205,7 @@ class MedhaStrategy(Strategy):
             self.waiting = deque(p for p in self.waiting if p.rid in state.requests)
 
     def _drop(self, rid: str) -> None:
+        self.spans.pop(rid, None)
         for r in self.replicas.values():
             r.reserved.pop(rid, None)
             r.decoding.pop(rid, None)
@@ -202,11 +222,13 @@ class MedhaStrategy(Strategy):
             return [Reject(rid, 503, "no live elastic instance")]
         if spec.sampling.n > 1:
             return [Reject(rid, 400, "medha decodes one choice per request; send n = 1")]
-        need = spec.prompt.num_tokens + spec.sampling.max_tokens
-        largest = max(r.capacity for r in live)
-        if need > largest:
-            return [Reject(rid, 400, f"prompt plus max_tokens ({need} tokens) does not fit one replica's KV "
-                           f"({largest} tokens); KVP across replicas is not supported yet")]  # fmt: skip
+        prompt, max_tokens = spec.prompt.num_tokens, spec.sampling.max_tokens
+        empty = [Room(r.id, r.capacity, r.block, 0.0) for r in live]
+        if not fits_ever(empty, prompt, max_tokens, self.kvp, self.kvp_tokens):
+            where = "one replica's" if self.kvp == 1 else f"the KV of {self.kvp or len(live)} replica(s)"
+            return [Reject(rid, 400, f"prompt plus max_tokens ({prompt + max_tokens} tokens) does not fit {where} "
+                           f"(at most {max(r.capacity for r in live)} tokens each, kvp={self.kvp}, "
+                           f"kvp_tokens={self.kvp_tokens})")]  # fmt: skip
         tp = live[0].tp
         deadline = self.ttft_min_s + self.ttft_factor * self.alone_s(tp, 0, spec.prompt.num_tokens)
         self.waiting.append(Prefilling(spec, now, deadline))
@@ -226,10 +248,13 @@ class MedhaStrategy(Strategy):
         return self._schedule(now)
 
     def on_instance_lost(self, instance_id: str, state: ClusterState, now: float) -> list[Action]:
-        """The core failed the requests the replica held; its iteration never reports."""
+        """The core failed the requests the replica held (spanning ones too: it tracks every holder); its
+        iteration never reports, and the members it ran with are free again."""
         lost = self.replicas.pop(instance_id, None)
-        for bid in [b for b, f in self.in_flight.items() if f.replica == instance_id]:
-            del self.in_flight[bid]
+        for bid in [b for b, f in self.in_flight.items() if instance_id in f.replicas]:
+            for iid in self.in_flight.pop(bid).replicas:
+                if (r := self.replicas.get(iid)) is not None:
+                    r.running = None
         if lost is not None:
             for rid in lost.reserved:
                 self._drop(rid)
@@ -240,42 +265,114 @@ class MedhaStrategy(Strategy):
 
     def _iteration_done(self, bid: int) -> None:
         ran = self.in_flight.pop(bid, None)
-        if ran is None or (r := self.replicas.get(ran.replica)) is None:
+        if ran is None:
             return
-        r.running = None
-        for rid, n in ran.prefills:
-            p = next((x for x in r.queue if x.rid == rid), None)
-            if p is None:
+        for iid in ran.replicas:
+            if (r := self.replicas.get(iid)) is not None:
+                r.running = None
+        for rid, n, iid in ran.prefills:
+            r = self.replicas.get(iid)
+            p = next((x for x in r.queue if x.rid == rid), None) if r is not None else None
+            if r is None or p is None:
                 continue  # ended meanwhile
             p.done += n
             if p.done >= p.prompt:
                 r.queue.remove(p)
-                r.decoding[rid] = p.prompt + 1  # the first token's KV is written by its first decode
-        for rid in ran.decodes:
-            if rid in r.decoding:
+                start = next((s.start for s in self.spans.get(rid, ()) if s.id == iid), 0)
+                r.decoding[rid] = p.prompt - start + 1  # the first token's KV is written by its first decode
+            elif p.until and p.done >= p.until:  # its share here is full: the next chunks go to the next replica
+                r.queue.remove(p)
+                nxt = next(s for s in self.spans[rid] if s.start == p.done)
+                p.until = nxt.end
+                self.replicas[nxt.id].queue.append(p)
+        for rid, iid in ran.decodes:
+            if (r := self.replicas.get(iid)) is not None and rid in r.decoding:
                 r.decoding[rid] += 1
 
     def _schedule(self, now: float) -> list[Action]:
         self._place(now)
         actions: list[Action] = []
-        for r in sorted(self.replicas.values(), key=lambda x: x.rank):
-            if r.running is None and (r.queue or r.decoding) and (batch := self._iteration(r, now)) is not None:
+        for group in self._groups():
+            if any(g.running is not None for g in group) or not any(g.queue or g.decoding for g in group):
+                continue
+            batch = self._iteration(group[0], now) if len(group) == 1 else self._group_iteration(group, now)
+            if batch is not None:
                 actions.append(batch)
         return actions
 
+    def _groups(self) -> list[list[Replica]]:
+        """The replicas that run their iterations together: joined by every request whose KV spans them (from its
+        first chunk on a second replica), in rank order."""
+        parent = {iid: iid for iid in self.replicas}
+
+        def root(x: str) -> str:
+            while parent[x] != x:
+                parent[x] = parent[parent[x]]
+                x = parent[x]
+            return x
+
+        for rid, spans in self.spans.items():
+            done = next((p.done for r in self.replicas.values() for p in r.queue if p.rid == rid), None)
+            used = [s.id for s in spans if done is None or s.start < done or s.start == done]
+            for a, b in itertools.pairwise(x for x in used if x in parent):
+                parent[root(a)] = root(b)
+        groups: dict[str, list[Replica]] = {}
+        for r in sorted(self.replicas.values(), key=lambda x: x.rank):
+            groups.setdefault(root(r.id), []).append(r)
+        return list(groups.values())
+
     def _place(self, now: float) -> None:
-        """KVP load balancer: waiting requests, first in first out, to the replica with room and the least pending
-        prefill work (then the most free KV)."""
+        """KVP load balancer (kvp.py): waiting requests, first in first out, onto the replica (or the replicas) with
+        room, the least pending prefill work first."""
         while self.waiting:
             p = self.waiting[0]
-            tokens = p.prompt + p.spec.sampling.max_tokens
-            fits = [r for r in self.replicas.values() if r.free() >= -(-tokens // r.block) * r.block]
-            if not fits:
+            rooms = [Room(r.id, r.free(), r.block, sum(self.alone_s(r.tp, q.done, q.left) for q in r.queue))
+                     for r in self.replicas.values()]  # fmt: skip
+            spans = place(rooms, p.prompt, p.spec.sampling.max_tokens, self.kvp, self.kvp_tokens)
+            if spans is None:
                 return
-            best = min(fits, key=lambda r: (sum(self.alone_s(r.tp, q.done, q.left) for q in r.queue), -r.free()))
             self.waiting.popleft()
-            best.reserved[p.rid] = -(-tokens // best.block) * best.block
-            best.queue.append(p)
+            for s in spans:
+                self.replicas[s.id].reserved[p.rid] = s.reserve
+            if len(spans) > 1:
+                self.spans[p.rid] = spans
+                p.until = spans[0].end
+            self.replicas[spans[0].id].queue.append(p)
+
+    def _group_iteration(self, group: list[Replica], now: float) -> RunBatch | None:
+        """One iteration over replicas that share requests (KVP): each member's own chunks, packed as alone, and its
+        decodes, each computed by that member as master."""
+        prefills: list[PrefillPart] = []
+        decodes: list[DecodePart] = []
+        for r in group:
+            chunks, decoding = self._pack(r, list(r.decoding), list(r.queue), now)
+            prefills += [PrefillPart(p.spec, p.done, p.done + n, (KVShard(r.id, p.done, p.done + n),), master=r.id)
+                         for p, n in chunks]  # fmt: skip
+            decodes += [DecodePart(rid, r.id) for rid in decoding]
+        if not prefills and not decodes:
+            return None
+        bid = next(self._ids)
+        ids = tuple(r.id for r in group)
+        for r in group:
+            r.running = bid
+            r.iterations += 1
+        parts = [(p.request_id, p.num_tokens, p.master) for p in prefills]
+        self.in_flight[bid] = InFlight(ids, parts, [(d.request_id, d.master) for d in decodes])
+        return RunBatch(bid, ids, prefills=tuple(prefills), decodes=tuple(decodes), kvp=True)
+
+    def _pack(
+        self, r: Replica, decoding: list[str], queue: list[Prefilling], now: float
+    ) -> tuple[list[tuple[Prefilling, int]], list[str]]:
+        """The chunks of `queue` (in priority order) to run beside `decoding` on `r`, packed to its target time."""
+        decode_kv = sum(r.decoding[rid] for rid in decoding)
+        remaining = {p.rid: self.alone_s(r.tp, p.done, p.left) for p in queue}
+        order = sorted(queue, key=lambda p: priority(self.policy, p, now, remaining[p.rid]))
+
+        def slack(p: Prefilling) -> float:
+            return relative_slack(p, now, remaining[p.rid])
+
+        limits = PackLimits(self.target_s(r.tp), self.min_chunk, self.max_chunk, self.max_share, self.max_prefills)
+        return pack(self.model(), r.tp, order, len(decoding), decode_kv, limits, slack), decoding
 
     def _iteration(self, r: Replica, now: float) -> RunBatch | None:
         overlap = self.spp_overlap and r.spp > 1
@@ -289,15 +386,7 @@ class MedhaStrategy(Strategy):
         queue = [p for p in r.queue if ready(p.rid)]
         if not decoding and not queue:  # all in the pipeline: the next iteration waits for the oldest samples
             decoding, queue = list(r.decoding), list(r.queue)
-        decode_kv = sum(r.decoding[rid] for rid in decoding)
-        remaining = {p.rid: self.alone_s(r.tp, p.done, p.left) for p in queue}
-        order = sorted(queue, key=lambda p: priority(self.policy, p, now, remaining[p.rid]))
-
-        def slack(p: Prefilling) -> float:
-            return relative_slack(p, now, remaining[p.rid])
-
-        limits = PackLimits(self.target_s(r.tp), self.min_chunk, self.max_chunk, self.max_share, self.max_prefills)
-        chunks = pack(self.model(), r.tp, order, len(decoding), decode_kv, limits, slack)
+        chunks, decoding = self._pack(r, decoding, queue, now)
         if not chunks and not decoding:
             return None
         bid = next(self._ids)
@@ -307,5 +396,5 @@ class MedhaStrategy(Strategy):
         r.iterations += 1
         for rid in [*decoding, *(p.rid for p, n in chunks if p.done + n >= p.prompt)]:
             r.sampled_at[rid] = k
-        self.in_flight[bid] = InFlight(r.id, [(p.rid, n) for p, n in chunks], decoding)
+        self.in_flight[bid] = InFlight((r.id,), [(p.rid, n, r.id) for p, n in chunks], [(d, r.id) for d in decoding])
         return RunBatch(bid, (r.id,), prefills=parts, decodes=decodes, overlap=overlap)
