@@ -234,3 +234,20 @@ def test_a_request_larger_than_a_replica_spans_two_and_decodes_on_the_second() -
     # with kvp=1 it is refused (400): no one replica holds it
     one = Simulator("medha:tpot_slo=0.1,kvp=1", latency(), replace(config, max_model_len=60_000)).run(trace)
     assert one.summary("kvp").rejected == 1
+
+
+def test_short_requests_pass_one_waiting_for_kv_within_the_backfill_share() -> None:
+    core = medha_core(n=1, blocks=100)  # 1,600 KV tokens; the bypass share is 1/8: 200
+    core.admit(request_spec("a", prompt=1000, out=100), 0.0)
+    core.admit(request_spec("b", prompt=1000, out=100), 0.0)  # 1,104 do not fit beside a: b waits
+    strategy = core.strategy
+    for rid, prompt in (("c", 50), ("d", 100), ("e", 50)):
+        core.admit(request_spec(rid, prompt=prompt, out=10), 0.0)
+    assert [p.rid for p in strategy.waiting] == ["b", "e"]  # c (64 tokens) and d (128) passed b; e would exceed 200
+    assert strategy.bypassers == {"c", "d"}
+    strict = medha_core(n=1, blocks=100, spec="medha:tpot_slo=0.1,backfill=0")
+    for rid, prompt, out in (("a", 1000, 100), ("b", 1000, 100), ("c", 50, 10)):
+        strict.admit(request_spec(rid, prompt=prompt, out=out), 0.0)
+    assert [p.rid for p in strict.strategy.waiting] == ["b", "c"]
+    with pytest.raises(ValueError, match="backfill must be in"):
+        create_strategy("medha:backfill=1", latency())

@@ -374,7 +374,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead of an SP plan: one instance as N sequence-pipeline stages (layer ranges, one process each), "
         "the prompt in chunks of --chunk tokens flowing through them back to back, then greedy decode",
     )
-    ap.add_argument("--chunk", type=int, default=256, help="with --spp: prefill chunk size in tokens")
+    ap.add_argument(
+        "--kvp-prefill",
+        type=int,
+        default=0,
+        help="instead of an SP plan: Medha's KV parallelism over N processes, the prompt's chunks of --chunk tokens "
+        "computed by each in turn (a consecutive share each), attending the earlier chunks' KV where it stays, then "
+        "greedy decode mastered by the last while every member attends its share",
+    )
+    ap.add_argument("--chunk", type=int, default=256, help="with --spp or --kvp-prefill: prefill chunk size in tokens")
     ap.add_argument(
         "--stage-tp", type=int, default=1, help="with --spp: tensor-parallel ranks inside each stage (Medha's 2D)"
     )
@@ -439,8 +447,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.spp and args.kvp_prefill:
+        print("spindle verify: error: --spp and --kvp-prefill are separate runs (pick one)", file=sys.stderr)
+        return 2
     if args.spp:
         return _main_spp(args)
+    if args.kvp_prefill:
+        return _main_kvp_prefill(args)
     try:
         if args.plan is None:
             raise ValueError("--plan is required (or --spp N for a sequence pipeline)")
@@ -506,6 +519,27 @@ def _main_spp(args: argparse.Namespace) -> int:
     procs = f"{spec.tp} processes (TP) each" if spec.tp > 1 else "one process each"
     print(f"{len(ids)} tokens in chunks of {spec.chunk} through {spec.spp} pipeline stages ({mode}), {procs}")
     result = verify_spp(spec, timeout_s=args.timeout)
+    print(result.summary())
+    if args.json:
+        args.json.write_text(json.dumps(asdict(result), indent=1))
+    return 0 if result.match else 1
+
+
+def _main_kvp_prefill(args: argparse.Namespace) -> int:
+    from ..esp.verify import KVPVerifySpec, check, verify_kvp
+
+    try:
+        if args.plan is not None or args.kvp or args.decode_tp != 1 or args.retain or args.layouts or args.stage_tp > 1:
+            raise ValueError("--kvp-prefill takes no SP plan, --kvp, --decode-tp, --retain, --layouts or --stage-tp")
+        ids = read_prompt(args.prompt_file, args.model)
+        spec = KVPVerifySpec(args.model, args.dtype, ids, args.kvp_prefill, args.chunk, args.max_new_tokens,
+                             args.threads)  # fmt: skip
+        check(spec)
+    except (ValueError, OSError) as e:
+        print(f"spindle verify: error: {e}", file=sys.stderr)
+        return 2
+    print(f"{len(ids)} tokens in chunks of {spec.chunk} over {spec.members} KV-parallel processes (Medha's KVP)")
+    result = verify_kvp(spec, timeout_s=args.timeout)
     print(result.summary())
     if args.json:
         args.json.write_text(json.dumps(asdict(result), indent=1))

@@ -104,11 +104,13 @@ class IterationSide(SimBase):
             assert set(held) <= set(a.instances), f"{d.request_id}'s KV on {sorted(held)} outside {a.instances}"
         seconds = self._iteration_seconds(a, prefills, decodes)
         sampled_s = seconds
-        if self.config.colocated_spp > 1 and len(a.instances) == 1:
+        if self.config.colocated_spp > 1 and (len(a.instances) == 1 or a.kvp):
             samples = bool(decodes) or any(p.last for p in prefills)
             rids = [p.request_id for p in prefills] + [d.request_id for d in decodes]
             start = max([now, *(self._sampled_by.get(rid, now) for rid in rids)])
-            done_at, sampled_at = self._pipelined(a.instances[0], start, seconds, samples and not a.overlap)
+            # a KV-parallel group: every member a pipeline, its stages exchanging with their peers' (Medha's 3D)
+            ends = [self._pipelined(i, start, seconds, samples and not a.overlap) for i in a.instances]
+            done_at, sampled_at = max(e[0] for e in ends), max(e[1] for e in ends)
             seconds, sampled_s = done_at - now, sampled_at - now
             if a.overlap:
                 for rid in [p.request_id for p in prefills if p.last] + [d.request_id for d in decodes]:

@@ -11,12 +11,14 @@ Each elastic (colocated) instance is a replica that prefills and decodes in one 
 
 KVP load balancer (§4.3, kvp.py): a new request goes to the replica with room for its whole future KV (prompt +
 max_tokens, reserved so no admission can force an eviction) and the least predicted pending prefill work, then the
-most free KV; with no room anywhere it waits, first in first out, until KV frees. A request no one replica can hold
-(or that would hold more than `kvp_tokens` on one) spans replicas (KV parallelism, §3.4): its first chunks fill one
-replica's share, the next go to the next replica, whose iterations attend the earlier KV where it stays (a
-`PrefillPart` with a `master`), and the last replica masters its decodes, every holder attending its queries over
-its share. While a request spans replicas, they run their iterations together, as one group (each member packs
-its own chunks and decodes, to the target time, as alone), so the request's KV is always in one iteration.
+most free KV; with no room anywhere it waits, first in first out, until KV frees, while later requests that fit may
+pass it within a bounded share of the KV (`backfill`, 1/8 of a replica's; 0: strict first in first out). A request
+no one replica can hold (or that would hold more than `kvp_tokens` on one) spans replicas (KV parallelism, §3.4):
+its first chunks fill one replica's share, the next go to the next replica, whose iterations attend the earlier KV
+where it stays (a `PrefillPart` with a `master`), and the last replica masters its decodes, every holder attending
+its queries over its share. While a request spans replicas, they run their iterations together, as one group (each
+member packs its own chunks and decodes, to the target time, as alone), so the request's KV is always in one
+iteration.
 
 Choices the paper leaves open (options):
 - Deadlines (`ttft_min_s`, `ttft_factor`): the TTFT deadline of a request is ttft_min_s + ttft_factor x its prompt's
@@ -111,6 +113,7 @@ class MedhaStrategy(Strategy):
         spp_overlap: int = 0,
         kvp: int = 0,
         kvp_tokens: int = 0,
+        backfill: float = 0.125,
     ) -> None:
         super().__init__(latency)
         if policy not in POLICIES:
@@ -127,7 +130,10 @@ class MedhaStrategy(Strategy):
             raise ValueError(f"medha: spp_overlap must be 0 or 1, got {spp_overlap!r}")
         if kvp < 0 or kvp_tokens < 0:
             raise ValueError(f"medha: kvp and kvp_tokens must be >= 0, got {kvp}, {kvp_tokens}")
-        self.kvp, self.kvp_tokens = kvp, kvp_tokens
+        if not 0 <= backfill < 1:
+            raise ValueError(f"medha: backfill must be in [0, 1), got {backfill}")
+        self.kvp, self.kvp_tokens, self.backfill = kvp, kvp_tokens, backfill
+        self.bypassers: set[str] = set()  # placed past a request waiting for KV (`_place`)
         self.spp_overlap = bool(spp_overlap)
         self.policy, self.tpot_slo, self.ttft_min_s, self.ttft_factor = policy, tpot_slo, ttft_min_s, ttft_factor
         self.min_chunk, self.max_chunk, self.max_prefills = min_chunk, max_chunk, max_prefills
@@ -155,13 +161,13 @@ class MedhaStrategy(Strategy):
             "policy": self.policy, "tpot_slo": self.tpot_slo, "ttft_min_s": self.ttft_min_s,
             "ttft_factor": self.ttft_factor, "min_chunk": self.min_chunk, "max_chunk": self.max_chunk,
             "max_share": self._share_given, "max_prefills": self.max_prefills, "spp_overlap": int(self.spp_overlap),
-            "kvp": self.kvp, "kvp_tokens": self.kvp_tokens,
+            "kvp": self.kvp, "kvp_tokens": self.kvp_tokens, "backfill": self.backfill,
         }  # fmt: skip
 
     def describe(self) -> str:
         defaults = {"policy": "ilrs", "ttft_min_s": 0.25, "ttft_factor": 3.0, "min_chunk": 64, "max_chunk": 8192,
                     "max_share": 0.5, "max_prefills": 8, "tpot_slo": 0.0, "spp_overlap": 0, "kvp": 0,
-                    "kvp_tokens": 0}  # fmt: skip
+                    "kvp_tokens": 0, "backfill": 0.125}  # fmt: skip
         opts = {k: v for k, v in self.options().items() if defaults.get(k) != v}
         return f"{self.name}:{','.join(f'{k}={v}' for k, v in opts.items())}" if opts else self.name
 
@@ -206,6 +212,7 @@ class MedhaStrategy(Strategy):
 
     def _drop(self, rid: str) -> None:
         self.spans.pop(rid, None)
+        self.bypassers.discard(rid)
         for r in self.replicas.values():
             r.reserved.pop(rid, None)
             r.decoding.pop(rid, None)
@@ -323,21 +330,55 @@ class MedhaStrategy(Strategy):
 
     def _place(self, now: float) -> None:
         """KVP load balancer (kvp.py): waiting requests, first in first out, onto the replica (or the replicas) with
-        room, the least pending prefill work first."""
-        while self.waiting:
-            p = self.waiting[0]
-            rooms = [Room(r.id, r.free(), r.block, sum(self.alone_s(r.tp, q.done, q.left) for q in r.queue))
-                     for r in self.replicas.values()]  # fmt: skip
-            spans = place(rooms, p.prompt, p.spec.sampling.max_tokens, self.kvp, self.kvp_tokens)
-            if spans is None:
-                return
-            self.waiting.popleft()
+        room, the least pending prefill work first. While the first one waits for KV, later ones that fit one replica
+        may pass it (backfill), holding together at most `backfill` of that replica's KV, and only on replicas where
+        the waiting one would still fit beside that share: a long request waiting for room does not hold up short
+        ones, and it cannot be starved by them."""
+        rooms = {r.id: Room(r.id, r.free(), r.block, sum(self.alone_s(r.tp, q.done, q.left) for q in r.queue))
+                 for r in self.replicas.values()}  # fmt: skip
+        blocked: Prefilling | None = None
+        placed: set[str] = set()
+        for p in list(self.waiting):
+            max_tokens = p.spec.sampling.max_tokens
+            if blocked is None:
+                spans = place(list(rooms.values()), p.prompt, max_tokens, self.kvp, self.kvp_tokens)
+                if spans is None:
+                    blocked = p
+                    continue
+            else:
+                spans = place(self._bypassable(blocked, rooms), p.prompt, max_tokens, 1, self.kvp_tokens)
+                if spans is None:
+                    continue
+                self.bypassers.add(p.rid)
+            placed.add(p.rid)
             for s in spans:
                 self.replicas[s.id].reserved[p.rid] = s.reserve
+                r = rooms[s.id]
+                work = self.alone_s(self.replicas[s.id].tp, s.start, s.end - s.start)
+                rooms[s.id] = Room(r.id, r.free - s.reserve, r.block, r.pending_s + work)
             if len(spans) > 1:
                 self.spans[p.rid] = spans
                 p.until = spans[0].end
             self.replicas[spans[0].id].queue.append(p)
+        if placed:
+            self.waiting = deque(p for p in self.waiting if p.rid not in placed)
+        if blocked is None:
+            self.bypassers.clear()
+
+    def _bypassable(self, blocked: Prefilling, rooms: dict[str, Room]) -> list[Room]:
+        """The replicas a request may take while `blocked` waits, each with the room left of the bypass share."""
+        if self.backfill <= 0:
+            return []
+        need = blocked.prompt + blocked.spec.sampling.max_tokens
+        out = []
+        for r in self.replicas.values():
+            share = int(self.backfill * r.capacity)
+            if min(need, self.kvp_tokens or need, r.capacity) > r.capacity - share:
+                continue  # the waiting request needs this replica's KV beyond the bypass share
+            used = sum(n for rid, n in r.reserved.items() if rid in self.bypassers)
+            room = rooms[r.id]
+            out.append(Room(r.id, min(room.free, (share - used) // r.block * r.block), r.block, room.pending_s))
+        return out
 
     def _group_iteration(self, group: list[Replica], now: float) -> RunBatch | None:
         """One iteration over replicas that share requests (KVP): each member's own chunks, packed as alone, and its
