@@ -1,8 +1,7 @@
 """One process of `spindle verify --kvp-prefill N` (started by it, not by hand): member `rank` of the group.
 
 Every member holds the whole model. The prompt's chunks go to the members in turn, each taking a consecutive share
-(member m computes chunks [m x per, (m + 1) x per) as their master, the group growing as the prompt spills onto the
-next member: Medha's KV parallelism), then the last member masters every greedy decode step while all of them
+(the group growing as the prompt spills onto the next member: Medha's KV parallelism), then the last member masters every greedy decode step while all of them
 attend its queries over their shares. Each member writes the logits rows it computed (the first token's, every
 decode step's) with their output indices, its tokens and the blocks it still holds.
 """
@@ -38,12 +37,12 @@ class KVPVerifySpec:
     threads: int = 1
 
     def chunks(self) -> list[tuple[int, int, int]]:
-        """(start, end, master) of every prompt chunk: consecutive shares of the chunks, one per member."""
+        """(start, end, master) of every prompt chunk: the chunks in consecutive shares as even as they go, one per
+        member in order."""
         n = len(self.token_ids)
         bounds = [*range(0, n, self.chunk), n]
         count = len(bounds) - 1
-        per = -(-count // self.members)
-        return [(bounds[i], bounds[i + 1], min(i // per, self.members - 1)) for i in range(count)]
+        return [(bounds[i], bounds[i + 1], i * self.members // count) for i in range(count)]
 
     def engine_config(self) -> EngineConfig:
         room = len(self.token_ids) + self.max_new_tokens + BLOCK_SIZE
