@@ -2,7 +2,9 @@
 3,000-token prompt neither can hold. Its first chunks fill one instance; the next run on the other, which attends the
 earlier chunks' KV where it stays (a `RunIteration` prefill part with a `master`: `spindle_engine.esp`), and then
 masters its decodes, both instances attending each query over their share. Short prompts keep being served beside
-it, every output equals the single engine's, and every block comes back on both instances."""
+it, every output equals the single engine's, and every block comes back on both instances. Run twice: on plain
+instances, and on pipeline instances of two stage processes each (Medha's 3D: each stage exchanges its layers'
+queries with the same stage of the other instance)."""
 
 from __future__ import annotations
 
@@ -21,12 +23,12 @@ from .test_medha_stack import _profile as medha_profile
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def kvp_stack(tmp_path_factory):
+@pytest.fixture(scope="module", params=[1, 2], ids=["kvp", "kvp-spp2"])
+def kvp_stack(tmp_path_factory, request):
     profile = medha_profile(tmp_path_factory.mktemp("medha-kvp-profile"))
     s = start_stack(
-        tmp_path_factory, "medha-kvp", prefill=0, decode=0, elastic=2, strategy=STRATEGY, profile=profile,
-        kv_cache_tokens=2048,
+        tmp_path_factory, f"medha-kvp-spp{request.param}", prefill=0, decode=0, elastic=2, elastic_spp=request.param,
+        strategy=STRATEGY, profile=profile, kv_cache_tokens=2048,
     )  # fmt: skip
     try:
         yield s

@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     service.setup_logging(args.log_level, "elastic")
     if args.shared_chunk < 0:
         raise SystemExit(f"--shared-chunk must be >= 0, got {args.shared_chunk}")
-    if args.spp_size > 1 and args.partial_kv:
-        raise SystemExit("--spp-size > 1 holds whole requests: it takes no --partial-kv")
+    if args.spp_size > 1 and args.tp_size > 1 and args.partial_kv:
+        raise SystemExit("a pipeline with TP inside its stages holds whole requests: it takes no --partial-kv")
     if args.tp_size > 1 and args.spp_size == 1:
         raise SystemExit("--tp-size applies inside the stages of a pipeline (--spp-size > 1)")
     try:

@@ -60,9 +60,9 @@ class GroupIterations:
         me = members.index(self.id)
         rows = [p.request.request_id for p in cmd.prefills] + [d.request_id for d in cmd.decodes]
         try:
-            if self.config.spp_size > 1:  # its engine holds stage 0's layers: the group's exchanges need them all
-                raise ValueError("a sequence-pipeline instance runs its iterations alone (KV parallelism over "
-                                 "pipelines, Medha's 3D, is not on the services yet: medha:kvp=1)")  # fmt: skip
+            if self.config.spp_size > 1 and self.config.tp_size > 1:
+                raise ValueError("a pipeline with TP inside its stages runs its iterations alone (KV parallelism over "
+                                 "such pipelines is not supported: medha:kvp=1)")  # fmt: skip
             ranks = [cmd.ranks[m] for m in members]
             decodes = [DecodeWork(d.request_id, members.index(d.master)) for d in cmd.decodes]
             prefills = [self._prefill_work(p.request, p.start, p.end, p.retain, members)

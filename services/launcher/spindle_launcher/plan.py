@@ -171,11 +171,11 @@ class StackConfig:
                     f"strategy {self.strategy!r} moves KV between elastic instances, which a pipeline-parallel "
                     "instance does not do yet: use elastic_spp 1, or the chunked or medha strategy"
                 )
-            if self.elastic_spp > 1 and self.elastic > 1 and _spreads_kv(self.strategy):
+            if self.elastic_tp > 1 and self.elastic > 1 and _spreads_kv(self.strategy):
                 raise ValueError(
                     f"strategy {self.strategy!r} may spread a request's KV over several elastic instances (KV "
-                    "parallelism), which pipeline instances do not do on the services yet: add kvp=1 to its options "
-                    "(e.g. medha:kvp=1), or run one elastic instance"
+                    "parallelism), which pipelines with TP inside their stages do not do: add kvp=1 to its options "
+                    "(e.g. medha:kvp=1), use elastic_tp 1, or run one elastic instance"
                 )
         else:
             for what, n in (("prefill", self.prefill), ("decode", self.decode)):
@@ -366,7 +366,8 @@ def build_plan(config: StackConfig, runtime: Runtime, python: str = sys.executab
         budget = ["--max-num-batched-tokens", str(config.chunk_tokens)]
         if config.shared_chunk is not None:
             budget += ["--shared-chunk", str(config.shared_chunk)]
-        if _per_iteration(config.strategy) and config.elastic_spp == 1:  # the group holds what one instance cannot
+        # the group holds what one instance cannot (pipelines too, Medha's 3D, with one rank per stage)
+        if _per_iteration(config.strategy) and (config.elastic_spp == 1 or config.elastic_tp == 1):
             budget.append("--partial-kv")
         spp = ["--spp-size", str(config.elastic_spp)] if config.elastic_spp > 1 else []
         spp += ["--tp-size", str(config.elastic_tp)] if config.elastic_tp > 1 else []

@@ -157,15 +157,16 @@ def test_elastic_plan_is_one_colocated_engine_per_instance() -> None:
 
 
 def test_a_pipeline_parallel_elastic_instance_takes_consecutive_ranks_for_its_stages() -> None:
-    config = StackConfig(prefill=0, decode=0, elastic=2, elastic_spp=3, strategy="medha:kvp=1", profile="p.json")
+    config = StackConfig(prefill=0, decode=0, elastic=2, elastic_spp=3, strategy="medha", profile="p.json")
     specs = {s.name: s for s in build_plan(config, RT, python="py")}
     assert config.world_size == 7
     names = [n for n in specs if n.startswith("elastic")]
     assert names == ["elastic-0", "elastic-0-spp1", "elastic-0-spp2", "elastic-1", "elastic-1-spp1", "elastic-1-spp2"]
     assert config.instance_ids() == ["kvstore-0", "elastic-0", "elastic-1"]  # the stages register nothing
-    lead, stage = flags(specs["elastic-1"].args), flags(specs["elastic-1-spp2"].args)
+    assert "--partial-kv" in specs["elastic-1"].args  # pipelines of a KV-parallel group hold parts (Medha's 3D)
+    lead = flags(tuple(a for a in specs["elastic-1"].args if a != "--partial-kv"))
+    stage = flags(specs["elastic-1-spp2"].args)
     assert (lead["--rank"], lead["--spp-size"], lead["--world-size"]) == ("4", "3", "7")
-    assert "--partial-kv" not in specs["elastic-1"].args  # a pipeline holds whole requests
     assert specs["elastic-1-spp2"].module == "spindle_elastic.spp_stage"
     assert (stage["--rank"], stage["--leader-rank"], stage["--spp-size"]) == ("6", "4", "3")
     assert "--nats-url" not in stage and stage["--model"] == lead["--model"]
@@ -206,7 +207,15 @@ def test_a_pipeline_parallel_elastic_instance_takes_consecutive_ranks_for_its_st
             "moves KV between elastic instances",
         ),
         (
-            {"prefill": 0, "decode": 0, "elastic": 2, "strategy": "medha", "profile": "p.json", "elastic_spp": 2},
+            {
+                "prefill": 0,
+                "decode": 0,
+                "elastic": 2,
+                "strategy": "medha",
+                "profile": "p.json",
+                "elastic_spp": 2,
+                "elastic_tp": 2,
+            },
             "add kvp=1",
         ),
     ],

@@ -28,9 +28,11 @@ from spindle_attention import attention_fwd, merge_attn_states_many
 from spindle_attention.distributed.comm import pack, unpack
 
 from ..engine import Engine
+from ..kv_cache import KVCache
 from ..sampler import Sampled, TokenLogprobs, sample
 from . import parts
 from .exchange import Tags, Waiter
+from .pipeline import KVPStep, Local
 
 
 @dataclass(frozen=True)
@@ -44,16 +46,31 @@ class StepWork:
     holders: tuple[int, ...]
 
 
+def local_entries(engine: Engine, me: int, works: list[StepWork]) -> Local:
+    """What this member holds of each work it masters or is a holder of, from its directed sequences (call after the
+    master's new entries are appended)."""
+    out: Local = {}
+    bs = engine.config.block_size
+    for w in works:
+        seq = engine.directed.get(w.request_id)
+        if seq is not None and (w.master == me or me in w.holders):
+            out[w.request_id] = (parts.slots(seq, bs), parts.positions(seq), seq.num_computed_tokens)
+    return out
+
+
 class MultiMasterContext:
+    """The attention of one multi-master step over the layers of `cache` (a whole model's, or one pipeline stage's:
+    `ranks` are then the members' processes of that stage)."""
+
     def __init__(
-        self, engine: Engine, me: int, ranks: list[int], works: list[StepWork], new_slots: Tensor, tags: Tags,
-        waiter: Waiter,
+        self, cache: KVCache, first_layer: int, num_q_heads: int, me: int, ranks: list[int], works: list[StepWork],
+        local: Local, new_slots: Tensor, tags: Tags, waiter: Waiter,
     ) -> None:  # fmt: skip
-        self.engine, self.me, self.ranks, self.tags, self.waiter = engine, me, ranks, tags, waiter
-        self.first_layer = engine.model.layer_range[0]
-        _, _, _, self.hkv, self.d = engine.cache.k.shape
-        self.hq = engine.model.num_local_q_heads
-        self.dtype = engine.cache.k.dtype
+        self.cache, self.me, self.ranks, self.tags, self.waiter = cache, me, ranks, tags, waiter
+        self.first_layer = first_layer
+        _, _, _, self.hkv, self.d = cache.k.shape
+        self.hq = num_q_heads
+        self.dtype = cache.k.dtype
         self.mine = [w for w in works if w.master == me]
         self.new_slots = new_slots  # [T] the slots of our requests' new tokens, in `mine` order
         # queries we serve, per master: the works it masters that we hold part of
@@ -66,13 +83,7 @@ class MultiMasterContext:
                 rows.setdefault(h, []).extend(range(at, at + w.tokens))
             at += w.tokens
         self.rows = {h: torch.tensor(r) for h, r in rows.items()}
-        self.local: dict[str, tuple[Tensor, Tensor, int]] = {}  # request -> (slots, positions, first query position)
-        bs = engine.config.block_size
-        for w in works:
-            seq = engine.directed.get(w.request_id)
-            if seq is not None and (w.master == me or me in w.holders):
-                first = seq.num_computed_tokens
-                self.local[w.request_id] = (parts.slots(seq, bs), parts.positions(seq), first)
+        self.local = local
 
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         out = self._exchange(layer, q, k, v)
@@ -90,7 +101,7 @@ class MultiMasterContext:
         ks, vs, kpos, qpos, cu_q, cu_k = [], [], [], [], [0], [0]
         for w in works:
             s, pos, first = self.local[w.request_id]
-            k, v = parts.read(self.engine, li, s)
+            k, v = parts.read(self.cache, li, s)
             ks.append(k)
             vs.append(v)
             kpos.append(pos)
@@ -122,7 +133,7 @@ class MultiMasterContext:
         own = None
         if self.mine:
             assert q is not None and k is not None and v is not None and q.shape[0] == self.new_slots.numel()
-            parts.write(self.engine, li, self.new_slots, k, v)
+            parts.write(self.cache, li, self.new_slots, k, v)
             for h, r in self.rows.items():
                 keep.append(q.index_select(0, r).contiguous())
                 sends.append(dist.isend(keep[-1], self.ranks[h], tag=self.tags.query(layer)))
@@ -156,7 +167,10 @@ def multi_master_step(
 ) -> dict[str, tuple[int, TokenLogprobs | None]]:
     """One step of `works` over the group; every member calls it with the same list. The requests this member
     masters must be directed here with room for their new tokens. Returns the tokens sampled here: a decode's, and a
-    chunk's that ends its prompt (the first token); sequences are not advanced (the iteration does that)."""
+    chunk's that ends its prompt (the first token); sequences are not advanced (the iteration does that).
+
+    On a sequence-pipeline engine (its runner has `multi_master_forward`: Medha's 3D) this member's leader runs the
+    first stage's layers and its later stages run theirs, each stage exchanging with the same stage of the others."""
     mine = [w for w in works if w.master == me]
     seqs = [engine.directed[w.request_id] for w in mine]
     slots, positions, ids, last_rows, sampled_seqs = [], [], [], [], []
@@ -169,16 +183,26 @@ def multi_master_step(
         if first + w.tokens == s.num_tokens:  # the request's last known token: its logits sample the next
             last_rows.append(len(positions) - 1)
             sampled_seqs.append(s)
-    ctx = MultiMasterContext(engine, me, ranks, works, torch.tensor(slots, dtype=torch.int64), tags, waiter)
-    if not mine:
-        for layer in engine.model.layers:
+    local = local_entries(engine, me, works)
+    new_slots = torch.tensor(slots, dtype=torch.int64)
+    model = engine.model
+    ctx = MultiMasterContext(engine.cache, model.layer_range[0], model.num_local_q_heads, me, ranks, works, local,
+                             new_slots, tags, waiter)  # fmt: skip
+    device = engine.cache.k.device
+    pipeline = getattr(engine.runner, "multi_master_forward", None)
+    if pipeline is not None:
+        step = KVPStep.of(tags, me, ranks, works, local, slots, positions, engine.config.block_size)
+        hidden = pipeline(ctx, step, ids, last_rows)  # [len(last_rows), H]: the last stage's final rows
+    elif not mine:
+        for layer in model.layers:
             ctx.serve_layer(layer.layer_id)
         return {}
-    device = engine.cache.k.device
-    hidden = engine.model(torch.tensor(positions).to(device), ctx, input_ids=torch.tensor(ids).to(device))
+    else:
+        out = model(torch.tensor(positions).to(device), ctx, input_ids=torch.tensor(ids).to(device))
+        hidden = out[torch.tensor(last_rows, dtype=torch.long).to(device)]
     if not last_rows:
         return {}
-    logits = engine.model.compute_logits(hidden[torch.tensor(last_rows).to(device)])  # [B, vocab]
+    logits = engine.runner.compute_logits(hidden)  # [B, vocab]
     sampled: Sampled = sample(logits, sampled_seqs, engine.generator, engine.eos_token_ids, engine.grammars)
     rids = [s.request_id for s in sampled_seqs]
     return {rid: (t, lp) for rid, t, lp in zip(rids, sampled.tokens, sampled.logprobs, strict=True)}

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ..engine import Engine
+from ..kv_cache import KVCache
 from ..sampling_params import SamplingParams
 from ..sequence import Sequence, SequenceStatus
 
@@ -52,15 +53,15 @@ def room_for(engine: Engine, seq: Sequence, tokens: int) -> bool:
     return engine.allocator.can_allocate(num_entries(seq) + tokens, seq.block_table)
 
 
-def read(engine: Engine, layer: int, entry_slots: Tensor) -> tuple[Tensor, Tensor]:
+def read(cache: KVCache, layer: int, entry_slots: Tensor) -> tuple[Tensor, Tensor]:
     """k, v `[n, Hkv, D]` of the given slots in `layer` (local layer index)."""
-    k, v = engine.cache.k[layer], engine.cache.v[layer]  # [blocks, bs, Hkv, D]
+    k, v = cache.k[layer], cache.v[layer]  # [blocks, bs, Hkv, D]
     return k.flatten(0, 1).index_select(0, entry_slots), v.flatten(0, 1).index_select(0, entry_slots)
 
 
-def write(engine: Engine, layer: int, entry_slots: Tensor, k: Tensor, v: Tensor) -> None:
-    engine.cache.k[layer].flatten(0, 1).index_copy_(0, entry_slots, k)
-    engine.cache.v[layer].flatten(0, 1).index_copy_(0, entry_slots, v)
+def write(cache: KVCache, layer: int, entry_slots: Tensor, k: Tensor, v: Tensor) -> None:
+    cache.k[layer].flatten(0, 1).index_copy_(0, entry_slots, k)
+    cache.v[layer].flatten(0, 1).index_copy_(0, entry_slots, v)
 
 
 def export_kv(engine: Engine, seq: Sequence) -> tuple[Tensor, Tensor]:
@@ -81,7 +82,7 @@ def import_kv(engine: Engine, seq: Sequence, pos: Tensor, kv: Tensor) -> None:
     seq.kv_positions = torch.cat([before, pos.to(torch.int64)])
     s = slots(seq, engine.config.block_size)[n0:]
     for layer in range(kv.shape[1]):
-        write(engine, layer, s, kv[0, layer].to(engine.cache.k.dtype), kv[1, layer].to(engine.cache.v.dtype))
+        write(engine.cache, layer, s, kv[0, layer].to(engine.cache.k.dtype), kv[1, layer].to(engine.cache.v.dtype))
     set_positions(seq, seq.kv_positions)
 
 

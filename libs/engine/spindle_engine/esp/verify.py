@@ -51,6 +51,8 @@ def check(spec: KVPVerifySpec) -> None:
     """ValueError for a spec that cannot run."""
     if spec.members < 2:
         raise ValueError(f"--kvp-prefill must be >= 2, got {spec.members}")
+    if spec.spp < 1:
+        raise ValueError(f"--spp must be >= 1, got {spec.spp}")
     if spec.chunk < 1:
         raise ValueError(f"--chunk must be >= 1, got {spec.chunk}")
     if spec.max_new_tokens < 1:
@@ -67,9 +69,9 @@ def verify_kvp(spec: KVPVerifySpec, *, timeout_s: float = 600.0, ref: Reference 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="spindle-verify-kvp-") as tmp:
         out = Path(tmp)
-        run_ranks(asdict(spec), spec.members, out, timeout_s, worker="spindle_engine.esp.verify_worker")
-        tensors = [load_file(str(out / f"rank{r}.safetensors")) for r in range(spec.members)]
-        reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(spec.members)]
+        run_ranks(asdict(spec), spec.world, out, timeout_s, worker="spindle_engine.esp.verify_worker")
+        tensors = [load_file(str(out / f"rank{r}.safetensors")) for r in spec.leaders()]
+        reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(spec.world)]
     seconds = time.perf_counter() - t0
     rows: dict[int, tuple[torch.Tensor, int]] = {}
     for t in tensors:
@@ -86,6 +88,6 @@ def verify_kvp(spec: KVPVerifySpec, *, timeout_s: float = 600.0, ref: Reference 
     decode = torch.stack([rows[i][0] for i in range(1, n) if i in rows]) if n > 1 and len(rows) > 1 else ref_decode
     decode_diff = (decode - ref_decode).abs().max().item() if decode.shape == ref_decode.shape else float("inf")
     per_member = [sum(1 for _, _, m in spec.chunks() if m == r) for r in range(spec.members)]
-    leaked = [r["blocks_leaked"] for r in reports]
+    leaked = [r["blocks_leaked"] for r in reports if r["stage"] == 0]
     ok = diff <= tol and decode_diff <= tol and tokens == ref_tokens and not any(leaked)
     return KVPVerifyResult(ok, diff, decode_diff, scale, tokens, ref_tokens, per_member, leaked, seconds, reports)

@@ -1,9 +1,11 @@
-"""One process of `spindle verify --kvp-prefill N` (started by it, not by hand): member `rank` of the group.
+"""One process of `spindle verify --kvp-prefill N [--spp S]` (started by it, not by hand).
 
-Every member holds the whole model. The prompt's chunks go to the members in turn, each taking a consecutive share
-(the group growing as the prompt spills onto the next member: Medha's KV parallelism), then the last member masters every greedy decode step while all of them
-attend its queries over their shares. Each member writes the logits rows it computed (the first token's, every
-decode step's) with their output indices, its tokens and the blocks it still holds.
+Member m of the N KV-parallel members is ranks [m x S, (m + 1) x S): one process holding the whole model (S = 1), or
+a sequence pipeline of S stages (Medha's 3D) whose first rank leads. The prompt's chunks go to the members in turn,
+a consecutive share each, the group growing as the prompt spills onto the next member (Medha's KV parallelism);
+then the last member masters every greedy decode step while all of them attend its queries over their shares.
+Each leader writes the logits rows it computed (the first token's, every decode step's) with their output indices,
+its tokens and the blocks it still holds; a later stage writes its step count.
 """
 
 from __future__ import annotations
@@ -35,6 +37,14 @@ class KVPVerifySpec:
     chunk: int
     max_new_tokens: int = 8
     threads: int = 1
+    spp: int = 1  # pipeline stages of each member (Medha's 3D when > 1)
+
+    @property
+    def world(self) -> int:
+        return self.members * self.spp
+
+    def leaders(self) -> list[int]:
+        return [m * self.spp for m in range(self.members)]
 
     def chunks(self) -> list[tuple[int, int, int]]:
         """(start, end, master) of every prompt chunk: the chunks in consecutive shares as even as they go, one per
@@ -52,26 +62,46 @@ class KVPVerifySpec:
         )  # fmt: skip
 
 
+def _leader_engine(spec: KVPVerifySpec, rank: int, kept: list[torch.Tensor]) -> Engine:
+    """This member's engine; every logits row it computes is appended to `kept`."""
+    if spec.spp == 1:
+        engine = Engine(spec.engine_config())
+        compute_logits = engine.model.compute_logits
+
+        def keep_logits(hidden: torch.Tensor) -> torch.Tensor:
+            out = compute_logits(hidden)
+            kept.append(out.detach().float().clone())
+            return out
+
+        engine.model.compute_logits = keep_logits  # type: ignore[method-assign]
+        return engine
+    from spindle_model import resolve_model
+
+    from ..spp.leader import SPPLeaderEngine, load_stage, spp_engine_config
+    from ..spp.stage import PipelineLayout
+
+    layout = PipelineLayout.consecutive(rank, spec.spp, 1)
+    config = spp_engine_config(spec.engine_config(), resolve_model(spec.model).config, spec.spp)
+    model, head = load_stage(config, spec.spp, 0)
+    assert head is not None
+    engine = SPPLeaderEngine(config, model, head, layout, keepalive_s=3600.0)
+    engine.runner.kept_logits = kept
+    return engine
+
+
 def run_member(spec: KVPVerifySpec, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
-    engine = Engine(spec.engine_config())
     kept: list[torch.Tensor] = []
-    compute_logits = engine.model.compute_logits
-
-    def keep_logits(hidden: torch.Tensor) -> torch.Tensor:
-        out = compute_logits(hidden)
-        kept.append(out.detach().float().clone())
-        return out
-
-    engine.model.compute_logits = keep_logits  # type: ignore[method-assign]
+    engine = _leader_engine(spec, rank, kept)
+    me = rank // spec.spp
+    leaders = spec.leaders()
     params = SamplingParams(max_tokens=spec.max_new_tokens, temperature=0.0, ignore_eos=True)
-    everyone = list(range(spec.members))
     indices: list[int] = []
     tokens: list[int] = []
 
     def iteration(batch: int, members: list[int], chunks: list[ChunkWork], decodes: list[DecodeWork]) -> None:
         res = run_iteration(
-            engine, members.index(rank), members, [], decodes, chunks=chunks, aborted=set(),
-            spec_of=lambda rid: rid.encode(), params_of=lambda _: params, batch_id=batch, timeout_s=600.0,
+            engine, me, members, [], decodes, chunks=chunks, aborted=set(), spec_of=lambda rid: rid.encode(),
+            params_of=lambda _: params, batch_id=batch, timeout_s=600.0,
         )  # fmt: skip
         for o in res.outputs:
             indices.append(o.index)
@@ -79,21 +109,40 @@ def run_member(spec: KVPVerifySpec, rank: int) -> tuple[dict[str, torch.Tensor],
 
     batch = 0
     for start, end, master in spec.chunks():
-        if rank <= master:  # the group grows as the prompt spills onto the next member
-            if start == 0 and rank == master:
+        if me <= master:  # the group grows as the prompt spills onto the next member
+            if start == 0 and me == master:
                 engine.add_directed(REQUEST, spec.token_ids, params)
-            iteration(batch, everyone[: master + 1], [ChunkWork(REQUEST, master, start, end)], [])
+            iteration(batch, leaders[: master + 1], [ChunkWork(REQUEST, master, start, end)], [])
         batch += 1
-    last = spec.members - 1
     for _ in range(spec.max_new_tokens - 1):  # the last one ends the request on every member
-        iteration(batch, everyone, [], [DecodeWork(REQUEST, last)])
+        iteration(batch, leaders, [], [DecodeWork(REQUEST, spec.members - 1)])
         batch += 1
-    held = engine.directed.get(REQUEST)
-    report = {"rank": rank, "blocks_leaked": engine.allocator.num_used, "directed_left": len(engine.directed),
-              "entries": 0 if held is None else int(held.num_computed_tokens)}  # fmt: skip
+    report = {"rank": rank, "member": me, "stage": 0, "blocks_leaked": engine.allocator.num_used,
+              "directed_left": len(engine.directed)}  # fmt: skip
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
     logits = torch.cat(kept) if kept else torch.empty(0)
     return {"logits": logits, "index": torch.tensor(indices, dtype=torch.int64),
             "tokens": torch.tensor(tokens, dtype=torch.int64)}, report  # fmt: skip
+
+
+def run_stage(spec: KVPVerifySpec, rank: int) -> dict:
+    from spindle_model import resolve_model
+
+    from ..spp.leader import load_stage, spp_engine_config
+    from ..spp.stage import PipelineLayout, PipelineStage
+
+    leader, stage = rank - rank % spec.spp, rank % spec.spp
+    layout = PipelineLayout.consecutive(leader, spec.spp, 1)
+    config = spp_engine_config(spec.engine_config(), resolve_model(spec.model).config, spec.spp)
+    model, _ = load_stage(config, spec.spp, stage)
+    assert config.kv_cache_tokens is not None
+    pipeline = PipelineStage(model, layout, rank, num_blocks=config.kv_cache_tokens // BLOCK_SIZE,
+                             block_size=BLOCK_SIZE)  # fmt: skip
+    pipeline.serve()
+    return {"rank": rank, "member": rank // spec.spp, "stage": stage, "steps": pipeline.stats.steps,
+            "blocks_leaked": 0}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,8 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     spec = KVPVerifySpec(**json.loads(args.spec.read_text()))
     join_gloo(args, spec.threads)
     try:
-        tensors, report = run_member(spec, args.rank)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(args.out / f"rank{args.rank}.safetensors"))
+        if args.rank % spec.spp == 0:
+            tensors, report = run_member(spec, args.rank)
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(args.out / f"rank{args.rank}.safetensors"))
+        else:
+            report = run_stage(spec, args.rank)
         (args.out / f"rank{args.rank}.json").write_text(json.dumps(report))
     finally:
         dist.destroy_process_group()

@@ -380,7 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="instead of an SP plan: Medha's KV parallelism over N processes, the prompt's chunks of --chunk tokens "
         "computed by each in turn (a consecutive share each), attending the earlier chunks' KV where it stays, then "
-        "greedy decode mastered by the last while every member attends its share",
+        "greedy decode mastered by the last while every member attends its share; with --spp S each member is a "
+        "pipeline of S stages (Medha's 3D, N x S processes)",
     )
     ap.add_argument("--chunk", type=int, default=256, help="with --spp or --kvp-prefill: prefill chunk size in tokens")
     ap.add_argument(
@@ -447,13 +448,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.spp and args.kvp_prefill:
-        print("spindle verify: error: --spp and --kvp-prefill are separate runs (pick one)", file=sys.stderr)
-        return 2
-    if args.spp:
-        return _main_spp(args)
     if args.kvp_prefill:
         return _main_kvp_prefill(args)
+    if args.spp:
+        return _main_spp(args)
     try:
         if args.plan is None:
             raise ValueError("--plan is required (or --spp N for a sequence pipeline)")
@@ -533,12 +531,16 @@ def _main_kvp_prefill(args: argparse.Namespace) -> int:
             raise ValueError("--kvp-prefill takes no SP plan, --kvp, --decode-tp, --retain, --layouts or --stage-tp")
         ids = read_prompt(args.prompt_file, args.model)
         spec = KVPVerifySpec(args.model, args.dtype, ids, args.kvp_prefill, args.chunk, args.max_new_tokens,
-                             args.threads)  # fmt: skip
+                             args.threads, spp=args.spp or 1)  # fmt: skip
         check(spec)
+        layers = resolve_model(spec.model).config.num_layers
+        if spec.spp > layers:
+            raise ValueError(f"--spp must be in [1, {layers}] (the model's layers), got {spec.spp}")
     except (ValueError, OSError) as e:
         print(f"spindle verify: error: {e}", file=sys.stderr)
         return 2
-    print(f"{len(ids)} tokens in chunks of {spec.chunk} over {spec.members} KV-parallel processes (Medha's KVP)")
+    each = f"pipelines of {spec.spp} stages (Medha's 3D)" if spec.spp > 1 else "processes (Medha's KVP)"
+    print(f"{len(ids)} tokens in chunks of {spec.chunk} over {spec.members} KV-parallel {each}")
     result = verify_kvp(spec, timeout_s=args.timeout)
     print(result.summary())
     if args.json:

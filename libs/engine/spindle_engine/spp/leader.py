@@ -34,6 +34,8 @@ from spindle_model.parallel import TPShard
 
 from ..config import EngineConfig
 from ..engine import Engine, StepOutput
+from ..esp.decode import MultiMasterContext
+from ..esp.pipeline import KVPStep
 from ..kv_cache import KVCache
 from ..model_runner import ModelRunner, StepBatch
 from ..sampling_params import SamplingParams
@@ -129,6 +131,35 @@ class SPPRunner(ModelRunner):
         self._drain()  # the last stage answered this step, so every send before it is through
         self.stats.wait_s += time.time() - t1
         return back.to(self.device) if rows is None or rows else back[:0].to(self.device)
+
+    def multi_master_forward(self, ctx: MultiMasterContext, kvp: KVPStep, ids: list[int], rows: list[int]) -> Tensor:
+        """A KV-parallel group's multi-master step (Medha's 3D): stage 0's layers here with `ctx` (the exchanges with
+        the other members' leaders), then down the pipeline, each stage exchanging with its peers; returns the last
+        stage's final rows `rows` (of the tokens this member masters) `[len(rows), H]`, waiting only when there are
+        any."""
+        if self.layout.tp > 1:
+            raise ValueError("KV parallelism over pipelines with TP inside the stages is not supported")
+        t0 = time.time()
+        hidden = None
+        if kvp.num_tokens:
+            positions = torch.tensor(kvp.positions, dtype=torch.long, device=self.device)
+            hidden = self.model(positions, ctx, input_ids=torch.tensor(ids, dtype=torch.long, device=self.device))
+        else:
+            for layer in self.model.layers:
+                ctx.serve_layer(layer.layer_id)
+        t1 = time.time()
+        step = StageStep(self.seq, [], [], [], list(rows), kvp=kvp)
+        self._track([p for dst in self.layout.stages[1] for p in post_step(step, hidden, dst)])
+        self.stats.steps += 1
+        self.stats.busy_s += t1 - t0
+        size = self.model.config.hidden_size
+        if not rows:
+            self.stats.steps_not_waited += 1
+            return torch.empty(0, size, dtype=self.model.dtype, device=self.device)
+        back = recv_return(self.layout.stages[-1][0], len(rows), size, self.model.dtype, self.timeout_s)
+        self._drain()
+        self.stats.wait_s += time.time() - t1
+        return back.to(self.device)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         logits = self._head_small.linear(hidden, self.head, torch.float32)

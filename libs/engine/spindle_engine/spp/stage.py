@@ -21,9 +21,11 @@ import torch
 from spindle_model import LlamaModel, ModelConfig
 from spindle_model.parallel import shard_range
 
+from ..esp.decode import MultiMasterContext
+from ..esp.exchange import ESPError, Tags, Waiter
 from ..kv_cache import KVCache
 from ..model_runner import attention_context
-from .wire import SPPError, post_return, post_step, recv_hidden, recv_step, wait_posted
+from .wire import SPPError, StageStep, post_return, post_step, recv_hidden, recv_step, wait_posted
 
 log = logging.getLogger("spindle.engine.spp")
 
@@ -152,7 +154,9 @@ class PipelineStage:
             t0 = time.time()
             step = recv_step(src, self.timeout_s)
             # a malformed step raises ValueError here, before the cache is touched
-            batch = step.batch(self.block_size, self.num_blocks) if not step.stop else None
+            batch = step.batch(self.block_size, self.num_blocks) if not step.stop and step.kvp is None else None
+            if step.kvp is not None:
+                step.kvp.check(self.num_blocks, self.block_size)
             hidden = None
             if step.num_tokens and self.stage > 0:
                 hidden = recv_hidden(src, step.num_tokens, self.config.hidden_size, self.model.dtype, self.timeout_s)
@@ -165,7 +169,13 @@ class PipelineStage:
                 wait_posted(posted, SEND_TIMEOUT_S, f"stop to ranks {nxt}")
                 return
             out = None
-            if step.num_tokens:
+            if step.kvp is not None:
+                out = self._multi_master(step, hidden)
+                t2 = time.time()
+                self.stats.busy_s += t2 - t1
+                self.stats.steps += 1
+                self.stats.tokens += step.num_tokens
+            elif step.num_tokens:
                 assert batch is not None
                 ctx = attention_context(self.cache, self.model.layer_range[0], self.attention_backend, batch)
                 positions = torch.tensor(batch.positions, dtype=torch.long, device=self.model.device)
@@ -194,6 +204,29 @@ class PipelineStage:
                 rows = out[torch.tensor(step.return_rows, dtype=torch.long, device=out.device)].cpu()
                 pending = [post_return(rows, self.layout.leader)]
                 self.stats.bytes_out += rows.numel() * elem
+
+    def _multi_master(self, step: StageStep, hidden: torch.Tensor | None) -> torch.Tensor | None:
+        """This stage's layers of a KV-parallel group's step (Medha's 3D), exchanging with the same stage of the other
+        members: their processes are their leaders' ranks plus this stage's index (consecutive pipelines, TP 1)."""
+        k = step.kvp
+        assert k is not None
+        if self.layout.tp > 1:
+            raise ValueError("KV parallelism over pipelines with TP inside the stages is not supported")
+        peers = [leader + self.stage for leader in k.leaders]
+        waiter = Waiter(self.timeout_s)
+        new_slots = torch.tensor(k.new_slots, dtype=torch.int64)
+        ctx = MultiMasterContext(self.cache, self.model.layer_range[0], self.model.num_local_q_heads, k.me, peers,
+                                 k.works(), k.local(self.block_size), new_slots, Tags(k.tag_base), waiter)  # fmt: skip
+        try:
+            if not k.num_tokens:
+                for layer in self.model.layers:
+                    ctx.serve_layer(layer.layer_id)
+                return None
+            assert hidden is not None
+            positions = torch.tensor(k.positions, dtype=torch.long, device=self.model.device)
+            return self.model(positions, ctx, hidden=hidden.to(self.model.device))  # [T, H]
+        except ESPError as e:
+            raise SPPError(f"stage {self.stage}: a KV-parallel exchange failed: {e}") from e
 
 
 def serve_stage(stage: PipelineStage) -> None:

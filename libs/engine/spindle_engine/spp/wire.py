@@ -24,6 +24,7 @@ from spindle_attention.distributed.comm import RANK_GROUP_TAG
 
 from ..control_frames import encode_frame, recv_frame, wait_all
 from ..errors import EngineFatal
+from ..esp.pipeline import KVPStep
 from ..model_runner import StepBatch
 
 SPP_TAG = 24576
@@ -42,6 +43,7 @@ class StageStep(msgspec.Struct, frozen=True):
     return_rows: list[int]
     stop: bool = False
     token_ids: list[int] = msgspec.field(default_factory=list)  # for stage 0's TP followers only
+    kvp: KVPStep | None = None  # a multi-master step of a KV-parallel group (Medha's 3D): no batch, its own context
 
     def with_tokens(self, token_ids: list[int]) -> StageStep:
         return msgspec.structs.replace(self, token_ids=token_ids)
@@ -51,7 +53,7 @@ class StageStep(msgspec.Struct, frozen=True):
 
     @property
     def num_tokens(self) -> int:
-        return sum(self.lengths)
+        return self.kvp.num_tokens if self.kvp is not None else sum(self.lengths)
 
     def batch(self, block_size: int, num_blocks: int) -> StepBatch:
         """The step as a batch; ValueError for a malformed one (the stage rejects it before touching its cache)."""
