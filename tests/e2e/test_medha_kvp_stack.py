@@ -70,3 +70,19 @@ def test_a_prompt_larger_than_an_instance_spans_two_and_equals_the_engine(kvp_st
     logs = "".join(p.read_text() for p in Path(kvp_stack.config.log_dir).glob("elastic-*.log"))
     assert "(handed over)" in logs  # the second instance took the long prompt's next chunks
     assert wait_until(lambda: no_blocks_held(kvp_stack), 10), instance_blocks(kvp_stack)
+
+
+def test_a_seeded_penalised_request_spanning_both_equals_the_engine(kvp_stack, reference_engine):
+    """Sampling after the spill: the last chunk's master samples the first token, the same member every later one,
+    with penalties over the whole output and the request's own seed: the engine's tokens and logprobs."""
+    from spindle_model import Tokenizer, resolve_model
+
+    from .sampling_check import assert_stream_matches, engine_reference, penalised_body, stream_completion
+
+    prompt = [random.Random(31).randrange(100, 40000) for _ in range(2600)]
+    body = penalised_body(prompt, max_tokens=10, banned=prompt[-1])
+    tokens, logprobs = engine_reference(reference_engine, body)
+    events = stream_completion(kvp_stack.base_url, body)
+    tok = Tokenizer(resolve_model("smollm2", progress=False).path)
+    assert_stream_matches(events, tok, tokens, logprobs)
+    assert wait_until(lambda: no_blocks_held(kvp_stack), 10), instance_blocks(kvp_stack)

@@ -14,6 +14,11 @@ what comes back is `[rows, H]`, not logits.
 With tensor parallelism inside the stages (`PipelineLayout` of S stages x T ranks: Medha's 2D), the leader is stage
 0's first TP rank: it sends the step with its token ids to its stage's TP followers before running its own heads,
 and every stage's output goes to every member of the next stage.
+
+A pipeline may be a member of a KV-parallel group (Medha's 3D, `spindle_engine.esp`): the group's multi-master steps
+run stage 0's layers here, exchanging with the other members' leaders, and go down the pipeline as a `StageStep`
+with a `kvp` part, each stage exchanging with the same stage of the others (`SPPRunner.multi_master_forward`; one
+rank per stage).
 """
 
 from __future__ import annotations
