@@ -322,10 +322,16 @@ class LatencyModel:
     source: str = ""
 
     def mixed_model(self, tps: Iterable[int]) -> MixedBatchModel:
-        """The mixed-batch predictor: the fitted one, else built from Eq. 1 and the decode step."""
-        if self.mixed is not None:
+        """The mixed-batch predictor at every TP of `tps`: the fitted one's, else built from Eq. 1 and the decode step
+        at that TP (without a decode step there: no decode-KV term, e.g. the stages of a 2D pipeline profiled at
+        TP 1 only)."""
+        want = set(tps)
+        have = dict(self.mixed.fits) if self.mixed is not None else {}
+        if want <= set(have):
+            assert self.mixed is not None
             return self.mixed
-        return MixedBatchModel.from_parts(self.prefill, self.decode, tps)
+        built = MixedBatchModel.from_parts(self.prefill, self.decode, want - set(have))
+        return MixedBatchModel({**have, **built.fits}, dict(self.mixed.errors) if self.mixed is not None else {})
 
     def to_json(self) -> str:
         return json.dumps(

@@ -66,6 +66,14 @@ def test_mixed_batch_model_round_trips_through_the_latency_json() -> None:
         MixedFit((4.0, 2.0), (1.0, 2.0), 0, 0, 0)
 
 
+def test_a_tp_the_fitted_mixed_model_lacks_is_built_from_eq1() -> None:
+    """A 2D pipeline's stages run at a TP its profile did not measure: the predictor there comes from Eq. 1 (and the
+    decode step when the profile has it at that TP), the fitted TP keeps its fit."""
+    model = latency().mixed_model({1, 2})
+    assert model.fits[1] is FIT and set(model.fits) == {1, 2}
+    assert model.predict(2, [(0, 1000)]) == pytest.approx(0.01 + 1e-4 * 1000 + 1e-10 * 1000**2)
+
+
 def test_cost_model_fit_of_the_mixed_step_is_within_a_few_percent() -> None:
     setup = named_cluster(ClusterSpec("a100-80g", model="llama3-8b", nodes=2, decode_tp=8), True, elastic=True)
     mixed = setup.latency.mixed
