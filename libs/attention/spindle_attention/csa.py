@@ -1,0 +1,195 @@
+"""Communication-efficient sparse attention (CSPS §3.2.4, "CSA"): the reference, single-process.
+
+A sequence split into the SP members' segments (SPTs, in member order: `place_by_proximity` orders the members so
+that consecutive segments sit on the nearest GPUs) is treated in levels. Level 1 is a member's own segment; level v
+groups 2^(v-1) consecutive segments (pairs of neighbours at level 2, ...); the last level is the whole sequence. A
+query attends, at level v, the keys of its level-v segment that lie outside its level-(v-1) segment: the levels
+partition every query's causal prefix, so their outputs merge exactly by their softmax denominators (the paper's
+Eq. 5 is our log-sum-exp merge), and with nothing dropped CSA is dense attention. One level is plain SP (the whole
+sequence, nothing dropped).
+
+Dropping (an approximation, opt-in): at level 2 a fraction `p` of each segment's tokens is dropped, at level 2+n a
+kept fraction (1 - p) / 2^n: farther regions keep fewer tokens, so the tokens a query attends in a region are
+roughly inversely proportional to its distance (§3.2.4 prints 1 - p = (1 - p') / 2^n, which would keep *more* of
+the farther regions, against its own text "a higher level ... drops more unimportant tokens" and its Fig. 8,
+where level 2's kept tokens include level 3's: we read it as the kept fraction halving per level). Within each
+segment the least important tokens go first, importance being the attention the token received in the previous
+layer from the same (KV) head's queries (`key_importance`), so the kept sets are nested across levels. A dropped
+token is neither a key nor a query at that level (its output there is zero, weight zero). Level 1 never drops:
+a query always attends its own segment densely. First and last layers run dense (the caller passes no importance).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .merge import merge_attn_states_many
+
+
+@dataclass(frozen=True)
+class CSALevels:
+    """The levels over `segments` (each member's [start, end) of the sequence, consecutive, in sequence order)."""
+
+    segments: tuple[tuple[int, int], ...]
+    num_levels: int
+    drop: float = 0.0  # p: the fraction of each segment dropped at level 2
+
+    def __post_init__(self) -> None:
+        if not self.segments or self.segments[0][0] != 0:
+            raise ValueError("segments must start at 0")
+        if any(a[1] != b[0] for a, b in itertools.pairwise(self.segments)):
+            raise ValueError(f"segments must be consecutive: {self.segments}")
+        if any(s >= e for s, e in self.segments):
+            raise ValueError(f"every segment needs a token: {self.segments}")
+        most = 1 + math.ceil(math.log2(len(self.segments))) if len(self.segments) > 1 else 1
+        if not 1 <= self.num_levels <= most:
+            raise ValueError(f"{len(self.segments)} segments take 1 to {most} levels, got {self.num_levels}")
+        if not 0.0 <= self.drop < 1.0:
+            raise ValueError(f"the drop ratio must be in [0, 1), got {self.drop}")
+
+    @classmethod
+    def even(cls, num_tokens: int, members: int, num_levels: int | None = None, drop: float = 0.0) -> CSALevels:
+        """Segments as even as they go (the first ones one token longer); every level by default."""
+        base, extra = divmod(num_tokens, members)
+        bounds = [0]
+        for m in range(members):
+            bounds.append(bounds[-1] + base + (m < extra))
+        segments = tuple(itertools.pairwise(bounds))
+        most = 1 + math.ceil(math.log2(members)) if members > 1 else 1
+        return cls(segments, most if num_levels is None else num_levels, drop)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.segments[-1][1]
+
+    def kept_fraction(self, level: int) -> float:
+        """Level 1 keeps everything, level 2 keeps 1 - p, level 2+n keeps (1 - p) / 2^n."""
+        return 1.0 if level == 1 else (1.0 - self.drop) / 2 ** (level - 2)
+
+    def group(self, level: int, member: int) -> tuple[int, int]:
+        """The members [first, last) of `member`'s level-`level` segment (the last level: all of them; with one
+        level, CSA is off and that level is the whole sequence)."""
+        if level >= self.num_levels:
+            return 0, len(self.segments)
+        size = 2 ** (level - 1)
+        first = member // size * size
+        return first, min(first + size, len(self.segments))
+
+    def span(self, level: int, member: int) -> tuple[int, int]:
+        """The token range [start, end) of `member`'s level-`level` segment."""
+        a, b = self.group(level, member)
+        return self.segments[a][0], self.segments[b - 1][1]
+
+    def member_of(self) -> Tensor:
+        """`[T]` the member whose segment holds each token."""
+        return torch.cat([torch.full((e - s,), m, dtype=torch.long) for m, (s, e) in enumerate(self.segments)])
+
+
+def place_by_proximity(gpu_ids: list[str]) -> list[int]:
+    """Members in the order their segments are placed: GPU ids "rack-server-gpu" (numbers) sorted ascending, so
+    consecutive segments land on the nearest GPUs (same server, then same rack). Returns indices into `gpu_ids`."""
+
+    def key(i: int) -> tuple[int, ...]:
+        parts = gpu_ids[i].split("-")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"a GPU id is rack-server-gpu (numbers), got {gpu_ids[i]!r}")
+        return tuple(int(p) for p in parts)
+
+    return sorted(range(len(gpu_ids)), key=key)
+
+
+def key_importance(probs: Tensor, num_kv_heads: int) -> Tensor:
+    """`[Hkv, Tk]` from a layer's attention probabilities `[Hq, Tq, Tk]`: the attention each key received from the
+    queries of its KV head's query heads (summed over queries, averaged over the group)."""
+    hq = probs.shape[0]
+    assert hq % num_kv_heads == 0, f"{hq} query heads over {num_kv_heads} KV heads"
+    return probs.float().sum(dim=1).view(num_kv_heads, hq // num_kv_heads, -1).mean(dim=1)
+
+
+def kept_tokens(levels: CSALevels, importance: Tensor | None, num_kv_heads: int) -> Tensor:
+    """`[levels, Hkv, T]` bool: the tokens kept at each level per KV head (the most important `kept_fraction` of
+    each segment, rounded to the nearest token; nested across levels). No importance: nothing dropped."""
+    t = levels.num_tokens
+    kept = torch.ones(levels.num_levels, num_kv_heads, t, dtype=torch.bool)
+    if importance is None or levels.drop == 0.0:
+        return kept
+    assert importance.shape == (num_kv_heads, t), f"importance {tuple(importance.shape)} for {num_kv_heads} x {t}"
+    for s, e in levels.segments:
+        order = importance[:, s:e].argsort(dim=1, descending=True, stable=True)  # [Hkv, n] most important first
+        for lv in range(2, levels.num_levels + 1):
+            k = round(levels.kept_fraction(lv) * (e - s))
+            seg = torch.zeros(num_kv_heads, e - s, dtype=torch.bool)
+            seg.scatter_(1, order[:, :k], True)
+            kept[lv - 1, :, s:e] = seg
+    return kept
+
+
+def level_masks(levels: CSALevels, kept: Tensor) -> Tensor:
+    """`[levels, Hkv, T, T]` bool: may query i attend key j at that level (causal, j in i's level segment outside
+    its lower level's segment, both kept at that level)."""
+    t = levels.num_tokens
+    member = levels.member_of()
+    pos = torch.arange(t)
+    causal = pos[None, :] <= pos[:, None]  # [T, T]
+    out = torch.zeros(levels.num_levels, kept.shape[1], t, t, dtype=torch.bool)
+    for lv in range(1, levels.num_levels + 1):
+        inside = torch.zeros(t, t, dtype=torch.bool)
+        for m in range(len(levels.segments)):
+            rows = member == m
+            a, b = levels.span(lv, m)
+            cols = (pos >= a) & (pos < b)
+            if lv > 1:
+                la, lb = levels.span(lv - 1, m)
+                cols &= (pos < la) | (pos >= lb)
+            inside[rows] = cols
+        k = kept[lv - 1]  # [Hkv, T]
+        out[lv - 1] = inside & causal & k[:, :, None] & k[:, None, :]
+    return out
+
+
+def _masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """q `[T, Hq, D]`, k/v `[T, Hkv, D]`, mask `[Hkv, T, T]` -> out `[T, Hq, D]` (0 where a row has no key), lse
+    `[Hq, T]` (-inf there)."""
+    hq, hkv = q.shape[1], k.shape[1]
+    g = hq // hkv
+    kk = k.float().repeat_interleave(g, dim=1)  # [T, Hq, D]
+    vv = v.float().repeat_interleave(g, dim=1)
+    m = mask.repeat_interleave(g, dim=0)  # [Hq, T, T]
+    s = torch.einsum("qhd,khd->hqk", q.float(), kk) * scale
+    s = s.masked_fill(~m, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [Hq, T]
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    out = torch.einsum("hqk,khd->qhd", p, vv)
+    return out.to(q.dtype), lse
+
+
+def csa_attention(
+    q: Tensor, k: Tensor, v: Tensor, levels: CSALevels, kept: Tensor, softmax_scale: float | None = None
+) -> tuple[Tensor, Tensor]:
+    """CSA over one sequence: q `[T, Hq, D]`, k/v `[T, Hkv, D]`, `kept` from `kept_tokens`. Each level attended on
+    its own, the levels merged by their log-sum-exps. Returns out `[T, Hq, D]`, lse `[Hq, T]`."""
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    masks = level_masks(levels, kept)
+    outs, lses = zip(*(_masked_attention(q, k, v, masks[i], scale) for i in range(levels.num_levels)), strict=True)
+    out, lse = merge_attn_states_many(torch.stack(outs).float(), torch.stack(lses))
+    return out.to(q.dtype), lse
+
+
+def dense_oracle(
+    q: Tensor, k: Tensor, v: Tensor, levels: CSALevels, kept: Tensor, softmax_scale: float | None = None
+) -> tuple[Tensor, Tensor]:
+    """Dense attention under the union of the levels' masks: what CSA must equal for any drop ratio."""
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _masked_attention(q, k, v, level_masks(levels, kept).any(dim=0), scale)
+
+
+def dropped_pairs(levels: CSALevels, kept: Tensor) -> tuple[int, int]:
+    """(query-key pairs attended, pairs of dense causal attention), per KV head summed: the computation CSA keeps."""
+    t = levels.num_tokens
+    attended = int(level_masks(levels, kept).any(dim=0).sum())
+    return attended, kept.shape[1] * t * (t + 1) // 2
