@@ -129,26 +129,26 @@ def kept_tokens(levels: CSALevels, importance: Tensor | None, num_kv_heads: int)
     return kept
 
 
-def level_masks(levels: CSALevels, kept: Tensor) -> Tensor:
-    """`[levels, Hkv, T, T]` bool: may query i attend key j at that level (causal, j in i's level segment outside
-    its lower level's segment, both kept at that level)."""
-    t = levels.num_tokens
-    member = levels.member_of()
-    pos = torch.arange(t)
-    causal = pos[None, :] <= pos[:, None]  # [T, T]
-    out = torch.zeros(levels.num_levels, kept.shape[1], t, t, dtype=torch.bool)
+def level_masks(levels: CSALevels, kept: Tensor, rows: tuple[int, int] | None = None) -> Tensor:
+    """`[levels, Hkv, R, K]` bool: may query i attend key j at that level (causal, j in i's level segment outside
+    its lower level's segment, both kept at that level), for the queries `rows` = [r0, r1) (default all) and the
+    keys [0, r1) they can see."""
+    r0, r1 = rows if rows is not None else (0, levels.num_tokens)
+    member = levels.member_of()[r0:r1]
+    qpos, kpos = torch.arange(r0, r1), torch.arange(r1)
+    causal = kpos[None, :] <= qpos[:, None]  # [R, K]
+    out = torch.zeros(levels.num_levels, kept.shape[1], r1 - r0, r1, dtype=torch.bool)
     for lv in range(1, levels.num_levels + 1):
-        inside = torch.zeros(t, t, dtype=torch.bool)
-        for m in range(len(levels.segments)):
-            rows = member == m
+        inside = torch.zeros(r1 - r0, r1, dtype=torch.bool)
+        for m in member.unique().tolist():
             a, b = levels.span(lv, m)
-            cols = (pos >= a) & (pos < b)
+            cols = (kpos >= a) & (kpos < b)
             if lv > 1:
                 la, lb = levels.span(lv - 1, m)
-                cols &= (pos < la) | (pos >= lb)
-            inside[rows] = cols
+                cols &= (kpos < la) | (kpos >= lb)
+            inside[member == m] = cols
         k = kept[lv - 1]  # [Hkv, T]
-        out[lv - 1] = inside & causal & k[:, :, None] & k[:, None, :]
+        out[lv - 1] = inside & causal & k[:, r0:r1, None] & k[:, None, :r1]
     return out
 
 
@@ -193,3 +193,55 @@ def dropped_pairs(levels: CSALevels, kept: Tensor) -> tuple[int, int]:
     t = levels.num_tokens
     attended = int(level_masks(levels, kept).any(dim=0).sum())
     return attended, kept.shape[1] * t * (t + 1) // 2
+
+
+class CSAPrompt:
+    """An attention context (`attention(layer, q, k, v)`, as the model calls it) for one whole prompt in one forward
+    pass with CSA on one process: what the sequence-parallel members would compute together. The first and last of
+    the model's layers run dense; every other layer drops by the importance its previous layer measured (the
+    attention each key received there). Queries go `block` rows at a time, so an 8k-token prompt never holds
+    `[H, T, T]`. `attended` / `dense_pairs` count the query-key pairs per layer (per KV head, summed)."""
+
+    def __init__(self, levels: CSALevels, layer_range: tuple[int, int], block: int = 256) -> None:
+        self.levels, self.layer_range, self.block = levels, layer_range, block
+        self.importance: Tensor | None = None  # [Hkv, T] from the layer before
+        self.attended: dict[int, int] = {}
+        self.dense_pairs: dict[int, int] = {}
+
+    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        first, end = self.layer_range
+        hkv = k.shape[1]
+        dense = layer in (first, end - 1)
+        kept = kept_tokens(self.levels, None if dense else self.importance, hkv)
+        out, self.importance, attended = _blockwise(q, k, v, self.levels, kept, self.block)
+        t = self.levels.num_tokens
+        self.attended[layer], self.dense_pairs[layer] = attended, hkv * t * (t + 1) // 2
+        return out
+
+
+def _blockwise(
+    q: Tensor, k: Tensor, v: Tensor, levels: CSALevels, kept: Tensor, block: int
+) -> tuple[Tensor, Tensor, int]:
+    """Dense attention under the levels' union mask, `block` query rows at a time (equal to `csa_attention`: the
+    levels partition each row's keys). Returns out `[T, Hq, D]`, the keys' received attention `[Hkv, T]` and the
+    pairs attended."""
+    t, hq, _ = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out = torch.empty_like(q)
+    received = torch.zeros(hq, t)
+    attended = 0
+    for r0 in range(0, t, block):
+        r1 = min(t, r0 + block)
+        mask = level_masks(levels, kept, (r0, r1)).any(dim=0)  # [Hkv, R, K]
+        attended += int(mask.sum())
+        m = mask.repeat_interleave(g, dim=0)  # [Hq, R, K]
+        kk = k[:r1].float().repeat_interleave(g, dim=1)  # [K, Hq, D]
+        vv = v[:r1].float().repeat_interleave(g, dim=1)
+        s = torch.einsum("qhd,khd->hqk", q[r0:r1].float(), kk) * scale
+        s = s.masked_fill(~m, float("-inf"))
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # [Hq, R, K]
+        out[r0:r1] = torch.einsum("hqk,khd->qhd", p, vv).to(q.dtype)
+        received[:, :r1] += p.sum(dim=1)
+    return out, received.view(hkv, g, t).mean(dim=1), attended
