@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         correct, agree, kl, pairs, b, c = 0, 0.0, 0.0, [], 0, 0
         t0 = time.perf_counter()
         for (ids, key), (d_out, d_logp, d_ok) in zip(samples, dense, strict=True):
-            ctx = CSAPrompt(CSALevels.even(len(ids), sp, None, p), layers, block=args.block)
+            ctx = CSAPrompt(CSALevels.even(len(ids), sp, args.levels, p), layers, block=args.block)
             out, logp = answer(model, ids, ctx)
             ok = key in tok.decode(out)
             correct += ok
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dense_correct = sum(ok for _, _, ok in dense)
     safe = [p for p in args.drops if all(x["mcnemar_p"] > 0.05 for x in points if x["drop"] == p)]
     return {
-        "model": "smollm2", "length": args.length, "samples": len(samples), "seed": args.seed,
+        "model": "smollm2", "length": args.length, "samples": len(samples), "seed": args.seed, "levels": args.levels,
         "dense": {"accuracy": dense_correct / len(samples), "accuracy_ci95": wilson(dense_correct, len(samples))},
         "points": points, "largest_drop_without_measurable_loss": max(safe) if safe else None,
     }  # fmt: skip
@@ -162,7 +162,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def table(doc: dict[str, Any]) -> str:
     d = doc["dense"]
-    lines = [f"passkey, SmolLM2, {doc['length']} tokens, {doc['samples']} samples; dense accuracy "
+    lines = [f"passkey, SmolLM2, {doc['length']} tokens, {doc['samples']} samples, levels {doc['levels'] or 'all'}; "
+             f"dense accuracy "
              f"{d['accuracy']:.2f} [{d['accuracy_ci95'][0]:.2f}, {d['accuracy_ci95'][1]:.2f}]",
              "| SP | drop p | accuracy [95 % CI] | McNemar p | greedy agreement | KL (nats) | pairs attended |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -181,6 +182,12 @@ def main() -> None:
     parser.add_argument("--sp-sizes", type=int, nargs="+", default=[4, 8], help="SP members (default 4 8)")
     parser.add_argument("--drops", type=float, nargs="+", default=[0.0, 0.1, 0.2, 0.3, 0.5, 0.7],
                         help="drop ratios p at level 2")  # fmt: skip
+    parser.add_argument(
+        "--levels",
+        type=int,
+        default=None,
+        help="CSA levels (default: all, 1 + log2(SP); 2: the own segment, then everything else at p)",
+    )
     parser.add_argument("--block", type=int, default=256, help="query rows per attention block")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="8 samples of 1,024 tokens, SP 4, p 0 and 0.5")

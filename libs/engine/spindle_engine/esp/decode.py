@@ -18,8 +18,6 @@ the command and that table alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -32,18 +30,7 @@ from ..kv_cache import KVCache
 from ..sampler import Sampled, TokenLogprobs, sample
 from . import parts
 from .exchange import Tags, Waiter
-from .pipeline import KVPStep, Local
-
-
-@dataclass(frozen=True)
-class StepWork:
-    """One request's share of a multi-master step: `tokens` new tokens (its next ones: 1 for a decode) computed by
-    `master`, whose queries every member in `holders` (others holding earlier KV of it) attends."""
-
-    request_id: str
-    master: int
-    tokens: int
-    holders: tuple[int, ...]
+from .pipeline import KVPStep, Local, StepWork
 
 
 def local_entries(engine: Engine, me: int, works: list[StepWork]) -> Local:

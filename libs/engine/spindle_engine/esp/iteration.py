@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -32,8 +32,9 @@ from ..sampler import TokenLogprobs, sample
 from ..sampling_params import SamplingParams
 from ..sequence import Sequence
 from . import parts
-from .decode import StepWork, multi_master_step
+from .decode import multi_master_step
 from .exchange import Handover, Tags, Waiter, all_gather, recv_handover, send_handover
+from .pipeline import StepWork
 from .prefill import keep, prefill_part, shard_tokens
 
 
@@ -166,7 +167,7 @@ def run_iteration(
     prefills: list[PrefillWork],
     decodes: list[DecodeWork],
     *,
-    chunks: list[ChunkWork] = (),  # type: ignore[assignment]
+    chunks: Iterable[ChunkWork] = (),
     aborted: set[str],
     spec_of: Callable[[str], bytes],
     params_of: Callable[[bytes], SamplingParams],

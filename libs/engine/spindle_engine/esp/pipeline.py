@@ -10,6 +10,8 @@ members' processes of the same stage (each member's pipeline consecutive ranks f
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgspec
 import torch
 from torch import Tensor
@@ -17,6 +19,17 @@ from torch import Tensor
 from .exchange import Tags
 
 Local = dict[str, tuple[Tensor, Tensor, int]]  # request -> (slots, positions, first query position)
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """One request's share of a multi-master step: `tokens` new tokens (its next ones: 1 for a decode) computed by
+    `master`, whose queries every member in `holders` (others holding earlier KV of it) attends."""
+
+    request_id: str
+    master: int
+    tokens: int
+    holders: tuple[int, ...]
 
 
 def _runs(positions: Tensor) -> list[list[int]]:
@@ -47,7 +60,7 @@ class KVPStep(msgspec.Struct, frozen=True):
 
     @classmethod
     def of(
-        cls, tags: Tags, me: int, leaders: list[int], works: list, local: Local, new_slots: list[int],
+        cls, tags: Tags, me: int, leaders: list[int], works: list[StepWork], local: Local, new_slots: list[int],
         positions: list[int], block_size: int,
     ) -> KVPStep:  # fmt: skip
         held = [i for i, w in enumerate(works) if w.request_id in local]
@@ -85,9 +98,7 @@ class KVPStep(msgspec.Struct, frozen=True):
         if len(self.new_slots) != mine or len(self.positions) != mine:
             raise ValueError(f"a KV-parallel step masters {mine} tokens here but names {len(self.new_slots)} slots")
 
-    def works(self) -> list:
-        from .decode import StepWork
-
+    def works(self) -> list[StepWork]:
         return [StepWork(r, m, t, tuple(h)) for r, m, t, h in
                 zip(self.rids, self.masters, self.tokens, self.holders, strict=True)]  # fmt: skip
 
