@@ -188,7 +188,7 @@ def run_iteration(
     table = all_gather(mine, me, ranks, tags.flags, waiter, "flags")  # [members, rows, 2]
     flags, held = table[:, :, 0], table[:, :, 1]
     rows = [p.request_id for p in prefills] + [c.request_id for c in chunks] + [d.request_id for d in decodes]
-    n_pre, n_multi = len(prefills), len(chunks) + len(decodes)
+    n_pre = len(prefills)
     run: list[bool] = []
     for j, rid in enumerate(rows):
         col = flags[:, j]
@@ -206,13 +206,12 @@ def run_iteration(
             res.gone.append(rid)
         parts.drop(engine, rid)
     run_prefills = [p for p, ok in zip(prefills, run, strict=False) if ok]
-    # the multi-master rows: chunks, then decodes, as (row, request, master, new tokens, is a chunk)
-    multi = [(n_pre + j, c.request_id, c.master, c.tokens, True) for j, c in enumerate(chunks)]
-    multi += [(n_pre + len(chunks) + j, d.request_id, d.master, 1, False) for j, d in enumerate(decodes)]
+    # the multi-master rows that run: chunks, then decodes, as (row, request, master, new tokens)
+    multi = [(n_pre + j, c.request_id, c.master, c.tokens) for j, c in enumerate(chunks)]
+    multi += [(n_pre + len(chunks) + j, d.request_id, d.master, 1) for j, d in enumerate(decodes)]
     multi = [x for x in multi if run[x[0]]]
-    assert len(run) == n_pre + n_multi
 
-    for j, rid, master, _, _ in multi:  # 2. hand-overs, in command order on every member
+    for j, rid, master, _ in multi:  # 2. hand-overs, in command order on every member
         col = flags[:, j]
         if col[master] == Flag.READY:
             continue
@@ -239,11 +238,11 @@ def run_iteration(
         keep(engine, rid, positions, kv)
     works = [
         StepWork(rid, master, n, tuple(m for m in range(g) if m != master and int(held[m, j]) > 0))
-        for j, rid, master, n, _ in multi
+        for j, rid, master, n in multi
     ]
     sampled |= multi_master_step(engine, me, ranks, works, tags, waiter)  # 4.
 
-    ran = [(p.request_id, 0, -1) for p in run_prefills] + [(rid, n, master) for _, rid, master, n, _ in multi]
+    ran = [(p.request_id, 0, -1) for p in run_prefills] + [(rid, n, master) for _, rid, master, n in multi]
     out = torch.full((len(ran), 2), -1, dtype=torch.int64)
     reasons: dict[str, str | None] = {}
     for i, (rid, n, _) in enumerate(ran):

@@ -24,7 +24,7 @@ from spindle_model.parallel import shard_range
 from ..esp.decode import MultiMasterContext
 from ..esp.exchange import ESPError, Tags, Waiter
 from ..kv_cache import KVCache
-from ..model_runner import attention_context
+from ..model_runner import StepBatch, attention_context
 from .wire import SPPError, StageStep, post_return, post_step, recv_hidden, recv_step, wait_posted
 
 log = logging.getLogger("spindle.engine.spp")
@@ -169,24 +169,8 @@ class PipelineStage:
                 wait_posted(posted, SEND_TIMEOUT_S, f"stop to ranks {nxt}")
                 return
             out = None
-            if step.kvp is not None:
-                out = self._multi_master(step, hidden)
-                t2 = time.time()
-                self.stats.busy_s += t2 - t1
-                self.stats.steps += 1
-                self.stats.tokens += step.num_tokens
-            elif step.num_tokens:
-                assert batch is not None
-                ctx = attention_context(self.cache, self.model.layer_range[0], self.attention_backend, batch)
-                positions = torch.tensor(batch.positions, dtype=torch.long, device=self.model.device)
-                if self.stage == 0:  # a TP follower of stage 0 embeds the tokens itself
-                    if len(step.token_ids) != step.num_tokens:
-                        raise ValueError(f"step {step.seq}: {len(step.token_ids)} token ids for {step.num_tokens}")
-                    ids = torch.tensor(step.token_ids, dtype=torch.long, device=self.model.device)
-                    out = self.model(positions, ctx, input_ids=ids)  # [T, H]
-                else:
-                    assert hidden is not None
-                    out = self.model(positions, ctx, hidden=hidden.to(self.model.device))  # [T, H]
+            if step.kvp is not None or step.num_tokens:
+                out = self._multi_master(step, hidden) if step.kvp is not None else self._forward(step, batch, hidden)
                 t2 = time.time()
                 self.stats.busy_s += t2 - t1
                 self.stats.steps += 1
@@ -204,6 +188,19 @@ class PipelineStage:
                 rows = out[torch.tensor(step.return_rows, dtype=torch.long, device=out.device)].cpu()
                 pending = [post_return(rows, self.layout.leader)]
                 self.stats.bytes_out += rows.numel() * elem
+
+    def _forward(self, step: StageStep, batch: StepBatch | None, hidden: torch.Tensor | None) -> torch.Tensor:
+        """This stage's layers of a plain step: `[T, H]`."""
+        assert batch is not None
+        ctx = attention_context(self.cache, self.model.layer_range[0], self.attention_backend, batch)
+        positions = torch.tensor(batch.positions, dtype=torch.long, device=self.model.device)
+        if self.stage == 0:  # a TP follower of stage 0 embeds the tokens itself
+            if len(step.token_ids) != step.num_tokens:
+                raise ValueError(f"step {step.seq}: {len(step.token_ids)} token ids for {step.num_tokens}")
+            ids = torch.tensor(step.token_ids, dtype=torch.long, device=self.model.device)
+            return self.model(positions, ctx, input_ids=ids)  # [T, H]
+        assert hidden is not None
+        return self.model(positions, ctx, hidden=hidden.to(self.model.device))  # [T, H]
 
     def _multi_master(self, step: StageStep, hidden: torch.Tensor | None) -> torch.Tensor | None:
         """This stage's layers of a KV-parallel group's step (Medha's 3D), exchanging with the same stage of the other

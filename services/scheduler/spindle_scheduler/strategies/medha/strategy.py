@@ -334,6 +334,9 @@ class MedhaStrategy(Strategy):
         may pass it (backfill), holding together at most `backfill` of that replica's KV, and only on replicas where
         the waiting one would still fit beside that share: a long request waiting for room does not hold up short
         ones, and it cannot be starved by them."""
+        if not self.waiting:  # every event and tick comes here
+            self.bypassers.clear()
+            return
         rooms = {r.id: Room(r.id, r.free(), r.block, sum(self.alone_s(r.tp, q.done, q.left) for q in r.queue))
                  for r in self.replicas.values()}  # fmt: skip
         blocked: Prefilling | None = None
