@@ -6,8 +6,8 @@
 Each sample is a passkey prompt (a 5-digit key stated once at a random depth in neutral filler text, then asked for
 at the end) of a fixed token length. The prompt is prefilled once densely and once through CSA (`CSAPrompt`: the
 SP members' segments in levels, the first and last layers dense, the others dropping by the previous layer's
-received attention), at every (SP size, drop ratio) of the grid; the answer is then decoded greedily (dense
-attention over the KV that prefill left, as CSPS decodes). Per grid point:
+received attention, `--importance`), at every (SP size, drop ratio) of the grid; the answer is then decoded
+greedily (dense attention over the KV that prefill left, as CSPS decodes). Per grid point:
 
 - passkey accuracy with a Wilson 95 % interval, and McNemar's exact test against dense on the same prompts (the
   samples dense answers right and CSA wrong, and the reverse);
@@ -34,7 +34,7 @@ import torch
 from tqdm import tqdm
 
 from spindle_attention import attention_fwd
-from spindle_attention.csa import CSALevels, CSAPrompt
+from spindle_attention.csa import IMPORTANCE, CSALevels, CSAPrompt
 from spindle_model import LlamaModel, Tokenizer, load_state_dict, resolve_model
 from spindle_model.llama import CausalAttention
 
@@ -134,7 +134,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         correct, agree, kl, pairs, b, c = 0, 0.0, 0.0, [], 0, 0
         t0 = time.perf_counter()
         for (ids, key), (d_out, d_logp, d_ok) in zip(samples, dense, strict=True):
-            ctx = CSAPrompt(CSALevels.even(len(ids), sp, args.levels, p), layers, block=args.block)
+            levels = CSALevels.even(len(ids), sp, args.levels, p)
+            ctx = CSAPrompt(levels, layers, block=args.block, importance=args.importance)
             out, logp = answer(model, ids, ctx)
             ok = key in tok.decode(out)
             correct += ok
@@ -155,6 +156,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     safe = [p for p in args.drops if all(x["mcnemar_p"] > 0.05 for x in points if x["drop"] == p)]
     return {
         "model": "smollm2", "length": args.length, "samples": len(samples), "seed": args.seed, "levels": args.levels,
+        "importance": args.importance, "level_rule": "drop ratio min(1, 2^n p) at level 2+n",
         "dense": {"accuracy": dense_correct / len(samples), "accuracy_ci95": wilson(dense_correct, len(samples))},
         "points": points, "largest_drop_without_measurable_loss": max(safe) if safe else None,
     }  # fmt: skip
@@ -162,7 +164,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def table(doc: dict[str, Any]) -> str:
     d = doc["dense"]
-    lines = [f"passkey, SmolLM2, {doc['length']} tokens, {doc['samples']} samples, levels {doc['levels'] or 'all'}; "
+    lines = [f"passkey, SmolLM2, {doc['length']} tokens, {doc['samples']} samples, levels {doc['levels'] or 'all'}, "
+             f"importance {doc['importance']}; "
              f"dense accuracy "
              f"{d['accuracy']:.2f} [{d['accuracy_ci95'][0]:.2f}, {d['accuracy_ci95'][1]:.2f}]",
              "| SP | drop p | accuracy [95 % CI] | McNemar p | greedy agreement | KL (nats) | pairs attended |",
@@ -188,6 +191,8 @@ def main() -> None:
         default=None,
         help="CSA levels (default: all, 1 + log2(SP); 2: the own segment, then everything else at p)",
     )
+    parser.add_argument("--importance", choices=IMPORTANCE, default="own",
+                        help="which received attention ranks the tokens (spindle_attention.csa.CSAPrompt)")  # fmt: skip
     parser.add_argument("--block", type=int, default=256, help="query rows per attention block")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="8 samples of 1,024 tokens, SP 4, p 0 and 0.5")

@@ -9,14 +9,18 @@ Eq. 5 is our log-sum-exp merge), and with nothing dropped CSA is dense attention
 sequence, nothing dropped).
 
 Dropping (an approximation, opt-in): at level 2 a fraction `p` of each segment's tokens is dropped, at level 2+n a
-kept fraction (1 - p) / 2^n: farther regions keep fewer tokens, so the tokens a query attends in a region are
-roughly inversely proportional to its distance (§3.2.4 prints 1 - p = (1 - p') / 2^n, which would keep *more* of
-the farther regions, against its own text "a higher level ... drops more unimportant tokens" and its Fig. 8,
-where level 2's kept tokens include level 3's: we read it as the kept fraction halving per level). Within each
-segment the least important tokens go first, importance being the attention the token received in the previous
-layer from the same (KV) head's queries (`key_importance`), so the kept sets are nested across levels. A dropped
-token is neither a key nor a query at that level (its output there is zero, weight zero). Level 1 never drops:
-a query always attends its own segment densely. First and last layers run dense (the caller passes no importance).
+fraction min(1, 2^n p): farther regions keep fewer tokens, and p = 0 is dense attention at every level. §3.2.4
+prints the rule as 1 - p = (1 - p') / 2^n, which with p the *drop* ratio keeps *more* of the farther regions (against
+its own text, "a higher level ... drops more unimportant tokens so that a token attends to fewer distant tokens",
+and its Fig. 8, where level 2's kept tokens include level 3's); read with p the *kept* share it is the rule we
+implement, the drop ratio doubling per level. Within each segment the least important tokens go first, importance
+being the attention the token received in the previous layer from the same (KV) head's queries (`key_importance`),
+so the kept sets are nested across levels. Received attention summed over the queries that see a token ranks a
+prompt's last tokens lowest (few queries come after them): by default (`per_query=True`) it is the mean over the
+queries that attended the token, and (`CSAPrompt`'s default) only the queries of the token's own segment, which
+each member sees without communication. A dropped token is neither a key nor a query at that level (its output there is
+zero, weight zero). Level 1 never drops: a query always attends its own segment densely. First and last layers run
+dense (the caller passes no importance).
 """
 
 from __future__ import annotations
@@ -29,6 +33,11 @@ import torch
 from torch import Tensor
 
 from .merge import merge_attn_states_many
+
+
+def max_levels(members: int) -> int:
+    """Levels over `members` segments up to the whole sequence: 1 + ceil(log2(members))."""
+    return 1 + math.ceil(math.log2(members)) if members > 1 else 1
 
 
 @dataclass(frozen=True)
@@ -46,7 +55,7 @@ class CSALevels:
             raise ValueError(f"segments must be consecutive: {self.segments}")
         if any(s >= e for s, e in self.segments):
             raise ValueError(f"every segment needs a token: {self.segments}")
-        most = 1 + math.ceil(math.log2(len(self.segments))) if len(self.segments) > 1 else 1
+        most = max_levels(len(self.segments))
         if not 1 <= self.num_levels <= most:
             raise ValueError(f"{len(self.segments)} segments take 1 to {most} levels, got {self.num_levels}")
         if not 0.0 <= self.drop < 1.0:
@@ -60,16 +69,20 @@ class CSALevels:
         for m in range(members):
             bounds.append(bounds[-1] + base + (m < extra))
         segments = tuple(itertools.pairwise(bounds))
-        most = 1 + math.ceil(math.log2(members)) if members > 1 else 1
-        return cls(segments, most if num_levels is None else num_levels, drop)
+        return cls(segments, max_levels(members) if num_levels is None else num_levels, drop)
 
     @property
     def num_tokens(self) -> int:
         return self.segments[-1][1]
 
     def kept_fraction(self, level: int) -> float:
-        """Level 1 keeps everything, level 2 keeps 1 - p, level 2+n keeps (1 - p) / 2^n."""
-        return 1.0 if level == 1 else (1.0 - self.drop) / 2 ** (level - 2)
+        """Level 1 keeps everything, level 2+n drops min(1, 2^n p)."""
+        return 1.0 if level == 1 else 1.0 - min(1.0, self.drop * 2 ** (level - 2))
+
+    def kept_count(self, level: int, member: int) -> int:
+        """Tokens of `member`'s segment kept at `level` (the same for every head)."""
+        s, e = self.segments[member]
+        return round(self.kept_fraction(level) * (e - s))
 
     def group(self, level: int, member: int) -> tuple[int, int]:
         """The members [first, last) of `member`'s level-`level` segment (the last level: all of them; with one
@@ -103,12 +116,18 @@ def place_by_proximity(gpu_ids: list[str]) -> list[int]:
     return sorted(range(len(gpu_ids)), key=key)
 
 
-def key_importance(probs: Tensor, num_kv_heads: int) -> Tensor:
+def key_importance(probs: Tensor, num_kv_heads: int, per_query: bool = True, attended: Tensor | None = None) -> Tensor:
     """`[Hkv, Tk]` from a layer's attention probabilities `[Hq, Tq, Tk]`: the attention each key received from the
-    queries of its KV head's query heads (summed over queries, averaged over the group)."""
+    queries of its KV head's query heads (averaged over the group), summed over the queries or (`per_query`) their
+    mean over the queries that attended it (`attended` `[Tq, Tk]` bool, the mask; default: a nonzero
+    probability)."""
     hq = probs.shape[0]
     assert hq % num_kv_heads == 0, f"{hq} query heads over {num_kv_heads} KV heads"
-    return probs.float().sum(dim=1).view(num_kv_heads, hq // num_kv_heads, -1).mean(dim=1)
+    received = probs.float().sum(dim=1)  # [Hq, Tk]
+    if per_query:
+        seen = (probs > 0).sum(dim=1) if attended is None else attended.sum(dim=0)  # [Hq, Tk] or [Tk]
+        received = received / seen.clamp(min=1)
+    return received.view(num_kv_heads, hq // num_kv_heads, -1).mean(dim=1)
 
 
 def kept_tokens(levels: CSALevels, importance: Tensor | None, num_kv_heads: int) -> Tensor:
@@ -119,10 +138,10 @@ def kept_tokens(levels: CSALevels, importance: Tensor | None, num_kv_heads: int)
     if importance is None or levels.drop == 0.0:
         return kept
     assert importance.shape == (num_kv_heads, t), f"importance {tuple(importance.shape)} for {num_kv_heads} x {t}"
-    for s, e in levels.segments:
+    for m, (s, e) in enumerate(levels.segments):
         order = importance[:, s:e].argsort(dim=1, descending=True, stable=True)  # [Hkv, n] most important first
         for lv in range(2, levels.num_levels + 1):
-            k = round(levels.kept_fraction(lv) * (e - s))
+            k = levels.kept_count(lv, m)
             seg = torch.zeros(num_kv_heads, e - s, dtype=torch.bool)
             seg.scatter_(1, order[:, :k], True)
             kept[lv - 1, :, s:e] = seg
@@ -195,15 +214,27 @@ def dropped_pairs(levels: CSALevels, kept: Tensor) -> tuple[int, int]:
     return attended, kept.shape[1] * t * (t + 1) // 2
 
 
+IMPORTANCE = ("own", "all", "all-sum")
+
+
 class CSAPrompt:
     """An attention context (`attention(layer, q, k, v)`, as the model calls it) for one whole prompt in one forward
     pass with CSA on one process: what the sequence-parallel members would compute together. The first and last of
-    the model's layers run dense; every other layer drops by the importance its previous layer measured (the
-    attention each key received there). Queries go `block` rows at a time, so an 8k-token prompt never holds
-    `[H, T, T]`. `attended` / `dense_pairs` count the query-key pairs per layer (per KV head, summed)."""
+    the model's layers run dense; every other layer drops by the importance its previous layer measured. Queries go
+    `block` rows at a time, so an 8k-token prompt never holds `[H, T, T]`. `attended` / `dense_pairs` count the
+    query-key pairs per layer (per KV head, summed).
 
-    def __init__(self, levels: CSALevels, layer_range: tuple[int, int], block: int = 256) -> None:
-        self.levels, self.layer_range, self.block = levels, layer_range, block
+    `importance` (`key_importance` of which probabilities): `own` (default) the attention a token received from the
+    queries of its own segment (level 1, softmax over that segment), per query: what each SP member measures alone,
+    with no communication; `all` from every query, per query (softmax over everything a query attends); `all-sum`
+    the same summed over the queries."""
+
+    def __init__(
+        self, levels: CSALevels, layer_range: tuple[int, int], block: int = 256, importance: str = "own"
+    ) -> None:
+        if importance not in IMPORTANCE:
+            raise ValueError(f"importance is one of {IMPORTANCE}, got {importance!r}")
+        self.levels, self.layer_range, self.block, self.scope = levels, layer_range, block, importance
         self.importance: Tensor | None = None  # [Hkv, T] from the layer before
         self.attended: dict[int, int] = {}
         self.dense_pairs: dict[int, int] = {}
@@ -213,35 +244,40 @@ class CSAPrompt:
         hkv = k.shape[1]
         dense = layer in (first, end - 1)
         kept = kept_tokens(self.levels, None if dense else self.importance, hkv)
-        out, self.importance, attended = _blockwise(q, k, v, self.levels, kept, self.block)
+        out, self.importance, attended = _blockwise(q, k, v, self.levels, kept, self.block, self.scope)
         t = self.levels.num_tokens
         self.attended[layer], self.dense_pairs[layer] = attended, hkv * t * (t + 1) // 2
         return out
 
 
 def _blockwise(
-    q: Tensor, k: Tensor, v: Tensor, levels: CSALevels, kept: Tensor, block: int
+    q: Tensor, k: Tensor, v: Tensor, levels: CSALevels, kept: Tensor, block: int, scope: str
 ) -> tuple[Tensor, Tensor, int]:
     """Dense attention under the levels' union mask, `block` query rows at a time (equal to `csa_attention`: the
-    levels partition each row's keys). Returns out `[T, Hq, D]`, the keys' received attention `[Hkv, T]` and the
-    pairs attended."""
+    levels partition each row's keys). Returns out `[T, Hq, D]`, the keys' importance `[Hkv, T]` (`CSAPrompt`'s
+    `importance` scope) and the pairs attended."""
     t, hq, _ = q.shape
     hkv = k.shape[1]
     g = hq // hkv
     scale = 1.0 / math.sqrt(q.shape[-1])
     out = torch.empty_like(q)
     received = torch.zeros(hq, t)
+    seen = torch.zeros(hkv, t)  # the queries that attended each key (in the importance's scope)
     attended = 0
     for r0 in range(0, t, block):
         r1 = min(t, r0 + block)
-        mask = level_masks(levels, kept, (r0, r1)).any(dim=0)  # [Hkv, R, K]
+        masks = level_masks(levels, kept, (r0, r1))  # [L, Hkv, R, K]
+        mask = masks.any(dim=0)
         attended += int(mask.sum())
-        m = mask.repeat_interleave(g, dim=0)  # [Hq, R, K]
         kk = k[:r1].float().repeat_interleave(g, dim=1)  # [K, Hq, D]
         vv = v[:r1].float().repeat_interleave(g, dim=1)
-        s = torch.einsum("qhd,khd->hqk", q[r0:r1].float(), kk) * scale
-        s = s.masked_fill(~m, float("-inf"))
-        p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # [Hq, R, K]
+        s = torch.einsum("qhd,khd->hqk", q[r0:r1].float(), kk) * scale  # [Hq, R, K]
+        p = torch.softmax(s.masked_fill(~mask.repeat_interleave(g, dim=0), float("-inf")), dim=-1).nan_to_num(0.0)
         out[r0:r1] = torch.einsum("hqk,khd->qhd", p, vv).to(q.dtype)
-        received[:, :r1] += p.sum(dim=1)
-    return out, received.view(hkv, g, t).mean(dim=1), attended
+        if scope == "own":
+            mask = masks[0]
+            p = torch.softmax(s.masked_fill(~mask.repeat_interleave(g, dim=0), float("-inf")), dim=-1)
+        seen[:, :r1] += mask.sum(dim=1)
+        received[:, :r1] += p.nan_to_num(0.0).sum(dim=1)
+    importance = received.view(hkv, g, t).mean(dim=1)  # [Hkv, T]
+    return out, importance if scope == "all-sum" else importance / seen.clamp(min=1), attended

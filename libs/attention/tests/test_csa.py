@@ -8,6 +8,7 @@ import torch
 from spindle_attention import attention_fwd
 from spindle_attention.csa import (
     CSALevels,
+    CSAPrompt,
     csa_attention,
     dense_oracle,
     dropped_pairs,
@@ -50,15 +51,16 @@ def test_dropping_equals_dense_attention_under_the_same_mask(drop: float, member
     assert attended < dense
 
 
-def test_kept_fractions_halve_per_level_nest_and_spare_the_own_segment() -> None:
-    levels = CSALevels.even(100, 4, 3, drop=0.2)  # segments of 25; level 2 keeps 80 %, level 3 40 %
-    assert [levels.kept_fraction(lv) for lv in (1, 2, 3)] == [1.0, 0.8, 0.4]
+def test_drop_ratio_doubles_per_level_kept_sets_nest_and_spare_the_own_segment() -> None:
+    levels = CSALevels.even(100, 4, 3, drop=0.2)  # segments of 25; level 2 keeps 80 %, level 3 60 %
+    assert [levels.kept_fraction(lv) for lv in (1, 2, 3)] == pytest.approx([1.0, 0.8, 0.6])
+    assert CSALevels.even(100, 8, 4, drop=0.3).kept_fraction(4) == 0.0  # 4 x 0.3 drops everything there
     importance = torch.arange(100, dtype=torch.float32).repeat(2, 1)  # later tokens more important
     kept = kept_tokens(levels, importance, 2)
     for s, e in levels.segments:
         assert kept[0, :, s:e].all()
-        assert kept[1, 0, s:e].sum() == 20 and kept[2, 0, s:e].sum() == 10
-        assert kept[2, 0, e - 10 : e].all()  # the most important stay
+        assert kept[1, 0, s:e].sum() == 20 and kept[2, 0, s:e].sum() == 15
+        assert kept[2, 0, e - 15 : e].all()  # the most important stay
     assert (kept[2] <= kept[1]).all() and (kept[1] <= kept[0]).all()
     masks = level_masks(levels, kept)
     own = masks[0, 0]
@@ -89,5 +91,25 @@ def test_members_are_placed_by_gpu_proximity_and_importance_comes_from_received_
         place_by_proximity(["0-0"])
     probs = torch.zeros(4, 3, 3)  # 4 query heads over 2 KV heads, 3 queries, 3 keys
     probs[:, :, 0] = 1.0  # every query attends key 0 only
-    importance = key_importance(probs, 2)
+    importance = key_importance(probs, 2, per_query=False)
     assert importance.shape == (2, 3) and importance[:, 0].tolist() == [3.0, 3.0] and importance[:, 1:].sum() == 0
+    probs = torch.tensor([[1.0, 0.0], [0.5, 0.5]])[None].expand(2, 2, 2)  # causal: key 1 seen by query 1 alone
+    assert key_importance(probs, 1, per_query=False).tolist() == [[1.5, 0.5]]
+    assert key_importance(probs, 1).tolist() == [[0.75, 0.5]]  # mean over the queries that attended it
+
+
+@pytest.mark.parametrize("scope", ["own", "all", "all-sum"])
+def test_a_prompt_measures_importance_block_by_block_as_from_the_whole_probabilities(scope: str) -> None:
+    q, k, v = _qkv(45, seed=3)
+    levels = CSALevels.even(45, 3, drop=0.4)
+    ctx = CSAPrompt(levels, (0, 3), block=16, importance=scope)
+    ctx.attention(0, q, k, v)  # a dense layer: what it measures, the next layer drops by
+    mask = torch.ones(45, 45, dtype=torch.bool).tril()
+    if scope == "own":  # each segment's queries over their own segment
+        member = levels.member_of()
+        mask &= member[:, None] == member[None, :]
+    scores = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(3, dim=1)) / 4.0
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    torch.testing.assert_close(ctx.importance, key_importance(probs, 2, per_query=scope != "all-sum"))
+    with pytest.raises(ValueError, match="importance is one of"):
+        CSAPrompt(levels, (0, 3), importance="sum")

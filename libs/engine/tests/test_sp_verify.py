@@ -79,6 +79,13 @@ def test_cli_rejects_bad_input_before_starting_processes(tmp_path, capsys):
     assert main(["--prompt-file", str(prompt), "--plan", "0:@0,1", "--decode-tp", "0"]) == 2
     assert main(["--prompt-file", str(prompt), "--plan", "0:@0,1", "--layouts", "zigzag,diagonal"]) == 2
     assert "--layouts must name layouts" in capsys.readouterr().err
+    a2a = ["--prompt-file", str(prompt), "--plan", "0:@0,1,2", "--layout", "all-to-all"]
+    assert main([*a2a, "--csa-drop", "1.0"]) == 2
+    assert main(["--prompt-file", str(prompt), "--plan", "0:20@0,1;20:@0,1,2", "--csa-drop", "0.2"]) == 2
+    assert "one-chunk plan" in capsys.readouterr().err
+    assert main([*a2a, "--csa-drop", "0.2", "--csa-levels", "4"]) == 2
+    assert "--csa-levels must be in [1, 3]" in capsys.readouterr().err
+    assert main([*a2a, "--csa-levels", "2"]) == 2
     prompt.write_text('["a"]')
     assert main(["--prompt-file", str(prompt), "--plan", "0:@0"]) == 2
 
@@ -106,6 +113,30 @@ def test_cli_runs_a_plan_per_layout_on_one_launch(tiny_dir, tmp_path, capsys):
     assert [d["layout"] for d in docs] == ["contiguous", "all-to-all"] and all(d["match"] for d in docs)
     chunk_layouts = [c["layout"] for d in docs for r in d["ranks"] if r.get("role") == "prefill" for c in r["chunks"]]
     assert set(chunk_layouts) == {"contiguous", "all-to-all"}
+
+
+def test_csa_over_all_to_all_matches_with_nothing_dropped_and_reports_agreement_with_drops(tiny_dir, capsys):
+    ids = _ids(203, 301, 5)
+    specs = [
+        VerifySpec(tiny_dir, "float32", "0:@0,1,2,3", "all-to-all", ids, 1, None, 6, dump_kv=True, csa_drop=0.0),
+        VerifySpec(tiny_dir, "float32", "0:@0,1,2", "all-to-all", ids, 1, None, 6, csa_drop=0.0, csa_levels=2),
+        VerifySpec(tiny_dir, "float32", "0:@0,1,2,3", "all-to-all", ids, 1, None, 6, csa_drop=0.3),
+    ]
+    exact, two_levels, sparse = verify_many(specs, timeout_s=240)
+    _check(exact)
+    _check(two_levels)
+    assert sparse.approximate and sparse.match  # only a leak fails an approximation
+    assert sparse.logit_max_abs_diff > 1e-4  # the drops changed something
+    assert "APPROXIMATE" in sparse.summary() and "greedy-token agreement" in sparse.summary()
+
+    def chunks(result):
+        return [c for r in result.ranks if r.get("role") == "prefill" for c in r["chunks"]]
+
+    assert all(c["csa_dropped_tokens"] == 0 for c in chunks(exact))
+    # 203 tokens over 4: segments 51, 51, 51, 50; level 2 drops 30 % of each (rounded)
+    assert sorted(c["csa_dropped_tokens"] for c in chunks(sparse)) == [15, 15, 15, 15]
+    total = sum(sum(c["bytes_by_phase"].values()) for c in chunks(sparse))
+    assert 0 < total < sum(sum(c["bytes_by_phase"].values()) for c in chunks(exact))
 
 
 # ---- SmolLM2, fp32 ----

@@ -77,6 +77,7 @@ class CommStats:
     step_bytes_recv: list[int] = field(default_factory=list)
     step_payload_bytes: list[int] = field(default_factory=list)
     meta_bytes: int = 0
+    bytes_by_phase: dict[str, int] = field(default_factory=dict)  # named phases' bytes sent (CSA: per level)
     compute_s: float = 0.0
     wait_s: float = 0.0
 

@@ -3,6 +3,8 @@
 Per layer: take the history this member holds (after any re-balancing for that layer has landed), run
 ring or Ulysses attention over the chunk's group, optionally retain the positions the plan assigns to
 this member from the blocks that pass by, then store this member's new K/V in its held entries.
+With `csa` (a one-chunk all-to-all plan) the attention is CSPS's sparse CSA over the members' segments: the
+first and last layers dense, every other one dropping by the importance the layer before measured.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import torch
 from torch import Tensor
 
 from spindle_attention import attention_fwd
+from spindle_attention.csa import CSALevels
 from spindle_attention.distributed import CommStats, KVRetention, RankGroup, ring_attention, ulysses_attention
+from spindle_attention.distributed.csa_all_to_all import csa_all_to_all_attention
 
 from .held_kv import HeldKV
 from .rebalance import Rebalance
@@ -33,11 +37,14 @@ class SPAttentionContext:
         rebalance: Rebalance | None = None,
         retain: Tensor | None = None,
         stats: CommStats | None = None,
+        csa: tuple[CSALevels, int] | None = None,
     ) -> None:
         if attention not in ("ring", "ulysses"):
             raise ValueError(f"attention must be 'ring' or 'ulysses', got {attention!r}")
         if retain is not None and attention != "ring":
             raise ValueError("KV retention needs ring attention (Ulysses does not circulate KV)")
+        if csa is not None and (attention != "ulysses" or group is None or num_history):
+            raise ValueError("CSA runs on a group's all-to-all attention over a prompt's first chunk")
         self.held = held
         self.group = group
         self.kind = attention
@@ -51,6 +58,8 @@ class SPAttentionContext:
         self.retained: list[tuple[Tensor, Tensor]] = []  # per layer: k, v [n, Hkv, D] sorted by position
         self.retained_positions: Tensor | None = None
         self.attention_s = 0.0
+        self.csa = csa  # (levels, the model's last layer): CSA instead of plain Ulysses
+        self.importance: Tensor | None = None  # CSA: this member's tokens' importance from the layer before
 
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         li = layer - self.first_layer
@@ -69,6 +78,13 @@ class SPAttentionContext:
             out, _ = ring_attention(
                 q, k, v, self.group, q_positions=self.positions, k_positions=self.positions,
                 history=history, retain=retention, stats=self.stats,
+            )  # fmt: skip
+        elif self.csa is not None:
+            levels, last = self.csa
+            dense = layer in (self.first_layer, last)
+            out, _, self.importance = csa_all_to_all_attention(
+                q, k, v, levels, self.group, importance=None if dense else self.importance, measure=True,
+                stats=self.stats,
             )  # fmt: skip
         else:
             out, _ = ulysses_attention(

@@ -5,6 +5,9 @@ member runs the model on its shard of the chunk's tokens with `SPAttentionContex
 attention spans every member's shard plus all history KV. Its KV stays in its `HeldKV` (engine blocks);
 after the last chunk `held` has exactly the positions `SPPlan.final_placement` (or the retention targets)
 names, and the member that computed the prompt's last token returns its logits.
+
+`csa_drop` runs a one-chunk all-to-all plan with CSPS's sparse CSA (`spindle_attention.csa`): the chunk's
+members, in plan order, are the segments; `csa_levels` levels (default all); 0 is exact dense attention.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from spindle_attention.csa import CSALevels, max_levels
 from spindle_attention.distributed import CommStats, RankGroup
 from spindle_attention.distributed.comm import RANK_GROUP_TAG
 from spindle_model import LlamaModel
@@ -44,6 +48,8 @@ class ChunkReport:
     rebalance_bytes: int = 0
     rebalance_wait_s: float = 0.0
     retained_tokens: int = 0
+    csa_dropped_tokens: int = 0  # CSA: this member's tokens dropped at level 2 (per dropping layer and head)
+    bytes_by_phase: dict[str, int] = field(default_factory=dict)  # CSA: bytes sent per level, forward and back
 
     def as_dict(self) -> dict[str, float | int | str]:
         return dict(self.__dict__)
@@ -65,6 +71,8 @@ class SPPrefill:
     defer_retained: bool = False
     retained: tuple[Tensor, Tensor] | None = None
     tag_base: int = RANK_GROUP_TAG  # the ring's tags (an elastic group gives each iteration its own)
+    csa_drop: float | None = None  # CSA's drop ratio p at level 2 (None: plain SP)
+    csa_levels: int | None = None  # CSA's levels (None: every level)
     reports: list[ChunkReport] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -81,9 +89,21 @@ class SPPrefill:
                 raise ValueError(f"retention members {sorted(self.retain)} are not all plan members")
             if self.plan.chunks[-1].attention != "ring":
                 raise ValueError("KV retention needs a ring layout in the last chunk, not all-to-all")
+        self.csa = self._csa_levels() if self.csa_drop is not None else None
         self.held = HeldKV(self.cache, self.allocator, self.request_id)
         self.steps = self.plan.steps()
         self._ids = torch.tensor(self.token_ids, dtype=torch.int64)
+
+    def _csa_levels(self) -> CSALevels:
+        chunks = self.plan.chunks
+        if len(chunks) != 1 or chunks[0].layout != "all-to-all" or chunks[0].sp < 2:
+            raise ValueError(f"CSA needs a one-chunk all-to-all plan over 2 or more members, got {self.plan.format()}")
+        shards = chunks[0].shard_positions()
+        if any(p.numel() == 0 for p in shards):
+            raise ValueError(f"CSA needs a token on every member: {self.plan.num_tokens} tokens over {chunks[0].sp}")
+        segments = tuple((int(p[0]), int(p[-1]) + 1) for p in shards)
+        levels = self.csa_levels if self.csa_levels is not None else max_levels(len(segments))
+        return CSALevels(segments, levels, self.csa_drop)
 
     @property
     def chunk_indices(self) -> list[int]:
@@ -118,6 +138,7 @@ class SPPrefill:
             self.held, group, chunk.attention,
             first_layer=self.model.layer_range[0], num_history=num_history, new_slots=new_slots,
             positions=positions, rebalance=rebalance, stats=stats,
+            csa=(self.csa, self.model.layer_range[1] - 1) if self.csa is not None else None,
             retain=self.retain.get(m, torch.empty(0, dtype=torch.int64)) if last and self.retain is not None else None,
         )  # fmt: skip
         if positions.numel():
@@ -141,9 +162,17 @@ class SPPrefill:
                 rebalance_bytes=rebalance.bytes_sent if rebalance else 0,
                 rebalance_wait_s=rebalance.wait_s if rebalance else 0.0,
                 retained_tokens=len(self.held) if ctx.retain is not None else 0,
+                csa_dropped_tokens=self._csa_dropped(), bytes_by_phase=dict(stats.bytes_by_phase),
             )
         )  # fmt: skip
         return logits
+
+    def _csa_dropped(self) -> int:
+        if self.csa is None or self.csa.num_levels < 2:
+            return 0
+        m = self.plan.chunks[0].members.index(self.member)
+        s, e = self.csa.segments[m]
+        return e - s - self.csa.kept_count(2, m)
 
     def _attend_nothing(self, ctx: SPAttentionContext) -> None:
         m = self.model

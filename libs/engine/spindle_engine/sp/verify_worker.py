@@ -59,6 +59,8 @@ class VerifySpec:
     scale_up_at: int | None = None  # an extra idle member becomes the tail after this many generated tokens
     scale_down_at: int | None = None  # a member leaves the holders after this many generated tokens (its KV moves)
     scale_down_member: int | None = None  # which one; default the last prompt holder (kvp - 1)
+    csa_drop: float | None = None  # CSA over a one-chunk all-to-all plan (0: exact; > 0: an approximation)
+    csa_levels: int | None = None
 
     def parsed_plan(self) -> SPPlan:
         return SPPlan.parse(self.plan, len(self.token_ids), self.layout)
@@ -162,7 +164,8 @@ def run_prefill(spec: VerifySpec, member: int, ranks: dict[int, int], config: Mo
     cache = KVCache(len(model.layers), num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim, DTYPES[spec.dtype])
     allocator = BlockAllocator(num_blocks, BLOCK_SIZE)
     retain = retention_targets(n, tuple(spec.retain)) if spec.retain is not None else None
-    sp = SPPrefill(model, cache, allocator, "verify", spec.token_ids, plan, member, ranks, retain)
+    sp = SPPrefill(model, cache, allocator, "verify", spec.token_ids, plan, member, ranks, retain,
+                   csa_drop=spec.csa_drop, csa_levels=spec.csa_levels)  # fmt: skip
     _inject_fault(model, member)
     try:
         logits = sp.run()
