@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-from spindle_costmodel import CostModel, Parallelism, get_hardware, get_model
 from tqdm import tqdm
 
+from spindle_costmodel import CostModel, Parallelism, get_hardware, get_model
 from spindle_scheduler.calibration import latency_from_cost_model
 from spindle_scheduler.strategies.loongserve.batching import EXACT_BUDGET, plan_batches
 from spindle_scheduler.workloads import make_workload

@@ -59,9 +59,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from spindle_costmodel import Chunk, CostModel, Parallelism, get_hardware, get_model
 from tqdm import tqdm
 
+from spindle_costmodel import Chunk, CostModel, Parallelism, get_hardware, get_model
 from spindle_scheduler.core import SchedulerConfig
 from spindle_scheduler.sim.executor import simulate
 from spindle_scheduler.sim.loadsearch import max_sustainable_load

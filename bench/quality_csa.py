@@ -37,6 +37,7 @@ from spindle_attention import attention_fwd
 from spindle_attention.csa import IMPORTANCE, CSALevels, CSAPrompt
 from spindle_model import LlamaModel, Tokenizer, load_state_dict, resolve_model
 from spindle_model.llama import CausalAttention
+from spindle_scheduler.strategies.csps.configure import SHIPPED
 
 RESULTS = Path(__file__).parent / "results"
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -197,6 +198,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="8 samples of 1,024 tokens, SP 4, p 0 and 0.5")
     parser.add_argument("--out", type=Path, default=None, help="JSON (default bench/results/quality_csa.json)")
+    parser.add_argument("--ship", action="store_true",
+                        help="also put the points in the csps strategy's quality table (replacing a run of the same "
+                        "model, length, levels and importance)")  # fmt: skip
     args = parser.parse_args()
     if args.quick:
         args.length, args.samples, args.sp_sizes, args.drops = 1024, 8, [4], [0.0, 0.5]
@@ -207,6 +211,22 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))
     print(f"wrote {out}")
+    if args.ship:
+        ship(doc, out)
+
+
+def ship(doc: dict[str, Any], source: Path) -> None:
+    """The run's points, compact, in the table `csps:accuracy_loss=...` configures from (`configure.QualityTable`)."""
+    key = ("model", "length", "levels", "importance")
+    entry = {k: doc[k] for k in (*key, "samples", "seed", "level_rule")}
+    entry |= {"source": str(source.relative_to(Path(__file__).parent.parent)), "dense": doc["dense"]}
+    entry["points"] = [{k: p[k] for k in ("sp", "drop", "accuracy", "accuracy_ci95", "mcnemar_p", "pairs_attended")}
+                       for p in doc["points"]]  # fmt: skip
+    table = json.loads(SHIPPED.read_text()) if SHIPPED.exists() else []
+    table = [t for t in table if tuple(t[k] for k in key) != tuple(entry[k] for k in key)] + [entry]
+    SHIPPED.parent.mkdir(parents=True, exist_ok=True)
+    SHIPPED.write_text(json.dumps(table, indent=1) + "\n")
+    print(f"shipped to {SHIPPED}")
 
 
 if __name__ == "__main__":

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
-from spindle_costmodel import CostModel, get_hardware, get_model
 
+from spindle_costmodel import CostModel, get_hardware, get_model
 from spindle_scheduler import SchedulerConfig, SchedulerCore, create_strategy
 from spindle_scheduler.calibration import latency_from_cost_model
 from spindle_scheduler.strategies.tetris.planner import CDSPConfig, CDSPPlanner

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from .conftest import engine_greedy, instance_blocks, start_stack, wait_until
+from .direct import run_plan
 
 pytestmark = pytest.mark.slow
 
@@ -52,62 +53,6 @@ def passkey(tokenizer, reference_engine) -> tuple[list[int], list[int]]:
     return ids, engine_greedy(reference_engine, [ids], 8)[0]
 
 
-async def _run_plan(stack, ids: list[int], plan: list, max_tokens: int) -> tuple[list[int], str | None]:
-    """Run `ids` under `plan` [(start, end, members)] on the prefill services, bypassing the scheduler."""
-    from spindle_protocol import subjects
-    from spindle_protocol.bus import Bus
-    from spindle_protocol.messages import (
-        ClusterStatus,
-        RequestSpec,
-        RunPrefill,
-        Sampling,
-        SPChunkSpec,
-        StatusQuery,
-        StreamEvent,
-    )
-    from spindle_protocol.prompts import put_prompt
-
-    bus = await Bus.connect(stack.nats_url, "test-sp-plan")
-    try:
-        rid = f"sp-plan-{time.monotonic_ns()}"
-        events: list[StreamEvent] = []
-        done = asyncio.Event()
-
-        async def on_event(ev: StreamEvent, raw) -> None:
-            events.append(ev)
-            if ev.finished or ev.error:
-                done.set()
-
-        await bus.subscribe(subjects.stream(rid), StreamEvent, on_event)
-        status = await bus.request(subjects.STATUS, StatusQuery(), ClusterStatus)
-        ranks = {i.instance_id: i.rank for i in status.instances}
-        now = time.time()
-        spec = RequestSpec(
-            request_id=rid,
-            prompt=await put_prompt(bus, rid, ids),
-            sampling=Sampling(max_tokens=max_tokens, temperature=0.0),
-            arrival_time=now,
-            deadline=now + 300,
-        )
-        chunks = [SPChunkSpec(start=s, end=e, members=m, layout="zigzag") for s, e, m in plan]
-        members = chunks[-1].members
-        cmd = RunPrefill(
-            request=spec,
-            decode_instance="decode-0",
-            decode_rank=ranks["decode-0"],
-            chunks=chunks,
-            ranks={m: ranks[m] for m in members},
-        )
-        for m in members:
-            await bus.publish(subjects.prefill_run(m), cmd)
-        await asyncio.wait_for(done.wait(), 240)
-        events.sort(key=lambda e: e.seq)
-        error = next((e.error for e in events if e.error), None)
-        return [t for e in events for t in e.token_ids], error
-    finally:
-        await bus.close()
-
-
 def test_fixed_sp_serves_a_passkey_prompt_like_single_and_survives_a_dead_member(
     tmp_path_factory, tmp_path, passkey, tokenizer
 ):
@@ -131,7 +76,7 @@ def test_fixed_sp_serves_a_passkey_prompt_like_single_and_survives_a_dead_member
         # -- a plan whose group grows 1 -> 2 -> 4 (history re-balanced twice), sent to the instances directly --
         plan = [(0, 800, ["prefill-0"]), (800, 1800, ["prefill-0", "prefill-1"])]
         plan.append((1800, len(ids), ["prefill-0", "prefill-1", "prefill-2", "prefill-3"]))
-        tokens, error = asyncio.run(_run_plan(stack, ids, plan, 8))
+        tokens, error, _ = asyncio.run(run_plan(stack, ids, plan, 8))
         assert error is None and tokens == expected, (error, tokens, expected)
         assert wait_until(lambda: not any(instance_blocks(stack).values()), 5), instance_blocks(stack)
 

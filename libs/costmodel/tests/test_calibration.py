@@ -6,6 +6,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+
 from spindle_costmodel import Parallelism, get_hardware, get_model
 from spindle_costmodel.fit import Sample, fit_efficiency
 from spindle_costmodel.validation import Check, figures, h100_layers, paper_checks, tetris_table1

@@ -7,6 +7,7 @@ import random
 from dataclasses import replace
 
 import pytest
+
 from spindle_costmodel import CostModel, Link, Parallelism, get_model
 from spindle_costmodel.device_fit import (
     BASE_PARAMS,

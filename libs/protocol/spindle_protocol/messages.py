@@ -163,6 +163,9 @@ class RunPrefill(msgspec.Struct, frozen=True, kw_only=True):
     kvstore_rank: int = -1
     chunks: list[SPChunkSpec] = []
     ranks: dict[str, int] = {}
+    # CSPS's sparse attention (CSA) over a one-chunk all-to-all plan: drop ratio at level 2 (0: off), levels (0: all)
+    csa_drop: float = 0.0
+    csa_levels: int = 0
 
 
 class KVShardSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -281,6 +284,7 @@ class ReserveKV(msgspec.Struct, frozen=True, kw_only=True):
     kv: TensorHeader  # [2, layers, prompt_tokens, kv_heads, head_dim] (a part: its tokens only)
     part: KVPart | None = None  # set when the KV comes from several SP holders
     prefill_ms: float | None = None  # the prefill's time, for the request's usage stats
+    csa_dropped_tokens: int = 0  # CSA: prompt tokens dropped at level 2 (per dropping layer and head), for usage
 
 
 class KVPart(msgspec.Struct, frozen=True, kw_only=True):
@@ -326,6 +330,7 @@ class KVParked(msgspec.Struct, frozen=True, kw_only=True):
     next_seq: int = 1
     part: KVPart | None = None
     prefill_ms: float | None = None  # the prefill's time, for the request's usage stats
+    csa_dropped_tokens: int = 0  # CSA: prompt tokens dropped at level 2 (per dropping layer and head), for usage
     start: int = 0  # where `part` starts in the tiled order
     tiled: list[SPChunkSpec] = []
 

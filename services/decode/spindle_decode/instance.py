@@ -215,14 +215,19 @@ class DecodeInstance(Instance):
     def _expected_header(self, num_tokens: int) -> TensorHeader:
         return header_for(dtype_name(self.engine.cache.k.dtype), self.import_kv_shape(num_tokens))
 
-    def _new_job(self, spec: RequestSpec, headers: dict[str, str] | None, prefill_ms: float | None = None) -> DecodeJob:
+    def _new_job(
+        self, spec: RequestSpec, headers: dict[str, str] | None, prefill: ReserveKV | KVParked | None = None
+    ) -> DecodeJob:
+        """A decode job; `prefill` (the KV's announcement) brings the prefill's usage stats."""
         span = self.tracer.start_span("decode", context=extract(headers))
         span.set_attribute("spindle.request_id", spec.request_id)
         span.set_attribute("spindle.instance", self.id)
         # output 0 came from the prefill instance, unless every choice (n > 1) samples its first output here
         job = DecodeJob(spec, span, next_seq=1 if spec.sampling.n == 1 else 0)
-        if prefill_ms is not None:
-            job.stats["prefill_ms"] = prefill_ms
+        if prefill is not None and prefill.prefill_ms is not None:
+            job.stats["prefill_ms"] = prefill.prefill_ms
+        if prefill is not None and prefill.csa_dropped_tokens:
+            job.stats["csa_dropped_tokens"] = float(prefill.csa_dropped_tokens)
         self.jobs[spec.request_id] = job
         return job
 
@@ -244,7 +249,7 @@ class DecodeInstance(Instance):
             return ReserveReply(accepted=False, reason=str(e))
         if not ok:
             return ReserveReply(accepted=False, reason="no_space")
-        job = self._new_job(spec, raw.headers, msg.prefill_ms)
+        job = self._new_job(spec, raw.headers, msg)
         reply, header = ReserveReply(accepted=True, tag=self.dp.new_tag()), msg.kv
         if isinstance(self.engine, TPLeaderEngine):  # each rank receives its heads from the holder
             try:
@@ -333,7 +338,7 @@ class DecodeInstance(Instance):
         if msg.kv != self._expected_header(n):
             log.warning("parked KV of %s has an unexpected header %s", rid, msg.kv)
             return
-        job = self._new_job(msg.request, raw.headers, msg.prefill_ms)
+        job = self._new_job(msg.request, raw.headers, msg)
         job.next_seq = msg.next_seq
         self.parked[rid] = Parked(
             job,

@@ -127,7 +127,7 @@ async def _decide(inst: DecodeInstance, entry: PartsInFlight, msg: ReserveKV, ra
         if ok:
             await inst.call(lambda e: e.cancel_reservation(rid))
         return ReserveReply(accepted=False, reason="aborted or refused")
-    entry.job = inst._new_job(msg.request, raw.headers, msg.prefill_ms)
+    entry.job = inst._new_job(msg.request, raw.headers, msg)
     entry.parking = not ok
     return None
 
@@ -189,7 +189,7 @@ async def on_parked_part(inst: DecodeInstance, msg: KVParked, raw: Msg) -> None:
     job = entry.job if entry is not None else inst.jobs.get(rid)
     if entry is None or job is None or not entry.parking or inst.jobs.get(rid) is not job:
         if job is None:  # fail it anyway: the failure's abort frees the holders and the kvstore
-            job = inst._new_job(msg.request, raw.headers, msg.prefill_ms)
+            job = inst._new_job(msg.request, raw.headers, msg)
         await inst.fail(job, 503, f"a KV part of {rid} parked that this instance did not send to the kvstore")
         return
     positions = entry.placement.get(part.member)

@@ -32,9 +32,12 @@ def sse(obj: dict[str, Any]) -> bytes:
 # `stats`; a key they add must be added here). Times and kv_bytes are null when the instance that sent the last
 # event did not measure them (transfer_ms of a request that ended on its prefill instance); the counts are 0 when
 # the stats do not mention them. All are null when no stats came (a stop string ended the request first).
-SPINDLE_USAGE_KEYS = ("prefill_ms", "transfer_ms", "resume_ms", "decode_ms", "kv_bytes", "parked", "preemptions")
-_SPINDLE_COUNTS = frozenset({"parked", "preemptions"})
-_SPINDLE_INTEGERS = frozenset({"kv_bytes", "parked", "preemptions"})
+# csa_dropped_tokens: prompt tokens CSA dropped at level 2 (in each dropping layer, for each head; 0 without CSA).
+SPINDLE_USAGE_KEYS = (
+    "prefill_ms", "transfer_ms", "resume_ms", "decode_ms", "kv_bytes", "parked", "preemptions", "csa_dropped_tokens",
+)  # fmt: skip
+_SPINDLE_COUNTS = frozenset({"parked", "preemptions", "csa_dropped_tokens"})
+_SPINDLE_INTEGERS = frozenset({"kv_bytes", "parked", "preemptions", "csa_dropped_tokens"})
 
 
 def spindle_usage(stats: dict[str, float] | None) -> dict[str, float | int | None]:

@@ -250,7 +250,7 @@ def test_usage_spindle_has_the_same_keys_on_every_response(gateway_url: str, pee
         if sent is None:
             assert set(u["spindle"].values()) == {None}
         else:
-            counts = {k: int(sent.get(k, 0)) for k in ("parked", "preemptions")}
+            counts = {k: int(sent.get(k, 0)) for k in ("parked", "preemptions", "csa_dropped_tokens")}
             times = {k: sent.get(k) for k in SPINDLE_USAGE_KEYS if k not in counts}
             times["kv_bytes"] = None if "kv_bytes" not in sent else int(sent["kv_bytes"])
             assert u["spindle"] == {**times, **counts}

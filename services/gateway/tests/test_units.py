@@ -220,7 +220,13 @@ def test_chat_chunks() -> None:
     last = decode_sse(b.delta_chunk("", "stop", "\n"))["choices"][0]
     assert last["delta"] == {} and last["finish_reason"] == "stop" and last["stop_reason"] == "\n"
     u = usage(3, 2, {"decode_ms": 1.0, "kv_bytes": 64.0, "unknown_ms": 5.0})
-    spindle = dict.fromkeys(SPINDLE_USAGE_KEYS) | {"decode_ms": 1.0, "kv_bytes": 64, "parked": 0, "preemptions": 0}
+    spindle = dict.fromkeys(SPINDLE_USAGE_KEYS) | {
+        "decode_ms": 1.0,
+        "kv_bytes": 64,
+        "parked": 0,
+        "preemptions": 0,
+        "csa_dropped_tokens": 0,
+    }
     assert u == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "spindle": spindle}
     assert usage(1, 1)["spindle"] == dict.fromkeys(SPINDLE_USAGE_KEYS)
     assert decode_sse(b.usage_chunk(u)) == {

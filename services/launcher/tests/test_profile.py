@@ -8,9 +8,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
 from spindle_costmodel import CostModel
 from spindle_costmodel.hardware import hardware_from_dict
-
 from spindle_launcher.cli import main as spindle_main
 from spindle_launcher.profile import QUICK, ProfileConfig, run_profile
 from spindle_launcher.profile import cli as profile_cli

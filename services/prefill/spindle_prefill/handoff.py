@@ -63,6 +63,7 @@ async def hand_off(
                 kv=header,
                 part=part,
                 prefill_ms=job.stats.get("prefill_ms"),
+                csa_dropped_tokens=int(job.stats.get("csa_dropped_tokens", 0)),
             ),
             ReserveReply,
             timeout=HANDSHAKE_TIMEOUT_S,
@@ -97,6 +98,7 @@ async def hand_off(
                     part=part,
                     start=start,
                     prefill_ms=job.stats.get("prefill_ms"),
+                    csa_dropped_tokens=int(job.stats.get("csa_dropped_tokens", 0)),
                 ),
             )
             parked = True

@@ -28,7 +28,7 @@ import torch
 from spindle_engine import Engine
 from spindle_engine.sampler import Sampled, sample
 from spindle_engine.sequence import Sequence
-from spindle_engine.sp import ChunkReport, SPPrefill
+from spindle_engine.sp import ChunkReport, SPPrefill, csa_dropped_tokens
 from spindle_protocol import subjects
 from spindle_protocol.messages import Abort, KVPart, PrefillDone, SPChunkDone, SPChunkSpec
 from spindle_protocol.prompts import load_prompt
@@ -84,6 +84,10 @@ async def run_sp_job(inst: PrefillInstance, job: PrefillJob) -> None:
         prompt = await load_prompt(inst.bus, spec.prompt)
         inst.engine.validate_prompt(prompt)  # reads only the engine's fixed limits
         params = sampling_params(spec.sampling)
+        csa_drop = cmd.csa_drop if cmd.csa_drop or cmd.csa_levels else None
+        csa_levels = cmd.csa_levels or None
+        if csa_drop is not None:  # CSA's checks (its plan, its settings) before any chunk runs
+            job.stats["csa_dropped_tokens"] = csa_dropped_tokens(plan, csa_drop, csa_levels)
     except (ValueError, KeyError) as e:  # members would wait for us until their data-plane timeout
         await _give_up(inst, cmd.chunks, rid, str(e))
         await inst.fail(job, 400, f"bad SP request: {e}")
@@ -99,7 +103,8 @@ async def run_sp_job(inst: PrefillInstance, job: PrefillJob) -> None:
             return
 
     def work(engine: Engine) -> tuple[Sampled | None, torch.Tensor, list]:
-        sp = SPPrefill(engine.model, engine.cache, engine.allocator, rid, prompt, plan, member, ranks)
+        sp = SPPrefill(engine.model, engine.cache, engine.allocator, rid, prompt, plan, member, ranks,
+                       csa_drop=csa_drop, csa_levels=csa_levels)  # fmt: skip
         for k in sp.chunk_indices:
             t0 = time.time()
             logits = sp.run_chunk_or_release(k)

@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from spindle_costmodel.csa import max_levels, pair_fraction
 from spindle_protocol.messages import KVShardSpec, RequestSpec
 
 # How a chunk's tokens are split over an SP group: the names of spindle_engine.sp.SP_LAYOUTS (ring layouts, and
@@ -83,6 +84,10 @@ class RunPrefill:
     # KV-parallel decode: the prompt's KV split over decode instances, in token order; `decode_instance` (the
     # master) holds the first shard, the last one (the tail) also takes every new token. Empty: all on one.
     decode_shards: tuple[KVShard, ...] = ()
+    # CSPS's sparse attention (CSA) over a one-chunk all-to-all plan: the drop ratio at level 2 (0: off) and the
+    # levels (0: every level)
+    csa_drop: float = 0.0
+    csa_levels: int = 0
 
     def __post_init__(self) -> None:
         assert self.chunks and self.chunks[0].start == 0, "a plan starts at token 0"
@@ -93,6 +98,10 @@ class RunPrefill:
             assert all(a.end == b.start for a, b in itertools.pairwise(s)), "shards must tile the prompt"
             assert s[-1].end == self.spec.prompt.num_tokens and all(x.start < x.end for x in s), "bad shards"
             assert len({x.instance for x in s}) == len(s), "one shard per instance"
+        if self.csa_drop or self.csa_levels:
+            c = self.chunks
+            assert len(c) == 1 and c[0].layout == "all-to-all" and c[0].sp > 1, "CSA runs one all-to-all chunk"
+            assert 0.0 <= self.csa_drop < 1.0 and self.csa_levels >= 0, "bad CSA settings"
 
     @property
     def decode_holders(self) -> tuple[KVShard, ...]:
@@ -105,6 +114,14 @@ class RunPrefill:
         for c in self.chunks:
             seen.update(dict.fromkeys(c.instances))
         return tuple(seen)
+
+    @property
+    def attention_kept(self) -> float:
+        """The share of the prompt's attention pairs the plan computes (CSA's sparsity; 1.0 without CSA)."""
+        if not self.csa_drop:
+            return 1.0
+        sp = self.chunks[0].sp
+        return pair_fraction(sp, self.csa_levels or max_levels(sp), self.csa_drop)
 
     @property
     def is_single(self) -> bool:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from spindle_costmodel import PAPER_FIGURES, CostModel, Parallelism
 from spindle_costmodel.costs import SINGLE, Chunk
 from spindle_costmodel.fast_forms import (

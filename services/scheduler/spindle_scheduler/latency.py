@@ -119,14 +119,19 @@ class PrefillLatencyModel:
     def sp_sizes(self) -> list[int]:
         return sorted(self.coeffs)
 
-    def predict(self, sp: int, history: float, chunk: float) -> float:
-        """Seconds to prefill `chunk` new tokens after `history` cached tokens on an SP group of size `sp`."""
+    def predict(self, sp: int, history: float, chunk: float, keep: float = 1.0) -> float:
+        """Seconds to prefill `chunk` new tokens after `history` cached tokens on an SP group of size `sp`.
+
+        `keep`: the share of attention pairs computed (CSA's sparsity, `spindle_costmodel.csa.pair_fraction`),
+        applied to the pair terms (C*L and L^2) only; the all-to-all bytes CSA saves are not modelled."""
         if sp not in self.coeffs:
             raise ValueError(f"no prefill model for sp={sp}; have {self.sp_sizes()}")
+        if not 0.0 < keep <= 1.0:
+            raise ValueError(f"keep must be in (0, 1], got {keep}")
         hist = _check_count("history C", history)
         n = _check_count("chunk length L", chunk)
         a, b, c, d = self.coeffs[sp]
-        return max(0.0, a + b * n + c * hist * n + d * n * n)  # clamp: a fit may dip below 0 far off its data
+        return max(0.0, a + b * n + keep * (c * hist * n + d * n * n))  # clamp: a fit may dip below 0 off its data
 
     def fit_error(self) -> dict[int, float]:
         """Per-SP mean relative error of the fit on the samples it was fitted to."""

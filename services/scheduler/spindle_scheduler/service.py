@@ -186,6 +186,8 @@ class SchedulerService:
             kvstore_rank=kvstore.info.rank if kvstore else -1,
             chunks=chunks,
             ranks=ranks,
+            csa_drop=a.csa_drop,
+            csa_levels=a.csa_levels,
         )
         async with self._plan_lock:  # another admission's plan must not interleave with this one's commands
             if decode.kvp_group:  # a KV-parallel group: its leader learns the placement before any KV arrives

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from spindle_costmodel import CostModel, Parallelism, get_hardware, get_model
 
+from spindle_costmodel import CostModel, Parallelism, get_hardware, get_model
 from spindle_scheduler.calibration import latency_from_cost_model
 
 

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from spindle_costmodel.hardware import CPU, hardware_from_dict, hardware_to_dict
 
+from spindle_costmodel.hardware import CPU, hardware_from_dict, hardware_to_dict
 from spindle_scheduler.latency import LatencyModel
 from spindle_scheduler.profile_data import (
     SAMPLE_COLUMNS,

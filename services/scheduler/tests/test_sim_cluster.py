@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from spindle_costmodel import CostModel, Parallelism, get_hardware, get_model
 
+from spindle_costmodel import CostModel, Parallelism, get_hardware, get_model
 from spindle_scheduler.sim.cli import _cluster_spec, build_parser, build_sweep_parser, main
 from spindle_scheduler.sim.cluster import SimConfig, pack_nodes
 from spindle_scheduler.sim.executor import Simulator

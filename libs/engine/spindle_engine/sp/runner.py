@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from spindle_attention.csa import CSALevels, max_levels
 from spindle_attention.distributed import CommStats, RankGroup
 from spindle_attention.distributed.comm import RANK_GROUP_TAG
 from spindle_model import LlamaModel
 
 from ..kv_cache import BlockAllocator, KVCache
 from .context import SPAttentionContext
+from .csa_plan import csa_levels_for, dropped_at_level2
 from .held_kv import HeldKV
 from .plan import SPPlan
 from .rebalance import Rebalance
@@ -89,21 +89,10 @@ class SPPrefill:
                 raise ValueError(f"retention members {sorted(self.retain)} are not all plan members")
             if self.plan.chunks[-1].attention != "ring":
                 raise ValueError("KV retention needs a ring layout in the last chunk, not all-to-all")
-        self.csa = self._csa_levels() if self.csa_drop is not None else None
+        self.csa = csa_levels_for(self.plan, self.csa_drop, self.csa_levels) if self.csa_drop is not None else None
         self.held = HeldKV(self.cache, self.allocator, self.request_id)
         self.steps = self.plan.steps()
         self._ids = torch.tensor(self.token_ids, dtype=torch.int64)
-
-    def _csa_levels(self) -> CSALevels:
-        chunks = self.plan.chunks
-        if len(chunks) != 1 or chunks[0].layout != "all-to-all" or chunks[0].sp < 2:
-            raise ValueError(f"CSA needs a one-chunk all-to-all plan over 2 or more members, got {self.plan.format()}")
-        shards = chunks[0].shard_positions()
-        if any(p.numel() == 0 for p in shards):
-            raise ValueError(f"CSA needs a token on every member: {self.plan.num_tokens} tokens over {chunks[0].sp}")
-        segments = tuple((int(p[0]), int(p[-1]) + 1) for p in shards)
-        levels = self.csa_levels if self.csa_levels is not None else max_levels(len(segments))
-        return CSALevels(segments, levels, self.csa_drop)
 
     @property
     def chunk_indices(self) -> list[int]:
@@ -168,11 +157,7 @@ class SPPrefill:
         return logits
 
     def _csa_dropped(self) -> int:
-        if self.csa is None or self.csa.num_levels < 2:
-            return 0
-        m = self.plan.chunks[0].members.index(self.member)
-        s, e = self.csa.segments[m]
-        return e - s - self.csa.kept_count(2, m)
+        return dropped_at_level2(self.csa, self.plan.chunks[0].members.index(self.member)) if self.csa else 0
 
     def _attend_nothing(self, ctx: SPAttentionContext) -> None:
         m = self.model

@@ -15,7 +15,6 @@ from typing import Any
 from spindle_costmodel.device_fit import fit_device, measured_hardware, samples_from_rows
 from spindle_costmodel.hardware import CPU, Link, hardware_to_dict
 from spindle_costmodel.model import DTYPE_BYTES, ModelShape
-
 from spindle_scheduler.latency import TransferModel
 from spindle_scheduler.profile_data import Rows
 

@@ -40,7 +40,8 @@ class PrefillSide(SimBase):
 
     def _start_chunk(self, job: ChunkJob, now: float) -> None:
         rec, chunk = job.rec, job.chunk
-        seconds = self.latency.prefill.predict(chunk.sp, chunk.start, chunk.num_tokens)  # type: ignore[union-attr]
+        keep = job.plan.attention_kept
+        seconds = self.latency.prefill.predict(chunk.sp, chunk.start, chunk.num_tokens, keep)  # type: ignore[union-attr]
         for k, iid in enumerate(chunk.instances):
             m = self.instances[iid]
             assert isinstance(m, SimPrefill)

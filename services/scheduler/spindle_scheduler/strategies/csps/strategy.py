@@ -1,0 +1,110 @@
+"""`csps`: CSPS (seed 001) as a strategy: per-request SP prefill over all-to-all (SP-NTP) with CSA, and KV-parallel
+decode that moves the query to the KV (§4: the KV-parallel decode groups and `kvp_tokens` every disaggregated
+strategy takes; Table 3's volumes are measured by `spindle verify --kvp`).
+
+Per request, as CSPS §3.2.2 with `spt_tokens` > 0: the GPU count is the prompt over the SPT length that fills a
+GPU's KV (at least 1, at most the live prefill instances and `max_sp`), on the instances that free up first;
+with `spt_tokens=0` (the default here, where the instances are small) the SP size with the lowest predicted TTFT,
+as `request-sp`. SP-NTP or SP-TP by §3.2.2's byte rule (`architecture.py`): with TP-1 instances (this stack, and
+every simulated cluster whose prefill instances have TP 1) that is always SP-NTP, which is the layout the services
+run; SP-TP (CSA computing fewer pairs, not sending fewer bytes) is not a services layout yet.
+
+CSA is off by default (`drop=0`). `drop=P` turns it on at a fixed ratio; `accuracy_loss=A` and/or `ttft_s=T` choose
+P per request from the measured quality table (`configure.py`). `levels=N` (0: every level). A request placed on
+one instance runs dense (CSA needs two segments). What the paper leaves open, chosen here: the drop ratio doubles
+per level (see `spindle_attention.csa`); importance is the attention a token received from its own segment's
+queries in the previous layer, per query (measurable on each member alone).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from spindle_costmodel.csa import max_levels, pair_fraction
+from spindle_protocol.messages import RequestSpec
+
+from ...actions import Action, RunPrefill
+from ...latency import LatencyModel
+from ...state import ClusterState
+from ...strategy import register_strategy
+from ..request_sp import RequestSPStrategy, Steps
+from .architecture import gpus_for
+from .configure import QualityTable, choose_drop
+
+
+@register_strategy("csps")
+class CSPSStrategy(RequestSPStrategy):
+    def __init__(
+        self,
+        latency: LatencyModel | None = None,
+        *,
+        max_sp: int = 16,
+        spt_tokens: int = 0,
+        drop: float = 0.0,
+        levels: int = 0,
+        accuracy_loss: float | None = None,
+        ttft_s: float | None = None,
+    ) -> None:
+        super().__init__(latency, max_sp=max_sp, layout="all-to-all")
+        if not 0.0 <= drop < 1.0:
+            raise ValueError(f"csps: drop must be in [0, 1), got {drop}")
+        if drop and (accuracy_loss is not None or ttft_s is not None):
+            raise ValueError("csps: give a fixed drop or the objectives (accuracy_loss, ttft_s), not both")
+        if accuracy_loss is not None and not 0.0 <= accuracy_loss <= 1.0:
+            raise ValueError(f"csps: accuracy_loss is a share of answers in [0, 1], got {accuracy_loss}")
+        if ttft_s is not None and not ttft_s > 0:
+            raise ValueError(f"csps: ttft_s must be > 0, got {ttft_s}")
+        if levels < 0 or spt_tokens < 0:
+            raise ValueError(f"csps: levels and spt_tokens must be >= 0, got {levels} and {spt_tokens}")
+        self.spt_tokens, self.drop, self.levels = spt_tokens, drop, levels
+        self.accuracy_loss, self.ttft_s = accuracy_loss, ttft_s
+        self.quality = QualityTable.load() if accuracy_loss is not None or ttft_s is not None else None
+        self._now = 0.0
+        self._decided: dict[int, float] = {}  # this plan's drop ratio per candidate SP size
+
+    def options(self) -> dict[str, object]:
+        return {
+            "max_sp": self.max_sp, "spt_tokens": self.spt_tokens, "drop": self.drop, "levels": self.levels,
+            "accuracy_loss": self.accuracy_loss, "ttft_s": self.ttft_s,
+        }  # fmt: skip
+
+    def plan(self, spec: RequestSpec, state: ClusterState, now: float) -> list[Action]:
+        sizes, self._now, self._decided = self.sizes, now, {}
+        if self.spt_tokens:  # §3.2.2: as many GPUs as the prompt's SPTs (the nearest known SP size above)
+            want = gpus_for(spec.prompt.num_tokens, self.spt_tokens)
+            self.sizes = [next((s for s in sizes if s >= want), sizes[-1])]
+        try:
+            actions = super().plan(spec, state, now)
+        finally:
+            self.sizes = sizes
+        return [self._with_csa(a) if isinstance(a, RunPrefill) else a for a in actions]
+
+    def _levels(self, sp: int) -> int:
+        return min(self.levels, max_levels(sp)) if self.levels else max_levels(sp)
+
+    def _keep(self, sp: int, drop: float) -> float:
+        return pair_fraction(sp, self._levels(sp), drop)
+
+    def _drop_for(self, sp: int, n: int, ready_at: float) -> float:
+        if sp < 2 or n < sp or self._levels(sp) < 2:
+            return 0.0
+        if self.quality is None:
+            return self.drop
+        predict = self.latency.prefill.predict  # type: ignore[union-attr]
+        return choose_drop(
+            self.quality, sp, self.levels or None, self.accuracy_loss, self.ttft_s,
+            lambda p: ready_at - self._now + predict(sp, 0, n, self._keep(sp, p)),
+        )  # fmt: skip
+
+    def _whole(self, ready: Sequence[float], s: int, n: int) -> tuple[float, Steps]:
+        """The whole prompt on the s instances that free first, with the drop ratio this plan gives s."""
+        drop = self._decided[s] = self._drop_for(s, n, ready[s - 1])
+        seconds = self.latency.prefill.predict(s, 0, n, self._keep(s, drop))  # type: ignore[union-attr]
+        return ready[s - 1] + seconds, [(0, n, s)]
+
+    def _with_csa(self, run: RunPrefill) -> RunPrefill:
+        drop = self._decided.get(run.chunks[0].sp, 0.0)
+        if not drop:
+            return run
+        return dataclasses.replace(run, csa_drop=drop, csa_levels=self.levels and self._levels(run.chunks[0].sp))
