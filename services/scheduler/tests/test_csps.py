@@ -11,7 +11,7 @@ from spindle_scheduler.latency import DecodeStepModel, LatencyModel, PrefillLate
 from spindle_scheduler.sim import SimConfig, Simulator
 from spindle_scheduler.sim.invariants import check_invariants
 from spindle_scheduler.strategies.csps.architecture import NTP, TP, gpus_for, sp_architecture
-from spindle_scheduler.strategies.csps.configure import QualityTable, choose_drop
+from spindle_scheduler.strategies.csps.configure import QualityTable, choose
 from spindle_scheduler.workloads import TraceRequest
 
 LATENCY = LatencyModel(
@@ -71,13 +71,27 @@ def test_the_drop_ratio_never_goes_past_what_the_measurement_supports() -> None:
     assert TABLE.allowed(8, None, 0.0) == [0.0]
     assert TABLE.allowed(16, None, 1.0) == [0.0]  # larger than anything measured: no drops
     assert TABLE.allowed(4, 2, 1.0) == [0.0]  # levels never measured
-    assert choose_drop(TABLE, 4, None, 0.0) == 0.1
-    assert choose_drop(TABLE, 4, None, None) == 0.0  # no objective: dense
-    # a TTFT objective: the smallest allowed ratio that meets it (predicted TTFT falls with the ratio)
-    ttft = {0.0: 10.0, 0.1: 8.0, 0.2: 6.0, 0.3: 5.0, 0.5: 4.0}
-    assert choose_drop(TABLE, 4, None, 0.05, 7.0, ttft.__getitem__) == 0.2
-    assert choose_drop(TABLE, 4, None, 0.0, 7.0, ttft.__getitem__) == 0.1  # none meets it: the fastest allowed
-    assert choose_drop(TABLE, 4, None, None, 12.0, ttft.__getitem__) == 0.0
+    ttft = {0.0: 10.0, 0.1: 8.0, 0.2: 6.0, 0.3: 5.0, 0.5: 4.0}  # predicted TTFT falls with the ratio
+
+    def predict(levels: int | None, p: float) -> float:
+        return ttft[p]
+
+    assert choose(TABLE, 4, 0.0, None, predict) == (None, 0.1)  # the budget alone: the fastest allowed
+    assert choose(TABLE, 4, None, None, predict) == (None, 0.0)  # no objective: dense
+    # a TTFT objective: the least dropping allowed ratio that meets it; none meets it: the fastest allowed
+    assert choose(TABLE, 4, 0.05, 7.0, predict) == (None, 0.2)
+    assert choose(TABLE, 4, 0.0, 7.0, predict) == (None, 0.1)
+    assert choose(TABLE, 4, None, 12.0, predict) == (None, 0.0)
+    # two measured level counts: the search takes the pair that meets the objective with the least dropped
+    two = QualityTable(TABLE.points + QualityTable.from_dict({
+        "dense": {"accuracy": 0.95}, "levels": 2,
+        "points": [{"sp": 4, "drop": 0.3, "accuracy": 0.95, "mcnemar_p": 1.0}],
+    }).points)  # fmt: skip
+    faster = {(None, 0.0): 10.0, (None, 0.1): 8.0, (2, 0.0): 10.0, (2, 0.3): 6.5}
+    assert two.level_options() == [2, None]
+    assert choose(two, 4, 0.0, None, lambda lv, p: faster[(lv, p)]) == (2, 0.3)
+    assert choose(two, 4, 0.0, 9.0, lambda lv, p: faster[(lv, p)]) == (None, 0.1)
+    assert choose(two, 4, 0.0, None, lambda lv, p: faster[(lv, p)], levels=None) == (None, 0.1)
 
 
 def test_plans_run_all_to_all_with_csa_only_where_asked_and_possible() -> None:
@@ -100,7 +114,8 @@ def test_plans_run_all_to_all_with_csa_only_where_asked_and_possible() -> None:
 def test_accuracy_budget_zero_uses_the_shipped_measurement() -> None:
     shipped = QualityTable.load()
     run = _plan(_core("csps:accuracy_loss=0"), "a", 40_000)
-    assert run.csa_drop == shipped.allowed(4, None, 0.0)[-1]
+    allowed = {p for lv in shipped.level_options() for p in shipped.allowed(4, lv, 0.0)}
+    assert run.csa_drop in allowed
 
 
 def test_csa_shortens_simulated_prefill_and_keeps_the_invariants() -> None:

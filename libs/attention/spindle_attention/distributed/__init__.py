@@ -4,6 +4,7 @@
 - `ring`: ring attention with KV rotation, history KV and KV retention (LoongServe scale-down).
 - `ulysses`: all-to-all sequence <-> head resharding with uneven heads and tokens.
 - `sp_tp`: CSPS SP-TP (all-gather tokens, head-parallel attention, reduce-scatter).
+- `csa_all_to_all`: CSPS's sparse attention (CSA) over all-to-all SP, level by level, pipelined.
 Every function records its bytes in an optional `CommStats`. A group is a `ProcessGroup`, None (the world) or a
 `RankGroup` (any set of global ranks, point-to-point over the world group, no `new_group` needed).
 """

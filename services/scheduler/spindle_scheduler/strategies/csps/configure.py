@@ -6,11 +6,13 @@ that form can replace it): for an SP size G, the points of the smallest measured
 far levels, more dropped pairs at the same p: the conservative stand-in); a G above every measured size, or levels
 never measured, get no drops.
 
-- Accuracy budget A (`accuracy_loss`): the largest measured p such that it and every smaller measured p lost at
-  most A (observed passkey accuracy below dense) and, for A = 0, none lost measurably (McNemar p > 0.05 against
-  dense on the same prompts). So `accuracy_loss=0` never drops more than the measurement supports.
-- TTFT objective T (`ttft_s`), with or without a budget: the smallest allowed p whose predicted TTFT meets T (0 when
-  dense meets it); when none does, the allowed p with the lowest predicted TTFT.
+The candidates are (levels, p) pairs of the measured level counts (or the one the strategy fixes):
+- Accuracy budget A (`accuracy_loss`): a ratio p is allowed when it and every smaller measured ratio (same levels)
+  lost at most A (observed passkey accuracy below dense) and, for A = 0, none lost measurably (McNemar p > 0.05
+  against dense on the same prompts). So `accuracy_loss=0` never drops more than the measurement supports. With
+  the budget alone: the allowed pair with the lowest predicted TTFT (objective 1 of §3.2.6).
+- TTFT objective T (`ttft_s`), with or without a budget: the allowed pair dropping least whose predicted TTFT meets
+  T (dense when dense meets it); when none does, the allowed pair with the lowest predicted TTFT (objective 2).
 """
 
 from __future__ import annotations
@@ -75,20 +77,32 @@ class QualityTable:
             out.append(p.drop)
         return out
 
+    def level_options(self) -> list[int | None]:
+        """The level counts measured (None: every level)."""
+        return sorted({p.levels for p in self.points}, key=lambda x: (x is None, x or 0))
 
-def choose_drop(
+
+Predict = Callable[[int | None, float], float]  # (levels, drop) -> predicted TTFT seconds
+
+
+def choose(
     table: QualityTable,
     sp: int,
-    levels: int | None,
     accuracy_loss: float | None,
-    ttft_s: float | None = None,
-    predict_ttft: Callable[[float], float] | None = None,
-) -> float:
-    """The drop ratio for one request (see the module docstring)."""
-    allowed = table.allowed(sp, levels, accuracy_loss)
-    if ttft_s is None:
-        return allowed[-1] if accuracy_loss is not None else 0.0
-    assert predict_ttft is not None, "a TTFT objective needs a TTFT prediction"
-    times = [(predict_ttft(p), p) for p in allowed]
-    meeting = [p for t, p in times if t <= ttft_s]
-    return meeting[0] if meeting else min(times)[1]
+    ttft_s: float | None,
+    predict: Predict,
+    levels: int | str | None = "any",
+) -> tuple[int | None, float]:
+    """(levels, drop ratio) for one request, searched over the measured points (`levels`: fixed, or "any" of the
+    measured level counts; see the module docstring). Without any objective: (levels, 0), dense."""
+    options = table.level_options() if levels == "any" else [levels]
+    if accuracy_loss is None and ttft_s is None:
+        return (options[-1] if options else None), 0.0
+    candidates = [(lv, p) for lv in options for p in table.allowed(sp, lv, accuracy_loss)] or [(None, 0.0)]
+    times = {c: predict(*c) for c in candidates}
+    if ttft_s is None:  # the budget alone: the fastest allowed
+        return min(candidates, key=lambda c: (times[c], c[1]))
+    meeting = [c for c in candidates if times[c] <= ttft_s]
+    if meeting:  # the least dropping that meets the objective
+        return min(meeting, key=lambda c: (c[1], times[c]))
+    return min(candidates, key=lambda c: (times[c], c[1]))

@@ -10,7 +10,8 @@ every simulated cluster whose prefill instances have TP 1) that is always SP-NTP
 run; SP-TP (CSA computing fewer pairs, not sending fewer bytes) is not a services layout yet.
 
 CSA is off by default (`drop=0`). `drop=P` turns it on at a fixed ratio; `accuracy_loss=A` and/or `ttft_s=T` choose
-P per request from the measured quality table (`configure.py`). `levels=N` (0: every level). A request placed on
+the levels and P per request from the measured quality table (`configure.py`, §3.2.6). `levels=N` fixes the levels
+(0: every level with a fixed drop; any measured level count with the objectives). A request placed on
 one instance runs dense (CSA needs two segments). What the paper leaves open, chosen here: the drop ratio doubles
 per level (see `spindle_attention.csa`); importance is the attention a token received from its own segment's
 queries in the previous layer, per query (measurable on each member alone).
@@ -30,7 +31,7 @@ from ...state import ClusterState
 from ...strategy import register_strategy
 from ..request_sp import RequestSPStrategy, Steps
 from .architecture import gpus_for
-from .configure import QualityTable, choose_drop
+from .configure import QualityTable, choose
 
 
 @register_strategy("csps")
@@ -61,7 +62,7 @@ class CSPSStrategy(RequestSPStrategy):
         self.accuracy_loss, self.ttft_s = accuracy_loss, ttft_s
         self.quality = QualityTable.load() if accuracy_loss is not None or ttft_s is not None else None
         self._now = 0.0
-        self._decided: dict[int, float] = {}  # this plan's drop ratio per candidate SP size
+        self._decided: dict[int, tuple[int | None, float]] = {}  # this plan's (levels, drop) per SP size
 
     def options(self) -> dict[str, object]:
         return {
@@ -80,31 +81,34 @@ class CSPSStrategy(RequestSPStrategy):
             self.sizes = sizes
         return [self._with_csa(a) if isinstance(a, RunPrefill) else a for a in actions]
 
-    def _levels(self, sp: int) -> int:
-        return min(self.levels, max_levels(sp)) if self.levels else max_levels(sp)
+    def _levels(self, sp: int, levels: int | None) -> int:
+        """Levels over `sp` members: `levels` (None: every level), at most every level."""
+        return min(levels, max_levels(sp)) if levels else max_levels(sp)
 
-    def _keep(self, sp: int, drop: float) -> float:
-        return pair_fraction(sp, self._levels(sp), drop)
-
-    def _drop_for(self, sp: int, n: int, ready_at: float) -> float:
-        if sp < 2 or n < sp or self._levels(sp) < 2:
-            return 0.0
+    def _decide(self, sp: int, n: int, ready_at: float) -> tuple[int | None, float]:
+        """(levels, None: every level; drop ratio) for the prompt on `sp` members free at `ready_at`."""
+        fixed = self.levels or None
+        if sp < 2 or n < sp or self._levels(sp, fixed) < 2:
+            return fixed, 0.0
         if self.quality is None:
-            return self.drop
+            return fixed, self.drop
         predict = self.latency.prefill.predict  # type: ignore[union-attr]
-        return choose_drop(
-            self.quality, sp, self.levels or None, self.accuracy_loss, self.ttft_s,
-            lambda p: ready_at - self._now + predict(sp, 0, n, self._keep(sp, p)),
-        )  # fmt: skip
+
+        def ttft(levels: int | None, p: float) -> float:
+            keep = pair_fraction(sp, self._levels(sp, levels), p)
+            return ready_at - self._now + predict(sp, 0, n, keep)
+
+        return choose(self.quality, sp, self.accuracy_loss, self.ttft_s, ttft, fixed if self.levels else "any")
 
     def _whole(self, ready: Sequence[float], s: int, n: int) -> tuple[float, Steps]:
-        """The whole prompt on the s instances that free first, with the drop ratio this plan gives s."""
-        drop = self._decided[s] = self._drop_for(s, n, ready[s - 1])
-        seconds = self.latency.prefill.predict(s, 0, n, self._keep(s, drop))  # type: ignore[union-attr]
-        return ready[s - 1] + seconds, [(0, n, s)]
+        """The whole prompt on the s instances that free first, with the CSA settings this plan gives s."""
+        levels, drop = self._decided[s] = self._decide(s, n, ready[s - 1])
+        keep = pair_fraction(s, self._levels(s, levels), drop)
+        return ready[s - 1] + self.latency.prefill.predict(s, 0, n, keep), [(0, n, s)]  # type: ignore[union-attr]
 
     def _with_csa(self, run: RunPrefill) -> RunPrefill:
-        drop = self._decided.get(run.chunks[0].sp, 0.0)
+        sp = run.chunks[0].sp
+        levels, drop = self._decided.get(sp, (None, 0.0))
         if not drop:
             return run
-        return dataclasses.replace(run, csa_drop=drop, csa_levels=self.levels and self._levels(run.chunks[0].sp))
+        return dataclasses.replace(run, csa_drop=drop, csa_levels=self._levels(sp, levels) if levels else 0)
