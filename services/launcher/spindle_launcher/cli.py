@@ -26,6 +26,8 @@ from .supervisor import describe_exit
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from spindle_scheduler.strategy import available_strategies  # the registry (no torch)
+
     p = argparse.ArgumentParser(prog="spindle", description="Spindle: long-context LLM serving.")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("sim", add_help=False, help="simulate a cluster running a strategy (`spindle sim --help`)")
@@ -155,12 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--strategy",
         default=None,
         help="scheduler strategy, NAME or NAME:key=value,... (single; chunked with elastic instances, or "
-        "loongserve / medha with --profile: the scheduler names each iteration)",
+        "loongserve / medha with --profile: the scheduler names each iteration); registered: "
+        f"{', '.join(available_strategies())}",
     )
     c.add_argument(
         "--profile",
         default=None,
-        help="latency profile JSON (`spindle profile`) for fixed-sp / request-sp / tetris / loongserve / medha",
+        help="latency profile JSON (`spindle profile`) for fixed-sp / request-sp / tetris / csps / loongserve / medha",
     )
     n = up.add_argument_group("network and operations")
     n.add_argument(
