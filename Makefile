@@ -31,7 +31,8 @@ serve: install
 
 test: install
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q --durations=30
+	$(PY) -m pytest -q -n 2 -m 'not slow' --durations=15
+	$(PY) -m pytest -q -m slow --durations=30
 
 test-fast: install
 	$(PY) -m pytest -q -m 'not slow'
