@@ -171,20 +171,23 @@ def level_masks(levels: CSALevels, kept: Tensor, rows: tuple[int, int] | None = 
     return out
 
 
-def _masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """q `[T, Hq, D]`, k/v `[T, Hkv, D]`, mask `[Hkv, T, T]` -> out `[T, Hq, D]` (0 where a row has no key), lse
-    `[Hq, T]` (-inf there)."""
+def masked_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, keep_probs: bool = False
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """q `[Tq, Hq, D]`, k/v `[Tk, Hkv, D]`, mask `[Hkv, Tq, Tk]` (or `[1, Tq, Tk]`, the same for every head) ->
+    out `[Tq, Hq, D]` (0 where a row has no key), lse `[Hq, Tq]` (-inf there) and, with `keep_probs`, the
+    probabilities `[Hq, Tq, Tk]`."""
     hq, hkv = q.shape[1], k.shape[1]
     g = hq // hkv
-    kk = k.float().repeat_interleave(g, dim=1)  # [T, Hq, D]
+    kk = k.float().repeat_interleave(g, dim=1)  # [Tk, Hq, D]
     vv = v.float().repeat_interleave(g, dim=1)
-    m = mask.repeat_interleave(g, dim=0)  # [Hq, T, T]
+    m = mask.repeat_interleave(g, dim=0) if mask.shape[0] > 1 else mask  # [Hq or 1, Tq, Tk]
     s = torch.einsum("qhd,khd->hqk", q.float(), kk) * scale
     s = s.masked_fill(~m, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # [Hq, T]
+    lse = torch.logsumexp(s, dim=-1)  # [Hq, Tq]
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
     out = torch.einsum("hqk,khd->qhd", p, vv)
-    return out.to(q.dtype), lse
+    return out.to(q.dtype), lse, p if keep_probs else None
 
 
 def csa_attention(
@@ -194,7 +197,7 @@ def csa_attention(
     its own, the levels merged by their log-sum-exps. Returns out `[T, Hq, D]`, lse `[Hq, T]`."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     masks = level_masks(levels, kept)
-    outs, lses = zip(*(_masked_attention(q, k, v, masks[i], scale) for i in range(levels.num_levels)), strict=True)
+    outs, lses, _ = zip(*(masked_attention(q, k, v, masks[i], scale) for i in range(levels.num_levels)), strict=True)
     out, lse = merge_attn_states_many(torch.stack(outs).float(), torch.stack(lses))
     return out.to(q.dtype), lse
 
@@ -204,7 +207,8 @@ def dense_oracle(
 ) -> tuple[Tensor, Tensor]:
     """Dense attention under the union of the levels' masks: what CSA must equal for any drop ratio."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _masked_attention(q, k, v, level_masks(levels, kept).any(dim=0), scale)
+    out, lse, _ = masked_attention(q, k, v, level_masks(levels, kept).any(dim=0), scale)
+    return out, lse
 
 
 def dropped_pairs(levels: CSALevels, kept: Tensor) -> tuple[int, int]:

@@ -31,12 +31,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..csa import CSALevels, key_importance
+from ..csa import CSALevels, key_importance, masked_attention
 from ..merge import merge_attn_states_many
 from .comm import CommStats, Group, Timer, global_rank, group_rank_size, p2p_args, pack, unpack, wait
 from .ulysses import head_split, ulysses_attention
 
 FORWARD_TAG, BACK_TAG = 16, 48  # + level; RankGroup tags above those of the ring, metadata and all-to-all
+KINDS = ("pos", "k", "v", "q")  # the order of a message's rows (8-byte positions first, for alignment)
 
 
 @dataclass(frozen=True)
@@ -89,12 +90,11 @@ def forward_rows(levels: CSALevels, src: int, dst: int, hq: int, hkv: int, dense
                 need[("q", h)] = n
                 need[("pos", h // g)] = max(need.get(("pos", h // g), 0), n)
         rows = []
-        for kind in ("pos", "k", "v", "q"):
-            for (k, head), end in sorted(need.items()):
-                start = sent.get((k, head), 0)
-                if k == kind and end > start:
-                    rows.append(Rows(kind, head, start, end))
-                    sent[(k, head)] = end
+        for (kind, head), end in sorted(need.items(), key=lambda item: (KINDS.index(item[0][0]), item[0][1])):
+            start = sent.get((kind, head), 0)
+            if end > start:
+                rows.append(Rows(kind, head, start, end))
+                sent[(kind, head)] = end
         if rows:
             out[level] = rows
     return out
@@ -186,9 +186,9 @@ def csa_all_to_all_attention(
 
     # 2. level 1 while the rest travels
     with Timer(stats, "compute_s"):
-        out1, lse1, probs, mask = _attend(q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1),
-                                          positions, positions, None, scale, measure)  # fmt: skip
-        new_importance = key_importance(probs, hkv, attended=mask) if measure else None
+        causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()  # [n, n]
+        out1, lse1, probs = masked_attention(q, k, v, causal[None], scale, keep_probs=measure)
+        new_importance = key_importance(probs, hkv, attended=causal) if measure else None
     states: dict[int, list[tuple[Tensor, Tensor]]] = {h: [] for h in range(hq)}  # per head: (out [n, D], lse [n])
     for h in range(hq):
         states[h].append((out1[:, h], lse1[h]))
@@ -227,9 +227,13 @@ def csa_all_to_all_attention(
                         kp.append(rows_of(m, "pos", kh, c)), km.append(torch.full((c,), m - a, device=dev))
                 if not qs:
                     continue
-                outside = lower[torch.cat(qm)][:, None] != lower[torch.cat(km)][None, :] if km else None
-                o, lse, _, _ = _attend(torch.cat(qs)[:, None], _cat(ks, d, k)[:, None], _cat(vs, d, v)[:, None],
-                                    torch.cat(qp), _cat(kp, 0, positions), outside, scale, False)  # fmt: skip
+                assert km, "a member with queries at a level has earlier keys there"
+                q_pos, k_pos = torch.cat(qp), torch.cat(kp)
+                mask = (k_pos[None, :] <= q_pos[:, None]) & (
+                    lower[torch.cat(qm)][:, None] != lower[torch.cat(km)][None, :]
+                )
+                o, lse, _ = masked_attention(torch.cat(qs)[:, None], torch.cat(ks)[:, None], torch.cat(vs)[:, None],
+                                             mask[None], scale)  # fmt: skip
                 start = 0
                 for m in range(a, b):
                     if sends_queries(levels, level, m):
@@ -273,12 +277,6 @@ def _record(stats: CommStats | None, level: int, *, sent: int, back: bool = Fals
         stats.record(sent, 0, sent)
 
 
-def _cat(parts: list[Tensor], d: int, like: Tensor) -> Tensor:
-    if parts:
-        return torch.cat(parts)
-    return like.new_empty((0, d) if d else (0,))
-
-
 def _scatter(out: Tensor, lse: Tensor, order: Tensor, n: int) -> tuple[Tensor, Tensor]:
     """A level's state over the kept prefix of `order`, spread over the member's n tokens (empty rows: -inf)."""
     full_out = out.new_zeros(n, out.shape[-1])
@@ -286,27 +284,3 @@ def _scatter(out: Tensor, lse: Tensor, order: Tensor, n: int) -> tuple[Tensor, T
     idx = order[: out.shape[0]]
     full_out[idx], full_lse[idx] = out, lse.float()
     return full_out, full_lse
-
-
-def _attend(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_pos: Tensor,
-    k_pos: Tensor,
-    allowed: Tensor | None,
-    scale: float,
-    keep_probs: bool,
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
-    """q `[Tq, H, D]`, k/v `[Tk, H, D]`, causal by position and `allowed` `[Tq, Tk]`. Returns out `[Tq, H, D]`,
-    lse `[H, Tq]` (-inf, out 0 for a query with no key) and, when asked, the probabilities `[H, Tq, Tk]` and the
-    mask `[Tq, Tk]`."""
-    mask = k_pos[None, :] <= q_pos[:, None]
-    if allowed is not None:
-        mask &= allowed
-    s = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
-    s = s.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # [H, Tq]
-    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
-    out = torch.einsum("hqk,khd->qhd", p, v.float())
-    return out.to(q.dtype), lse, *((p, mask) if keep_probs else (None, None))

@@ -245,6 +245,7 @@ def verify(spec: VerifySpec, *, timeout_s: float = 600.0, ref: Reference | None 
     """Run `spec` and compare; `ref` (from `reference(spec)`) may be passed to reuse it across plans."""
     spec.parsed_plan()  # a bad plan fails here, before any process starts
     check_kvp(spec)
+    check_csa(spec)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="spindle-verify-") as tmp:
         results = launch(spec, Path(tmp), timeout_s)
@@ -263,6 +264,7 @@ def verify_many(
     for spec in specs:
         spec.parsed_plan()
         check_kvp(spec)
+        check_csa(spec)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="spindle-verify-") as tmp:
         runs = launch_many(specs, Path(tmp), timeout_s)
@@ -348,11 +350,8 @@ def read_prompt(path: Path, model: str) -> list[int]:
     return Tokenizer(resolve_model(model).path).encode(text)
 
 
-def check_kvp(spec: VerifySpec) -> None:
-    """ValueError for KVP options that cannot run."""
-    if spec.kvp < 0:
-        raise ValueError(f"--kvp must be >= 1, got {spec.kvp}")
-    check_scale_down(spec)
+def check_csa(spec: VerifySpec) -> None:
+    """ValueError for CSA options that cannot run."""
     if spec.csa_drop is not None:
         if not 0.0 <= spec.csa_drop < 1.0:
             raise ValueError(f"--csa-drop must be in [0, 1), got {spec.csa_drop}")
@@ -366,6 +365,13 @@ def check_kvp(spec: VerifySpec) -> None:
             raise ValueError(f"--csa-levels must be in [1, {most}] over {chunks[0].sp} members, got {spec.csa_levels}")
     elif spec.csa_levels is not None:
         raise ValueError("--csa-levels needs --csa-drop")
+
+
+def check_kvp(spec: VerifySpec) -> None:
+    """ValueError for KVP options that cannot run."""
+    if spec.kvp < 0:
+        raise ValueError(f"--kvp must be >= 1, got {spec.kvp}")
+    check_scale_down(spec)
     if not spec.kvp:
         if spec.kvp_split is not None or spec.scale_up_at is not None:
             raise ValueError("--kvp-split and --scale-up-at need --kvp")
@@ -511,6 +517,7 @@ def main(argv: list[str] | None = None) -> int:
             args.csa_drop, args.csa_levels,
         )  # fmt: skip
         check_kvp(spec)
+        check_csa(spec)
         plan = spec.parsed_plan()
         if retain is not None and not set(retain) <= set(plan.members):
             raise ValueError(f"--retain members {retain} are not all in the plan {plan.members}")

@@ -73,7 +73,7 @@ class RequestSPStrategy(Strategy):
         n = spec.prompt.num_tokens
         ready = [i.busy_until(now) for i in prefills]
         best: tuple[float, Steps] | None = None
-        for s in self.sizes:
+        for s in self.candidate_sizes(spec, len(prefills)):
             if s > len(prefills):
                 break
             plans = [self._whole(ready, s, n)] + ([self._growing(ready, s, n)] if self.grow else [])
@@ -89,6 +89,10 @@ class RequestSPStrategy(Strategy):
             Admit(spec.request_id, ids, decode.id),
             RunPrefill(spec, chunks, decode.id, kvstore_id(state), shards),
         ]
+
+    def candidate_sizes(self, spec: RequestSpec, live: int) -> list[int]:
+        """The SP sizes a request's plan is chosen among (ascending; those above `live` instances are skipped)."""
+        return self.sizes
 
     def _whole(self, ready: Sequence[float], s: int, n: int) -> tuple[float, Steps]:
         """The whole prompt on the s instances that free first, once the last of them is free."""

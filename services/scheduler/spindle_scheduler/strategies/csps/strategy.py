@@ -71,15 +71,17 @@ class CSPSStrategy(RequestSPStrategy):
         }  # fmt: skip
 
     def plan(self, spec: RequestSpec, state: ClusterState, now: float) -> list[Action]:
-        sizes, self._now, self._decided = self.sizes, now, {}
-        if self.spt_tokens:  # §3.2.2: as many GPUs as the prompt's SPTs (the nearest known SP size above)
-            want = gpus_for(spec.prompt.num_tokens, self.spt_tokens)
-            self.sizes = [next((s for s in sizes if s >= want), sizes[-1])]
-        try:
-            actions = super().plan(spec, state, now)
-        finally:
-            self.sizes = sizes
+        self._now, self._decided = now, {}
+        actions = super().plan(spec, state, now)
         return [self._with_csa(a) if isinstance(a, RunPrefill) else a for a in actions]
+
+    def candidate_sizes(self, spec: RequestSpec, live: int) -> list[int]:
+        if not self.spt_tokens:
+            return self.sizes
+        # §3.2.2: as many GPUs as the prompt's SPTs (the nearest known SP size above), at most the live ones
+        fits = [s for s in self.sizes if s <= live] or self.sizes[:1]
+        want = gpus_for(spec.prompt.num_tokens, self.spt_tokens)
+        return [next((s for s in fits if s >= want), fits[-1])]
 
     def _levels(self, sp: int, levels: int | None) -> int:
         """Levels over `sp` members: `levels` (None: every level), at most every level."""
