@@ -26,7 +26,7 @@ from .breakdown import Breakdown, OpCost
 from .hardware import Hardware
 from .memory import MemoryPlan, memory_plan
 from .model import ModelShape
-from .parallel import Parallelism, allgather_s, allreduce_s, alltoall_s
+from .parallel import Parallelism, allgather_s, allreduce_s, alltoall_s, hierarchical_allgather_s
 
 SINGLE = Parallelism()  # one GPU
 LAYER_OPS = ("qkv_proj", "attention_prefill", "attention_decode", "o_proj", "mlp_up", "mlp_down", "elementwise")
@@ -120,6 +120,15 @@ class CostModel:
                     ring_comm += (sp - 1) * step_comm
                     ring_exposed += (sp - 1) * (max(0.0, step_comm - step_compute) + hw.eff.ring_step_s)
                 layer.append(OpCost("sp_ring", comm_s=ring_comm, s=ring_exposed))
+            elif sp > 1 and par.sp_kind == "sp-tp":
+                # CSPS SP-TP: all-gather the chunk's hidden states, tensor-parallel attention over the whole
+                # sequence (heads split sp ways: the same pairs per rank), reduce-scatter the output
+                if q_heads % sp:
+                    raise ValueError(f"SP-TP {sp} needs the {q_heads} heads per TP rank to divide by it")
+                hidden = sum(c.tokens for c in chunks) * m.hidden * b
+                per_node = max(1, hw.gpus_per_node // par.tp)  # SP groups stride by the TP size
+                t = 2 * hierarchical_allgather_s(hidden, sp, per_node, hw.intra, hw.inter)
+                layer.append(OpCost("sp_allgather", comm_s=t, s=t))
             elif sp > 1:
                 if q_heads % sp:
                     raise ValueError(f"ulysses SP {sp} needs the {q_heads} heads per TP rank to divide by it")
@@ -163,7 +172,16 @@ class CostModel:
         parts = [f"{len(chunks)} prefill chunk(s) of {sum(c.tokens for c in chunks)} tokens"] if chunks else []
         parts += [f"{num_decodes} decode(s) over {decode_kv_tokens} KV tokens"] if num_decodes else []
         what = f"{m.name} on {hw.name} {par.label()}: {', '.join(parts)}"
-        order = [*LAYER_OPS, "sp_ring", "sp_alltoall", "kvp_exchange", "tp_allreduce", "lm_head", "pp_send"]
+        order = [
+            *LAYER_OPS,
+            "sp_ring",
+            "sp_alltoall",
+            "sp_allgather",
+            "kvp_exchange",
+            "tp_allreduce",
+            "lm_head",
+            "pp_send",
+        ]
         ordered = tuple(ops[k] for k in [*order, "iteration"] if k in ops)
         return Breakdown(what, ordered, total, stage_s=stage if par.pp > 1 else None)
 

@@ -103,6 +103,7 @@ PCIE4_X8 = Link("pcie4x8", 16 * GB, 10e-6)  # Seesaw's L4 servers: 16 GiB/s per 
 PCIE5 = Link("pcie5", 55 * GB, 10e-6)  # measured 54.9 GB/s pinned host <-> H100
 IB200 = Link("ib200", 200 / 8 * GB, 10e-6)  # 200 Gb/s HDR per GPU (Tetris' cluster)
 IB400 = Link("ib400", 400 / 8 * GB, 8e-6)  # 400 Gb/s NDR per GPU (DGX H100)
+EFA_P4D = Link("efa-p4d", 400 / 8 / 8 * GB, 15e-6)  # AWS p4d: 400 Gb/s EFA per 8-GPU server, 50 Gb/s per GPU
 ETH100 = Link("eth100", 100 / 8 * GB, 20e-6)  # cloud L4 / A10 nodes
 
 # gemm, attention and ring_step_s fitted to Tetris Table 1 (Llama-3-8B prefill, SP 1-16 over NVLink + 200 Gb/s
@@ -122,6 +123,8 @@ HARDWARE: dict[str, Hardware] = {h.name: h for h in (
              "A100-SXM4-80GB; efficiencies fitted to Tetris Table 1"),
     Hardware("a100-40g",      312e12, 1.555e12, 40 * GB,  8, NVLINK3, IB200, PCIE4, 1e12, A100_EFF,
              "A100-SXM4-40GB; efficiencies of a100-80g"),
+    Hardware("a100-40g-p4d",  312e12, 1.555e12, 40 * GB,  8, NVLINK3, EFA_P4D, PCIE4, 1152 * GB, A100_EFF,
+             "AWS p4d.24xlarge: 8 A100-SXM4-40GB, 400 Gb/s EFA per server (CSPS's cluster); efficiencies of a100-80g"),
     Hardware("a100-80g-pcie", 312e12, 1.935e12, 80 * GB,  8, PCIE4, IB200, PCIE4, 1e12, A100_EFF,
              "A100-PCIe-80GB, GPUs talk over PCIe 4.0 (Seesaw's setting); efficiencies of a100-80g"),
     Hardware("h100-sxm",      989e12, 3.35e12,  80 * GB,  8, NVLINK4, IB400, PCIE5, 2e12, H100_EFF,

@@ -107,6 +107,9 @@ MODELS: dict[str, ModelShape] = {
         ModelShape("llama3-70b", 80, 8192, 64, 8, 128, 28672, 128256),
         # LoongServe's LWM-1M-Text: the Llama-2-7B shape with full multi-head attention
         ModelShape("lwm-1m-text", 32, 4096, 32, 32, 128, 11008, 32000),
+        # CSPS's 1M-context models (§5.2): GLM-4-9B-Chat-1M (multi-query groups of 2) and InternLM2.5-7B-Chat-1M
+        ModelShape("glm-4-9b-1m", 40, 4096, 32, 2, 128, 13696, 151552),
+        ModelShape("internlm2.5-7b-1m", 32, 4096, 32, 8, 128, 14336, 92544),
         # the embedded default, run in fp32 on CPU
         ModelShape("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, dtype_bytes=4, tied_embeddings=True),
     )

@@ -10,14 +10,16 @@ from dataclasses import dataclass
 
 from .hardware import Link
 
-SP_KINDS = ("ring", "ulysses")
+SP_KINDS = ("ring", "ulysses", "sp-tp")
 
 
 @dataclass(frozen=True)
 class Parallelism:
     tp: int = 1  # tensor parallel: heads and MLP columns split
     pp: int = 1  # pipeline stages: layers split
-    sp: int = 1  # sequence parallel prefill: tokens split (ring passes KV; ulysses swaps heads for tokens)
+    # sequence parallel prefill: tokens split (ring passes KV; ulysses swaps heads for tokens by all-to-all; sp-tp,
+    # CSPS's SP-TP, all-gathers the hidden states into tensor-parallel attention and reduce-scatters its output)
+    sp: int = 1
     kvp: int = 1  # KV-cache parallel decode: each member holds a range of the context
     sp_kind: str = "ring"
 
@@ -48,7 +50,7 @@ class Parallelism:
     def label(self) -> str:
         parts = [f"{k.upper()}{v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("sp", self.sp), ("kvp", self.kvp))]
         text = "-".join(p for p, v in zip(parts, (self.tp, self.pp, self.sp, self.kvp), strict=True) if v > 1)
-        return (text or "TP1") + ("-ulysses" if self.sp > 1 and self.sp_kind == "ulysses" else "")
+        return (text or "TP1") + (f"-{self.sp_kind}" if self.sp > 1 and self.sp_kind != "ring" else "")
 
 
 def allreduce_s(nbytes: float, n: int, link: Link) -> float:
@@ -70,3 +72,18 @@ def alltoall_s(nbytes: float, n: int, link: Link) -> float:
     if n <= 1:
         return 0.0
     return (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency_s
+
+
+def hierarchical_allgather_s(nbytes: float, n: int, gpus_per_node: int, intra: Link, inter: Link) -> float:
+    """All-gather of `nbytes` in all, a 1/n piece on each of n ranks packed on nodes of `gpus_per_node`: first
+    across nodes between ranks of the same local index (each gathers its column's pieces over `inter`), then
+    within each node (over `intra`), so only (nodes - 1) / n of the data crosses the slow link per GPU.
+    A reduce-scatter takes the same time (the same steps reversed)."""
+    if n <= 1:
+        return 0.0
+    local = min(n, gpus_per_node)
+    nodes = -(-n // local)
+    piece = nbytes / n
+    across = (nodes - 1) * piece / inter.bandwidth + (nodes - 1) * inter.latency_s if nodes > 1 else 0.0
+    within = (local - 1) * nodes * piece / intra.bandwidth + (local - 1) * intra.latency_s
+    return across + within

@@ -22,7 +22,7 @@ from spindle_costmodel import (
 )
 from spindle_costmodel.cli import main as cost_main
 from spindle_costmodel.hardware import hardware_from_dict, hardware_to_dict
-from spindle_costmodel.parallel import allreduce_s
+from spindle_costmodel.parallel import allgather_s, allreduce_s, hierarchical_allgather_s
 
 P = Parallelism
 PRESET_MODELS = ("llama2-7b", "llama2-13b", "llama2-70b", "codellama-34b", "llama3-8b", "llama3-70b", "smollm2-135m")
@@ -200,3 +200,30 @@ def test_microbatched_pipeline_pays_its_bubble() -> None:
     assert flat.total_s == pytest.approx(cm.step(prompts, (), P(tp=4)).total_s)
     with pytest.raises(ValueError, match="microbatches"):
         cm.microbatched(prompts, (), P(pp=4), 17)
+
+
+def test_sp_tp_moves_the_hidden_states_hierarchically() -> None:
+    """CSPS SP-TP: an all-gather and a reduce-scatter of the chunk's hidden states per layer, across servers
+    first; the attention's pairs per rank are Ulysses' (heads split instead of tokens)."""
+    hw = get_hardware("a100-40g-p4d")
+    cm = CostModel(get_model("glm-4-9b-1m"), hw)
+    n, b = 262_144, 2
+    for sp in (4, 8, 16, 32):
+        tp = cm.prefill(n, par=P(sp=sp, sp_kind="sp-tp"))
+        uly = cm.prefill(n, par=P(sp=sp, sp_kind="ulysses"))
+        assert tp.op("attention_prefill").s == pytest.approx(uly.op("attention_prefill").s)  # type: ignore[union-attr]
+        local, nodes = min(sp, 8), -(-sp // 8)
+        piece = n * 4096 * b / sp
+        across = (nodes - 1) * (piece / hw.inter.bandwidth + hw.inter.latency_s)
+        within = (local - 1) * (nodes * piece / hw.intra.bandwidth + hw.intra.latency_s)
+        want = 2 * (across + within) * cm.model.layers
+        assert tp.op("sp_allgather").s == pytest.approx(want)  # type: ignore[union-attr]
+    # one node: only NVLink; two nodes: 1/16 of the data per GPU crosses EFA, far less than a flat ring over EFA
+    assert hierarchical_allgather_s(1e9, 8, 8, hw.intra, hw.inter) < hierarchical_allgather_s(1e9, 16, 8, hw.intra,
+                                                                                             hw.inter)  # fmt: skip
+    flat = allgather_s(1e9 / 16, 16, hw.inter)
+    assert hierarchical_allgather_s(1e9, 16, 8, hw.intra, hw.inter) < flat / 4
+    assert hierarchical_allgather_s(1e9, 1, 8, hw.intra, hw.inter) == 0.0
+    assert P(sp=4, sp_kind="sp-tp").label() == "SP4-sp-tp"
+    with pytest.raises(ValueError, match="heads per TP rank"):
+        cm.prefill(4096, par=P(sp=64, sp_kind="sp-tp"))

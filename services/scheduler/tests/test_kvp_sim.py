@@ -330,3 +330,33 @@ def test_n_choices_are_refused_on_a_kvp_group_and_count_n_copies_elsewhere():
         plain.on_heartbeat(instance_info(iid, role, rank, total=1000, max_model_len=16000))
     plain.admit(three, 0.0)
     assert plain.state.instances["d"].incoming == {"n3": 3 * 20}  # 3 x (300 + 20 tokens) = 3 x 20 blocks
+
+
+def test_a_queue_waiting_for_blocks_a_request_mastered_elsewhere_held_starts_when_it_ends():
+    """The blocks a split request's shard held on a member free when it ends on its master: a request queued on that
+    member (nothing of its own running, so no step of its own ends) must start then, not wait forever."""
+    sim = Simulator("single:kvp_tokens=3500", LATENCY, _config(num_decode=2, max_model_len=8192))
+    plans: list[RunPrefill] = []
+    execute = sim._execute
+
+    def record(actions, now):
+        plans.extend(a for a in actions if isinstance(a, RunPrefill))
+        execute(actions, now)
+
+    sim._execute = record
+    result = sim.run([TraceRequest(0.0, 6000, 200), TraceRequest(3.0, 2500, 10)])
+    check_invariants(sim, result)
+    split, short = plans
+    holders = {s.instance for s in split.decode_shards}
+    assert holders == {"decode-0", "decode-1"} and short.decode_instance in holders - {split.decode_instance}
+    assert all(r.state == "finished" for r in result.records)
+    a, b = result.records
+    assert b.decode_start >= a.finished_at  # it waited for the split request's blocks, then ran
+    assert all(i.used_blocks == 0 for i in sim.instances.values())
+
+
+def test_a_stalled_simulation_names_its_stuck_requests():
+    sim = Simulator("single", LATENCY, _config())
+    sim._on_transfer_done = lambda now, rec: None  # a KV transfer that never lands anywhere
+    with pytest.raises(RuntimeError, match=r"stalled.*req-0"):
+        sim.run([TraceRequest(0.0, 100, 4)])

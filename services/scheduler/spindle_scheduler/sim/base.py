@@ -22,5 +22,6 @@ class SimBase:
     _running: set[str]  # requests with a chunk executing now
     _swapped: set[str]  # preempted requests whose KV is in the kvstore
     _split_masters: set[SimDecode]  # masters whose queue head waits for blocks on another instance
+    _freed: set[SimDecode]  # instances with a waiting queue that a request mastered elsewhere freed blocks on
     _tails: dict[str, SimDecode]  # request id -> the holder that takes its new tokens
     _scaled_up: dict[str, SimDecode]  # split request -> the member its outputs went to at join (its tail)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from spindle_costmodel import MODELS, hardware_names
+from spindle_costmodel.parallel import SP_KINDS
 
 from ..calibration import CALIBRATIONS, load_paper_calibration
 from ..core import SchedulerConfig
@@ -25,7 +26,7 @@ from .metrics import Slo, format_plan_us, strict_json
 from .named_cluster import DEFAULT_NODES, ClusterSpec, SimSetup, given_shape, named_cluster, reshaped
 from .sweep import METRICS, PERCENTILES, SweepRow, format_table, rows_to_dicts, sweep
 
-NAMED_ONLY = ("model", "nodes", "gpus_per_node", "prefill_tp")  # flags that only a named cluster takes
+NAMED_ONLY = ("model", "nodes", "gpus_per_node", "prefill_tp", "sp_kind")  # flags that only a named cluster takes
 SPEC_HELP = (
     "A strategy spec is NAME or NAME:key=value,key=value (options are the strategy's, e.g. fixed-sp:sp=8, "
     "request-sp:max_sp=16, chunked:chunk_size=512)."
@@ -73,6 +74,12 @@ def _add_run_args(p: argparse.ArgumentParser, num_requests: int) -> None:
         type=int,
         help="sequence-pipeline stages of each colocated instance (Medha's SPP: the instance takes --decode-tp x "
         "--spp GPUs, holds KV on all of them, and a prompt's chunks pipeline over the stages; default 1)",
+    )
+    g.add_argument(
+        "--sp-kind",
+        choices=SP_KINDS,
+        help="how a named cluster prices SP prefill groups: ring (pass KV), ulysses (all-to-all: SP-NTP) or sp-tp "
+        "(CSPS's SP-TP: all-gather / reduce-scatter around tensor-parallel attention; default ring)",
     )
     source = g.add_mutually_exclusive_group()
     source.add_argument("--profile", type=Path, help="profile JSON written by `spindle profile`")
@@ -246,6 +253,7 @@ def _cluster_spec(args: argparse.Namespace) -> ClusterSpec | None:
         num_decode=args.decode_instances,
         num_colocated=args.colocated,
         spp=args.spp,
+        sp_kind=args.sp_kind or "ring",
     )
 
 

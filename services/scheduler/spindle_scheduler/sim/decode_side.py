@@ -95,13 +95,17 @@ class DecodeSide(SimBase):
     def _free_decode(self, rec: RequestRecord) -> None:
         for inst in self.instances.values():  # the holders, and a member its outputs scaled up to
             if isinstance(inst, SimDecode):
+                if rec.request_id in inst.held and inst.waiting:
+                    self._freed.add(inst)  # its queue may fit now, though none of its own requests ended
                 inst.free(rec.request_id)
         self._scaled_up.pop(rec.request_id, None)
         self._tails.pop(rec.request_id, None)
 
     def _retry_split_joins(self, now: float) -> None:
-        """A split request heading a master's queue may wait for blocks on another instance: retry them all."""
-        for d in list(self._split_masters):
+        """A split request heading a master's queue may wait for blocks on another instance, and an instance's
+        queue may wait for blocks a request mastered elsewhere held on it: retry them all."""
+        for d in sorted(self._freed | self._split_masters, key=lambda d: d.rank):
+            self._freed.discard(d)
             self._join_decode(d, now)
             self._start_step(d, now)
 
@@ -249,7 +253,7 @@ class DecodeSide(SimBase):
             d.preempt_after_step.clear()
             self._join_decode(d, now)
         self._start_step(d, now)
-        if ended and self._split_masters:
+        if ended and (self._split_masters or self._freed):
             self._retry_split_joins(now)
 
     def _colocated_chunk_done(self, c: SimColocated, job: ChunkJob, now: float) -> None:

@@ -56,6 +56,11 @@ from .metrics import RequestRecord, SimSummary, Slo, summarize
 from .prefill_side import PrefillSide
 from .swaps import Swaps
 
+PERIODIC = (EventKind.HEARTBEAT, EventKind.TICK)
+# virtual seconds with nothing queued but heartbeats and ticks, and requests not ended, that count as a stall (a
+# strategy's own timers act on ticks well within it)
+STALL_S = 3600.0
+
 
 @dataclass
 class SimResult:
@@ -144,6 +149,7 @@ class Simulator(PrefillSide, DecodeSide, Swaps, IterationSide):
         self._running: set[str] = set()  # requests with a chunk executing now
         self._swapped: set[str] = set()  # preempted requests whose KV is in the kvstore
         self._split_masters: set[SimDecode] = set()  # masters whose queue head waits for blocks elsewhere
+        self._freed: set[SimDecode] = set()  # queues to retry: blocks freed on them by a request mastered elsewhere
         self._tails: dict[str, SimDecode] = {}
         self._scaled_up: dict[str, SimDecode] = {}
         self._elastic_kv: dict[str, dict[str, int]] = {}
@@ -181,11 +187,19 @@ class Simulator(PrefillSide, DecodeSide, Swaps, IterationSide):
             EventKind.ITERATION_DONE: self._on_iteration_done,
             EventKind.MIGRATE_DONE: self._on_migrate_done,
         }
-        events = 0
+        events, progress_at = 0, 0.0
         while q:
             now, kind, payload = q.pop()
             handlers[kind](now, payload)
             events += 1
+            if kind not in PERIODIC or len(q) > len(PERIODIC):
+                progress_at = now
+            elif now - progress_at > STALL_S:
+                stuck = [r.request_id for r in self.records.values() if r.state == "pending"]
+                raise RuntimeError(
+                    f"the simulation stalled: nothing but heartbeats and ticks for {STALL_S:g} virtual seconds "
+                    f"since t={progress_at:.1f}, with {len(stuck)} request(s) not ended: {', '.join(stuck[:8])}"
+                )
         assert self._remaining == 0, f"{self._remaining} requests never reached a terminal state"
         return SimResult(
             strategy=self.core.strategy.describe(),

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from spindle_costmodel import CostModel, OutOfMemory, Parallelism, get_hardware, get_model
+from spindle_costmodel.parallel import SP_KINDS
 
 from ..calibration import latency_from_cost_model
 from ..latency import LatencyModel
@@ -53,6 +54,7 @@ class ClusterSpec:
     num_decode: int | None = None
     num_colocated: int | None = None
     spp: int | None = None  # sequence-pipeline stages of each colocated instance (Medha's SPP; default 1)
+    sp_kind: str = "ring"  # how SP prefill groups are priced: ring, ulysses (all-to-all) or sp-tp (CSPS's SP-TP)
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node", "prefill_tp", "decode_tp", "spp"):
@@ -63,6 +65,8 @@ class ClusterSpec:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"instance counts must be >= 0, got {name}={value}")
+        if self.sp_kind not in SP_KINDS:
+            raise ValueError(f"sp-kind must be one of {', '.join(SP_KINDS)}, got {self.sp_kind!r}")
 
 
 @dataclass(frozen=True)
@@ -248,10 +252,10 @@ def _shape(
     return replace(shape, text=text)
 
 
-def _latency(cm: CostModel, n_p: int, ptp: int, dtp: int, n_elastic: int = 0) -> LatencyModel:
+def _latency(cm: CostModel, n_p: int, ptp: int, dtp: int, n_elastic: int = 0, sp_kind: str = "ring") -> LatencyModel:
     """`n_elastic` > 0: colocated instances that form SP groups and multi-master decode groups (elastic), so
-    prefill SP sizes and decode group sizes run up to their count."""
-    prefill = Parallelism(tp=ptp if n_p else dtp)  # a colocated instance prefills at its own TP
+    prefill SP sizes and decode group sizes run up to their count. SP groups are priced as `sp_kind`."""
+    prefill = Parallelism(tp=ptp if n_p else dtp, sp_kind=sp_kind)  # a colocated instance prefills at its own TP
     links = min(ptp, dtp, cm.model.kv_heads)  # GPUs sending (and receiving) their KV heads' share in parallel
     decode = (Parallelism(tp=dtp),)
     elastic = range(2, min(n_elastic, MAX_SP) + 1)  # every group size: the manager picks any DoP
@@ -303,7 +307,11 @@ def named_cluster(spec: ClusterSpec, colocated: bool, elastic: bool = False, **s
     )
     if elastic and not config.max_model_len:  # a request's KV spreads over the pool, so the pool bounds a request
         config = replace(config, max_model_len=n_c * config.decode_kv_blocks * bs)
-    return SimSetup(_shape(spec, cm, counts, ptp, dtp, spp), _latency(cm, n_p, ptp, dtp, n_c if elastic else 0), config)
+    return SimSetup(
+        _shape(spec, cm, counts, ptp, dtp, spp),
+        _latency(cm, n_p, ptp, dtp, n_c if elastic else 0, spec.sp_kind),
+        config,
+    )
 
 
 def given_shape(config: SimConfig, how: str = "as given") -> ClusterShape:
