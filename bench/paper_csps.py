@@ -2,8 +2,8 @@
 the paper's cluster and models, plus Table 3 (moving Q vs KV in decode) and CSA's savings at the drop ratio our
 quality study supports.
 
-    .venv/bin/python bench/paper_csps.py            # table + bench/results/paper_csps.json (a few minutes)
-    .venv/bin/python bench/paper_csps.py --quick    # 24 requests, one model
+    .venv/bin/python bench/paper_csps.py            # table + bench/results/paper_csps.json (~15 s)
+    .venv/bin/python bench/paper_csps.py --quick    # 24 requests, GLM-4 only
 
 Setup (§3.1/§5.2): 64 A100-40GB on 8 AWS p4d servers (NVLink inside, 400 Gb/s EFA per server:
 `a100-40g-p4d`), GLM-4-9B-Chat-1M and InternLM2.5-7B-Chat-1M (`glm-4-9b-1m`, `internlm2.5-7b-1m`), NeedleBench and

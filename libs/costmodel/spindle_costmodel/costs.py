@@ -107,7 +107,9 @@ class CostModel:
         ring_exposed = ring_comm = 0.0
         if chunks:
             pairs = [(c.history * c.tokens + c.tokens * c.tokens / 2) * keep / sp for c in chunks]
-            flops = 4.0 * sum(pairs) * q_heads * hd
+            # head-split SP (Ulysses, SP-TP): the slowest rank computes ceil(heads / sp) heads over every token
+            uneven = math.ceil(q_heads / sp) * sp / q_heads if sp > 1 and par.sp_kind != "ring" else 1.0
+            flops = 4.0 * sum(pairs) * q_heads * hd * uneven
             kv_read = sum(c.history + c.tokens for c in chunks) / sp * 2 * kv_heads * hd * b
             attn = self._roofline("attention_prefill", flops, kv_read + 2 * prefill_tokens * q_heads * hd * b, True)
             layer.append(attn)
@@ -123,15 +125,11 @@ class CostModel:
             elif sp > 1 and par.sp_kind == "sp-tp":
                 # CSPS SP-TP: all-gather the chunk's hidden states, tensor-parallel attention over the whole
                 # sequence (heads split sp ways: the same pairs per rank), reduce-scatter the output
-                if q_heads % sp:
-                    raise ValueError(f"SP-TP {sp} needs the {q_heads} heads per TP rank to divide by it")
                 hidden = sum(c.tokens for c in chunks) * m.hidden * b
                 per_node = max(1, hw.gpus_per_node // par.tp)  # SP groups stride by the TP size
                 t = 2 * hierarchical_allgather_s(hidden, sp, per_node, hw.intra, hw.inter)
                 layer.append(OpCost("sp_allgather", comm_s=t, s=t))
             elif sp > 1:
-                if q_heads % sp:
-                    raise ValueError(f"ulysses SP {sp} needs the {q_heads} heads per TP rank to divide by it")
                 link = hw.link(par.spans_nodes("sp", hw.gpus_per_node))
                 moved = prefill_tokens * (2 * q_heads + 2 * max(kv_heads, sp)) * hd * b
                 t = alltoall_s(moved, sp, link) + alltoall_s(0, sp, link)  # q,k,v in; output back

@@ -42,6 +42,9 @@ class Strategy(ABC):
     # True: every plan keeps a request's KV on one colocated instance from its first chunk to its last token, so
     # that instance may be a sequence pipeline (`spindle up --spp N`: stages that move no KV)
     keeps_kv_in_place: bool = False
+    # How its SP prefill groups exchange (a `spindle_costmodel` SP kind): a named cluster in the simulator prices
+    # its groups so (ring for the ring layouts, ulysses for all-to-all)
+    sp_kind: str = "ring"
 
     @classmethod
     def spreads_kv(cls, options: dict[str, object]) -> bool:

@@ -205,3 +205,23 @@ def test_compare_gives_pipeline_replicas_only_to_strategies_that_can_run_on_them
     single = build_parser().parse_args(["--hardware", "a100-80g", "--spp", "2", "--strategy", "single"])
     with pytest.raises(ValueError, match="--spp shapes pipeline replicas"):
         setups(single, ["single"])
+
+
+def test_a_named_cluster_prices_each_strategys_sp_groups_as_it_runs_them() -> None:
+    """csps runs all-to-all (Ulysses) groups, request-sp ring ones: the simulator fits each its own prefill model,
+    unless --sp-kind says; SP-TP prices its all-gathers."""
+    from spindle_scheduler.sim.cli import setups
+
+    base = ["--hardware", "a100-80g", "--model", "llama3-8b", "--nodes", "2"]
+    built = setups(build_parser().parse_args(base), ["csps", "request-sp"])
+    cm = CostModel(get_model("llama3-8b"), get_hardware("a100-80g"))
+    n = 131_072
+    for spec, kind in (("csps", "ulysses"), ("request-sp", "ring")):
+        want = cm.prefill(n, par=Parallelism(sp=8, sp_kind=kind)).total_s
+        assert built[spec].latency.prefill.predict(8, 0, n) == pytest.approx(want, rel=0.1), spec
+    forced = setups(build_parser().parse_args([*base, "--sp-kind", "sp-tp"]), ["csps", "request-sp"])
+    assert forced["csps"] is forced["request-sp"]  # one shape, priced as SP-TP for both
+    want = cm.prefill(n, par=Parallelism(sp=8, sp_kind="sp-tp")).total_s
+    assert forced["csps"].latency.prefill.predict(8, 0, n) == pytest.approx(want, rel=0.1)
+    with pytest.raises(ValueError, match="sp-kind"):
+        ClusterSpec("a100-80g", sp_kind="star")

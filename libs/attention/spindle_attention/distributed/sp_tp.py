@@ -10,7 +10,8 @@ Each rank holds a token shard `x [n_r, hidden]` (any layout; `positions` are abs
    column slice of `w_o`, giving a partial sum `[N, hidden]`.
 3. `reduce_scatter_tokens`: partial sums are summed (fp32) and each rank keeps its own tokens: each rank
    sends `(N - n_r) * hidden * elem` bytes.
-Both collectives are `all_to_all_single` with per-rank split sizes (uneven shards; gloo and NCCL alike).
+Both collectives are `all_to_all`s with per-rank split sizes (uneven shards; `token_collectives`); with
+`gpus_per_node` they are hierarchical: across nodes, then within (all-gather), and the reverse (reduce-scatter).
 """
 
 from __future__ import annotations
@@ -19,60 +20,14 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from .comm import CommStats, Group, Timer, all_gather_ints, group_rank_size, pack, unpack
+from .comm import CommStats, Group, Timer, group_rank_size
+from .token_collectives import gather_tokens, scatter_tokens
 from .ulysses import _attend_heads, head_split
 
 # (q [N, hq, D], k [N, hk, D], positions [N]) -> rotated (q, k)
 RopeFn = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
-
-
-def all_gather_tokens(
-    x: Tensor, positions: Tensor, group: Group = None, stats: CommStats | None = None
-) -> tuple[Tensor, Tensor, list[int]]:
-    """Uneven all-gather of token shards: returns `(x_all [N, ...], positions [N], per-rank lengths)`."""
-    if positions.dim() != 1 or positions.shape[0] != x.shape[0]:
-        raise ValueError(f"positions must be 1-D with {x.shape[0]} entries, got {tuple(positions.shape)}")
-    rank, sp = group_rank_size(group)
-    tail = tuple(x.shape[1:])
-    meta = all_gather_ints([x.shape[0], *tail], group, x.device, stats)
-    if any(tuple(m[1:]) != tail for m in meta):
-        raise ValueError(f"ranks disagree on token shapes: {[m[1:] for m in meta]}")
-    lengths = [m[0] for m in meta]
-    per_token = 8 + math.prod(tail) * x.element_size()
-    mine = pack([positions.to(torch.int64), x])
-    recv_sizes = [n * per_token for n in lengths]
-    recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=x.device)
-    with Timer(stats, "wait_s"):
-        dist.all_to_all_single(recv, mine.repeat(sp), recv_sizes, [mine.numel()] * sp, group=group)
-    if stats is not None:
-        stats.record(mine.numel() * (sp - 1), sum(recv_sizes) - recv_sizes[rank], mine.numel() * (sp - 1))
-    xs, ps = [], []
-    for n, chunk in zip(lengths, torch.split(recv, recv_sizes), strict=True):
-        p, t = unpack(chunk, [(torch.int64, (n,)), (x.dtype, (n, *tail))])
-        ps.append(p), xs.append(t)
-    return torch.cat(xs), torch.cat(ps), lengths
-
-
-def reduce_scatter_tokens(y: Tensor, lengths: list[int], group: Group = None, stats: CommStats | None = None) -> Tensor:
-    """Sum every rank's partial `y [N, ...]` and return this rank's rows (rank r owns the r-th run of
-    `lengths`), accumulated in fp32 and returned in y's dtype."""
-    rank, sp = group_rank_size(group)
-    if len(lengths) != sp or sum(lengths) != y.shape[0]:
-        raise ValueError(f"lengths {lengths} do not split {y.shape[0]} tokens over {sp} ranks")
-    row = math.prod(y.shape[1:]) * y.element_size()
-    send_sizes = [n * row for n in lengths]
-    recv_sizes = [lengths[rank] * row] * sp
-    recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=y.device)
-    with Timer(stats, "wait_s"):
-        dist.all_to_all_single(recv, pack([y]), recv_sizes, send_sizes, group=group)
-    if stats is not None:
-        remote = sum(send_sizes) - send_sizes[rank]
-        stats.record(remote, sum(recv_sizes) - recv_sizes[rank], remote)
-    parts = recv.view(y.dtype).view(sp, lengths[rank], *y.shape[1:])
-    return parts.float().sum(dim=0).to(y.dtype)
 
 
 def sp_tp_attention(
@@ -90,6 +45,7 @@ def sp_tp_attention(
     history: tuple[Tensor, Tensor, Tensor] | None = None,
     softmax_scale: float | None = None,
     stats: CommStats | None = None,
+    gpus_per_node: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One SP-TP attention layer. x `[n_r, hidden]`; weights in `nn.Linear` layout (full matrices; each rank
     reads only its heads' rows/columns): w_q `[Hq*D, hidden]`, w_k/w_v `[Hkv*D, hidden]`, w_o
@@ -97,7 +53,8 @@ def sp_tp_attention(
     (k `[Th, hk_r, D]`, v, positions `[Th]`).
 
     Returns `(y [n_r, hidden]` for this rank's tokens, and this rank's new KV heads `k, v [N, hk_r, D]`
-    over all N chunk tokens in gathered order) — the head-sharded KV a TP cache keeps.
+    over all N chunk tokens in gathered order) — the head-sharded KV a TP cache keeps. `gpus_per_node`: the
+    group's members packed that many to a node, collectives hierarchical (None: flat).
     """
     if x.dim() != 2 or w_q.shape[1] != x.shape[1] or w_k.shape != w_v.shape or w_o.shape[0] != x.shape[1]:
         raise ValueError(
@@ -115,7 +72,7 @@ def sp_tp_attention(
         raise ValueError(f"history must hold this rank's {ke - ks} KV heads of dim {d}, got {tuple(history[0].shape)}")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
 
-    x_all, pos, lengths = all_gather_tokens(x, positions, group, stats)  # [N, hidden], [N]
+    x_all, pos, lengths = gather_tokens(x, positions, group, gpus_per_node, stats)  # [N, hidden], [N]
     n = x_all.shape[0]
     with Timer(stats, "compute_s"):
         q = (x_all @ w_q[qs * d : qe * d].T).view(n, qe - qs, d)  # [N, hq_r, D]
@@ -132,5 +89,5 @@ def sp_tp_attention(
             partial = out.reshape(n, (qe - qs) * d) @ w_o[:, qs * d : qe * d].T  # [N, hidden]
         else:
             partial = x_all.new_zeros(n, w_o.shape[0])
-    y = reduce_scatter_tokens(partial, lengths, group, stats)
+    y = scatter_tokens(partial, lengths, group, gpus_per_node, stats)
     return y, k, v

@@ -79,7 +79,8 @@ def _add_run_args(p: argparse.ArgumentParser, num_requests: int) -> None:
         "--sp-kind",
         choices=SP_KINDS,
         help="how a named cluster prices SP prefill groups: ring (pass KV), ulysses (all-to-all: SP-NTP) or sp-tp "
-        "(CSPS's SP-TP: all-gather / reduce-scatter around tensor-parallel attention; default ring)",
+        "(CSPS's SP-TP: all-gather / reduce-scatter around tensor-parallel attention); default: the layout the "
+        "strategy runs (all-to-all for csps, ring for the others)",
     )
     source = g.add_mutually_exclusive_group()
     source.add_argument("--profile", type=Path, help="profile JSON written by `spindle profile`")
@@ -253,7 +254,7 @@ def _cluster_spec(args: argparse.Namespace) -> ClusterSpec | None:
         num_decode=args.decode_instances,
         num_colocated=args.colocated,
         spp=args.spp,
-        sp_kind=args.sp_kind or "ring",
+        sp_kind=args.sp_kind or "ring",  # each strategy's own unless given (setups)
     )
 
 
@@ -271,13 +272,14 @@ def setups(args: argparse.Namespace, specs: list[str]) -> dict[str, SimSetup]:
             spec: reshaped(setup, strategy_class(spec).colocated, strategy_class(spec).keeps_kv_in_place)
             for spec in specs
         }
-    built: dict[tuple[bool, bool, bool], SimSetup] = {}
+    built: dict[tuple[bool, bool, bool, str], SimSetup] = {}
     out = {}
     for spec in specs:
         cls = strategy_class(spec)
-        kind = (cls.colocated, cls.elastic, cls.keeps_kv_in_place)
+        sp_kind = args.sp_kind or cls.sp_kind
+        kind = (cls.colocated, cls.elastic, cls.keeps_kv_in_place, sp_kind)
         if kind not in built:  # a pipeline (--spp) only for the strategies that can run on one
-            shaped = cluster if cls.keeps_kv_in_place else replace(cluster, spp=None)
+            shaped = replace(cluster, spp=cluster.spp if cls.keeps_kv_in_place else None, sp_kind=sp_kind)
             built[kind] = named_cluster(shaped, cls.colocated, cls.elastic, **_sim_options(args))
         out[spec] = built[kind]
     return out

@@ -150,20 +150,21 @@ def prepare(args: argparse.Namespace, specs: list[str]) -> list[Entry]:
         config = _sim_config(args)
         given = SimSetup(given_shape(config), _latency(args), config)
 
-    def shape(colocated: bool, elastic: bool, pipelines: bool) -> SimSetup:
-        """`pipelines`: the strategy can run on sequence-pipeline replicas (--spp); the others get plain ones."""
+    def shape(colocated: bool, elastic: bool, pipelines: bool, sp_kind: str) -> SimSetup:
+        """`pipelines`: the strategy can run on sequence-pipeline replicas (--spp); the others get plain ones.
+        `sp_kind`: how its SP groups are priced (--sp-kind, or the strategy's own)."""
         if given is not None:
             return reshaped(given, colocated, pipelines)
         assert named is not None
-        return named_cluster(named if pipelines else replace(named, spp=None), colocated, elastic,
-                             **_sim_options(args))  # fmt: skip
+        cluster = replace(named, spp=named.spp if pipelines else None, sp_kind=sp_kind)
+        return named_cluster(cluster, colocated, elastic, **_sim_options(args))
 
-    built: dict[tuple[bool, bool, bool], SimSetup | str] = {}
+    built: dict[tuple[bool, bool, bool, str], SimSetup | str] = {}
     entries: list[Entry] = []
     ran: dict[str, str] = {}  # spec as run -> as asked
     for asked in specs:
         cls = strategy_class(asked)
-        kind = (cls.colocated, cls.elastic, cls.keeps_kv_in_place)
+        kind = (cls.colocated, cls.elastic, cls.keeps_kv_in_place, args.sp_kind or cls.sp_kind)
         if kind not in built:
             try:
                 built[kind] = shape(*kind)

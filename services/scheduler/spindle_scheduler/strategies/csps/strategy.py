@@ -36,6 +36,8 @@ from .configure import QualityTable, choose
 
 @register_strategy("csps")
 class CSPSStrategy(RequestSPStrategy):
+    sp_kind = "ulysses"  # SP-NTP: all-to-all groups
+
     def __init__(
         self,
         latency: LatencyModel | None = None,
