@@ -1,5 +1,5 @@
-"""`medha`'s KV parallelism on the services (Medha §3.4): two elastic instances of 2,048 KV tokens each serve a
-2,300-token prompt neither can hold. Its first chunks fill one instance; the next run on the other, which attends the
+"""`medha`'s KV parallelism on the services (Medha §3.4): two elastic instances of 1,024 KV tokens each serve a
+1,250-token prompt neither can hold. Its first chunks fill one instance; the next run on the other, which attends the
 earlier chunks' KV where it stays (a `RunIteration` prefill part with a `master`: `spindle_engine.esp`), and then
 masters its decodes, both instances attending each query over their share. Short prompts keep being served beside
 it, every output equals the single engine's, and every block comes back on both instances. Run twice: on plain
@@ -29,7 +29,7 @@ def kvp_stack(tmp_path_factory, request):
     profile = medha_profile(tmp_path_factory.mktemp("medha-kvp-profile"))
     s = start_stack(
         tmp_path_factory, f"medha-kvp-spp{request.param}", prefill=0, decode=0, elastic=2, elastic_spp=request.param,
-        strategy=STRATEGY, profile=profile, kv_cache_tokens=2048,
+        strategy=STRATEGY, profile=profile, kv_cache_tokens=1024, max_model_len=2048,
     )  # fmt: skip
     try:
         yield s
@@ -39,7 +39,7 @@ def kvp_stack(tmp_path_factory, request):
 
 def test_a_prompt_larger_than_an_instance_spans_two_and_equals_the_engine(kvp_stack, reference_engine):
     rng = random.Random(29)
-    lengths = [2300, 60, 150, 33]
+    lengths = [1250, 60, 150, 33]
     prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in lengths]
     want = engine_greedy(reference_engine, prompts, max_tokens=8)
     client = openai.OpenAI(base_url=kvp_stack.base_url, api_key="unused")
@@ -80,7 +80,7 @@ def test_a_seeded_penalised_request_spanning_both_equals_the_engine(kvp_stack, r
 
     from .sampling_check import assert_stream_matches, engine_reference, penalised_body, stream_completion
 
-    prompt = [random.Random(31).randrange(100, 40000) for _ in range(2200)]
+    prompt = [random.Random(31).randrange(100, 40000) for _ in range(1150)]
     body = penalised_body(prompt, max_tokens=10, banned=prompt[-1])
     tokens, logprobs = engine_reference(reference_engine, body)
     events = stream_completion(kvp_stack.base_url, body)

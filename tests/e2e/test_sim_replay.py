@@ -19,7 +19,7 @@ import bench_sim_replay
 def test_a_trace_replays_on_the_real_stack_and_in_the_simulator(tmp_path) -> None:
     args = bench_sim_replay.parse_args(
         [
-            *("--num-requests", "4", "--rate", "4.0", "--profile-repeats", "1", "--no-transfer"),
+            *("--num-requests", "4", "--rate", "4.0", "--profile-repeats", "1", "--no-transfer", "--prefill", "1"),
             *("--log-dir", str(tmp_path / "logs"), "--out", str(tmp_path / "out.json")),
         ]
     )
