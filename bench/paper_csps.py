@@ -2,7 +2,7 @@
 the paper's cluster and models, plus Table 3 (moving Q vs KV in decode) and CSA's savings at the drop ratio our
 quality study supports.
 
-    .venv/bin/python bench/paper_csps.py            # table + bench/results/paper_csps.json (~15 s)
+    .venv/bin/python bench/paper_csps.py            # table + bench/results/paper_csps.{json,png} (~15 s)
     .venv/bin/python bench/paper_csps.py --quick    # 24 requests, GLM-4 only
 
 Setup (§3.1/§5.2): 64 A100-40GB on 8 AWS p4d servers (NVLink inside, 400 Gb/s EFA per server:
@@ -213,6 +213,36 @@ def tables(runs: list[dict[str, Any]], rat: list[dict[str, Any]], t3: list[dict[
     return "\n".join(lines)
 
 
+def plot(runs: list[dict[str, Any]], path: Path) -> None:
+    """Fig. 14-16 as the paper draws them: average TTFT, TBT and response time, bars per configuration, grouped by
+    workload and model (log scale: the configurations span an order of magnitude)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [(m, w) for m in dict.fromkeys(r["model"] for r in runs) for w in WORKLOADS]
+    configs = [c for c in CONFIGS if any(r["config"] == c for r in runs)]
+    metrics = (("ttft_mean_s", "average TTFT (s)"), ("tbt_mean_s", "average TBT (s)"),
+               ("response_mean_s", "average response time (s)"))  # fmt: skip
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    width = 0.8 / len(configs)
+    for ax, (key, label) in zip(axes, metrics, strict=True):
+        for k, config in enumerate(configs):
+            values = [next((r[key] for r in runs if (r["model"], r["workload"], r["config"]) == (*g, config)), 0)
+                      for g in groups]  # fmt: skip
+            ax.bar([i + k * width for i in range(len(groups))], values, width, label=config)
+        ax.set_xticks([i + width * (len(configs) - 1) / 2 for i in range(len(groups))])
+        ax.set_xticklabels([f"{w.removeprefix('csps-')}\n{m}" for m, w in groups], fontsize=8)
+        ax.set_ylabel(label)
+        ax.set_yscale("log")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"CSPS §5 in the simulator: {HARDWARE} x {NODES * 8}, 1 req/s (bench/paper_csps.py)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="24 requests, GLM-4 only (a smoke run)")
@@ -233,7 +263,8 @@ def main() -> None:
     doc = {"hardware": HARDWARE, "nodes": NODES, "rate": args.rate, "seed": args.seed, "configs": CONFIGS,
            "paper": PAPER, "runs": runs, "ratios": rat, "table3": t3, "csa": csa}  # fmt: skip
     out.write_text(json.dumps(doc, indent=1))
-    print(f"wrote {out}")
+    plot(runs, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":
