@@ -22,15 +22,18 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
 
 
-def _case(me: int, group, t: int, members: int, num_levels: int, drop: float, hq: int, hkv: int) -> int:
+def _case(
+    me: int, group, t: int, members: int, num_levels: int, drop: float, hq: int, hkv: int, partitions: str = "member"
+) -> int:
     q, k, v = _qkv(t, hq, hkv, seed=t + members)
     levels = CSALevels.even(t, members, num_levels, drop)
     importance = torch.rand(hkv, t, generator=torch.Generator().manual_seed(t))
     s, e = levels.segments[me]
     stats = CommStats()
     out, lse, measured = csa_all_to_all_attention(
-        q[s:e], k[s:e], v[s:e], levels, group, importance=importance[:, s:e], measure=True, stats=stats
-    )
+        q[s:e], k[s:e], v[s:e], levels, group, importance=importance[:, s:e], measure=True, stats=stats,
+        partitions=partitions,
+    )  # fmt: skip
     if drop == 0.0:
         want, want_lse = attention_fwd(q, k, v)
     else:
@@ -46,12 +49,13 @@ def _case(me: int, group, t: int, members: int, num_levels: int, drop: float, hq
 
 
 def _worker(rank: int, ws: int) -> None:
-    for t, hq, hkv in ((53, 6, 2), (38, 9, 3)):
+    # a level's rows attended member by member as they land (the default), and the level at once
+    for t, hq, hkv, partitions in ((53, 6, 2, "member"), (38, 9, 3, "level"), (41, 4, 4, "member")):
         most = CSALevels.even(t, ws).num_levels
         for num_levels in range(1, most + 1):
-            dense = _case(rank, None, t, ws, num_levels, 0.0, hq, hkv)
+            dense = _case(rank, None, t, ws, num_levels, 0.0, hq, hkv, partitions)
             for drop in (0.3, 0.6):
-                sparse = _case(rank, None, t, ws, num_levels, drop, hq, hkv)
+                sparse = _case(rank, None, t, ws, num_levels, drop, hq, hkv, partitions)
                 if num_levels > 1:
                     assert sparse <= dense, (num_levels, drop, sparse, dense)
 

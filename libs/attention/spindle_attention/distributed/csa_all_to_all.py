@@ -18,7 +18,11 @@ levels by their log-sum-exps (Eq. 5). A dropped token is neither sent nor comput
 
 Pipelining (§3.2.5): every level's messages are posted at once, a level's computation starts as soon as its data
 has landed (level 1 runs while level 2 travels), and its outputs go back while the next level computes; the
-per-level states merge exactly (online softmax over the levels' partitions).
+per-level states merge exactly (online softmax over the levels' partitions). Within a level (`partitions="member"`,
+the default) each sender's rows are a micro-partition: they are attended as soon as that sender's message has landed
+(against the queries and keys already there), while the later members' messages still travel, and a query's
+partial states merge by their log-sum-exps at the level's end; `partitions="level"` waits for the whole level
+and attends it in one call. Both are exact.
 """
 
 from __future__ import annotations
@@ -34,10 +38,12 @@ from torch import Tensor
 from ..csa import CSALevels, key_importance, masked_attention
 from ..merge import merge_attn_states_many
 from .comm import CommStats, Group, Timer, global_rank, group_rank_size, p2p_args, pack, unpack, wait
+from .csa_level import LevelAttention, kept, sends_keys, sends_queries
 from .ulysses import head_split, ulysses_attention
 
 FORWARD_TAG, BACK_TAG = 16, 48  # + level; RankGroup tags above those of the ring, metadata and all-to-all
 KINDS = ("pos", "k", "v", "q")  # the order of a message's rows (8-byte positions first, for alignment)
+PARTITIONS = ("member", "level")
 
 
 @dataclass(frozen=True)
@@ -50,25 +56,11 @@ class Rows:
     end: int
 
 
-def sends_queries(levels: CSALevels, level: int, member: int) -> bool:
-    """Are there earlier keys in `member`'s level-`level` group outside its lower group?"""
-    return levels.span(level - 1, member)[0] > levels.span(level, member)[0]
-
-
-def sends_keys(levels: CSALevels, level: int, member: int) -> bool:
-    """Are there later queries in `member`'s level-`level` group outside its lower group?"""
-    return levels.span(level - 1, member)[1] < levels.span(level, member)[1]
-
-
 def heads_at(levels: CSALevels, level: int, member: int, hq: int, hkv: int) -> tuple[range, range]:
     """The (query heads, KV heads) `member` computes at `level` for its whole level group."""
     a, b = levels.group(level, member)
     (qs, qe), (ks, ke) = head_split(hq, hkv, b - a)[member - a]
     return range(qs, qe), range(ks, ke)
-
-
-def kept(levels: CSALevels, level: int, member: int, dense: bool) -> int:
-    return levels.segments[member][1] - levels.segments[member][0] if dense else levels.kept_count(level, member)
 
 
 def forward_rows(levels: CSALevels, src: int, dst: int, hq: int, hkv: int, dense: bool) -> dict[int, list[Rows]]:
@@ -118,12 +110,16 @@ def csa_all_to_all_attention(
     measure: bool = False,
     softmax_scale: float | None = None,
     stats: CommStats | None = None,
+    partitions: str = "member",
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """CSA of this member's segment. `importance` `[Hkv, n]` ranks its tokens for dropping (None or a drop ratio of
     0: nothing dropped, dense attention). Returns out `[n, Hq, D]`, lse `[Hq, n]` and, with `measure`, the next
     layer's importance of its tokens `[Hkv, n]` (the attention each received from its own segment's queries, per
     query: `CSAPrompt`'s "own" scope, measured without communication). One level is plain all-to-all SP (nothing
-    to drop, no importance)."""
+    to drop, no importance). `partitions`: "member" (a level's rows attended sender by sender as they land) or
+    "level" (the level at once)."""
+    if partitions not in PARTITIONS:
+        raise ValueError(f"partitions must be one of {PARTITIONS}, got {partitions!r}")
     me, size = group_rank_size(group)
     if size != len(levels.segments):
         raise ValueError(f"{len(levels.segments)} segments over a group of {size}")
@@ -159,19 +155,18 @@ def csa_all_to_all_attention(
         return sum((r.end - r.start) * (8 if r.kind == "pos" else d * q.element_size()) for r in rows)
 
     # 1. post every level's forward messages (and the receives for the outputs that come back)
-    fwd_works: dict[int, list] = {}
-    fwd_recv: dict[int, list[tuple[int, list[Rows], Tensor]]] = {}
+    fwd_sends: dict[int, list] = {}  # per level, this member's forward sends
+    recv_of: dict[tuple[int, int], tuple[dist.Work, list[Rows], Tensor]] = {}  # (level, sender) -> its message
     for other in range(size):
         if other == me:
             continue
         for level, rows in forward_rows(levels, me, other, hq, hkv, dense).items():
             buf = pack([own[r.kind](r.head)[r.start : r.end] for r in rows])
-            fwd_works.setdefault(level, []).append(_post(dist.isend, buf, group, other, FORWARD_TAG + level))
+            fwd_sends.setdefault(level, []).append(_post(dist.isend, buf, group, other, FORWARD_TAG + level))
             _record(stats, level, sent=buf.numel())
         for level, rows in forward_rows(levels, other, me, hq, hkv, dense).items():
             buf = torch.empty(nbytes(rows), dtype=torch.uint8, device=dev)
-            fwd_works.setdefault(level, []).append(_post(dist.irecv, buf, group, other, FORWARD_TAG + level))
-            fwd_recv.setdefault(level, []).append((other, rows, buf))
+            recv_of[level, other] = (_post(dist.irecv, buf, group, other, FORWARD_TAG + level), rows, buf)
     back_recv: list[tuple[int, int, range, Tensor]] = []
     back_works: list = []
     for other in range(size):
@@ -193,53 +188,39 @@ def csa_all_to_all_attention(
     for h in range(hq):
         states[h].append((out1[:, h], lse1[h]))
 
-    # 3. each level when its data has landed; its outputs go back at once
+    # 3. each level when its data has landed (sender by sender with member partitions); its outputs go back at once
     got: dict[tuple[int, str, int], Tensor] = {}
+
+    def land(other: int, rows: list[Rows], buf: Tensor) -> None:
+        for r, part in zip(rows, unpack(buf, specs(rows)), strict=True):
+            key = (other, r.kind, r.head)
+            got[key] = torch.cat([got[key], part]) if key in got else part
+
+    def rows_of(m: int, kind: str, head: int, count: int) -> Tensor:
+        return own[kind](head)[:count] if m == me or not count else got[(m, kind, head)][:count]
+
     for level in range(2, levels.num_levels + 1):
-        with Timer(stats, "wait_s"):
-            for work in fwd_works.get(level, []):
-                wait(work)
-        for other, rows, buf in fwd_recv.get(level, []):
-            for r, part in zip(rows, unpack(buf, specs(rows)), strict=True):
-                key = (other, r.kind, r.head)
-                got[key] = torch.cat([got[key], part]) if key in got else part
         q_heads, _ = heads_at(levels, level, me, hq, hkv)
+        a, b = levels.group(level, me)
+        attend = LevelAttention(levels, level, me, list(q_heads), g, dense, rows_of, scale, dev)
+        senders = [me] + [m for m in range(a, b) if m != me]  # own rows first, then the others' as they land
+        for block in [[m] for m in senders] if partitions == "member" else [senders]:
+            with Timer(stats, "wait_s"):
+                for m in block:
+                    if (level, m) in recv_of:
+                        wait(recv_of[level, m][0])
+            for m in block:
+                if (level, m) in recv_of:
+                    land(m, *recv_of[level, m][1:])
+            if q_heads:
+                with Timer(stats, "compute_s"):
+                    attend.add(block)
+        with Timer(stats, "wait_s"):
+            for work in fwd_sends.get(level, []):
+                wait(work)
         if not q_heads:
             continue
-        a, b = levels.group(level, me)
-        lower = torch.tensor([levels.group(level - 1, m)[0] for m in range(a, b)], device=dev)
-
-        def rows_of(m: int, kind: str, head: int, count: int) -> Tensor:
-            return own[kind](head)[:count] if m == me or not count else got[(m, kind, head)][:count]
-
-        with Timer(stats, "compute_s"):
-            per_member: dict[int, list[tuple[Tensor, Tensor]]] = {}
-            for h in q_heads:
-                kh = h // g
-                qs, qp, qm, ks, vs, kp, km = [], [], [], [], [], [], []
-                for m in range(a, b):
-                    c = kept(levels, level, m, dense)
-                    if sends_queries(levels, level, m):
-                        qs.append(rows_of(m, "q", h, c)), qp.append(rows_of(m, "pos", kh, c))
-                        qm.append(torch.full((c,), m - a, device=dev))
-                    if sends_keys(levels, level, m):
-                        ks.append(rows_of(m, "k", kh, c)), vs.append(rows_of(m, "v", kh, c))
-                        kp.append(rows_of(m, "pos", kh, c)), km.append(torch.full((c,), m - a, device=dev))
-                if not qs:
-                    continue
-                assert km, "a member with queries at a level has earlier keys there"
-                q_pos, k_pos = torch.cat(qp), torch.cat(kp)
-                mask = (k_pos[None, :] <= q_pos[:, None]) & (
-                    lower[torch.cat(qm)][:, None] != lower[torch.cat(km)][None, :]
-                )
-                o, lse, _ = masked_attention(torch.cat(qs)[:, None], torch.cat(ks)[:, None], torch.cat(vs)[:, None],
-                                             mask[None], scale)  # fmt: skip
-                start = 0
-                for m in range(a, b):
-                    if sends_queries(levels, level, m):
-                        c = kept(levels, level, m, dense)
-                        per_member.setdefault(m, []).append((o[start : start + c, 0], lse[0, start : start + c]))
-                        start += c
+        per_member = attend.states()
         for m, parts in per_member.items():
             if m == me:
                 for h, (o, lse) in zip(q_heads, parts, strict=True):
