@@ -147,6 +147,9 @@ class Generation:
             raise GatewayError(503, "no scheduler is running; try again later", retry_after=1.0) from None
         except (NatsError, TimeoutError):  # nats' TimeoutError is also a builtin TimeoutError
             self._maybe_admitted = True  # a late admission must not leave the request running
+            if time.monotonic() >= self._deadline_mono:  # the request's own deadline ended the wait
+                timeout_s = state.config.request_timeout
+                raise GatewayError(504, f"the request did not finish within its deadline ({timeout_s:g} s)") from None
             raise GatewayError(503, "the scheduler did not answer in time", retry_after=1.0) from None
         except ProtocolError as e:
             self._maybe_admitted = True

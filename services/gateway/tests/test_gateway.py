@@ -163,6 +163,16 @@ def test_admission_timeout_is_503_and_aborts(harness: Any, peer: ScriptedPeer) -
     assert wait_until(lambda: peer.aborted(request_id), 1.0)
 
 
+def test_a_deadline_passing_before_admission_is_504_and_aborts(harness: Any, peer: ScriptedPeer) -> None:
+    """The request's own deadline, not the scheduler, ended the wait: a timeout (504), not unavailable (503)."""
+    gw = harness.start_gateway(request_timeout=0.3, admit_timeout=5.0)
+    peer.admit_reply = None
+    resp = post(gw.url, "/v1/chat/completions", CHAT)
+    assert_error(resp, 504)
+    assert "retry-after" not in resp.headers
+    assert wait_until(lambda: peer.aborted(peer.admits[-1].request_id), 1.0)
+
+
 # ---- the token stream ----
 
 
@@ -363,7 +373,8 @@ def test_non_stream_disconnect_aborts(gateway_url: str, harness: Any, peer: Scri
 
 
 def test_deadline_ends_the_request_with_504(harness: Any, peer: ScriptedPeer) -> None:
-    gw = harness.start_gateway(request_timeout=0.6)
+    # long enough for the admission round trip on a busy machine, so the deadline falls inside the stream
+    gw = harness.start_gateway(request_timeout=1.5)
     peer.script = peer.endless_script()
     peer.interval = 0.05
     chunks = parse_sse(post(gw.url, "/v1/chat/completions", {**CHAT, "stream": True}).text)
