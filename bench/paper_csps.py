@@ -237,7 +237,8 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
         ax.set_ylabel(label)
         ax.set_yscale("log")
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"CSPS §5 in the simulator: {HARDWARE} x {NODES * 8}, 1 req/s (bench/paper_csps.py)")
+    gpus = NODES * get_hardware(HARDWARE).gpus_per_node
+    fig.suptitle(f"CSPS §5 in the simulator: {HARDWARE} x {gpus}, 1 req/s (bench/paper_csps.py)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

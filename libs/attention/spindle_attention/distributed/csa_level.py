@@ -38,20 +38,19 @@ class LevelAttention:
         level: int,
         me: int,
         q_heads: list[int],
-        group_size: int,
+        queries_per_kv: int,
         dense: bool,
         rows_of: Callable[[int, str, int, int], Tensor],
         scale: float,
         dev: torch.device,
     ) -> None:
-        a, b = levels.group(level, me)
-        self.members = range(a, b)
-        self.lower = {m: levels.group(level - 1, m)[0] for m in self.members}
-        self.count = {m: kept(levels, level, m, dense) for m in self.members}
-        self.queries = [m for m in self.members if sends_queries(levels, level, m)]
-        self.keys = [m for m in self.members if sends_keys(levels, level, m)]
+        members = range(*levels.group(level, me))
+        self.lower = {m: levels.group(level - 1, m)[0] for m in members}
+        self.count = {m: kept(levels, level, m, dense) for m in members}
+        self.queries = [m for m in members if sends_queries(levels, level, m)]
+        self.keys = [m for m in members if sends_keys(levels, level, m)]
         assert not self.queries or self.keys, "a member with queries at a level has earlier keys there"
-        self.q_heads, self.g, self.rows_of, self.scale, self.dev = q_heads, group_size, rows_of, scale, dev
+        self.q_heads, self.g, self.rows_of, self.scale, self.dev = q_heads, queries_per_kv, rows_of, scale, dev
         self.landed: list[int] = []
         self.parts: dict[tuple[int, int], list[tuple[Tensor, Tensor]]] = {}  # (member, head) -> (out, lse) states
 
@@ -69,16 +68,13 @@ class LevelAttention:
         k_members = [m for m in k_members if self.count[m]]
         if not q_members or not k_members:
             return
-        dev = self.dev
-        q_lower = torch.cat([torch.full((self.count[m],), self.lower[m], device=dev) for m in q_members])
-        k_lower = torch.cat([torch.full((self.count[m],), self.lower[m], device=dev) for m in k_members])
+        q_lower = torch.cat([torch.full((self.count[m],), self.lower[m], device=self.dev) for m in q_members])
+        k_lower = torch.cat([torch.full((self.count[m],), self.lower[m], device=self.dev) for m in k_members])
         for h in self.q_heads:
             kh = h // self.g
             q_pos = torch.cat([self.rows_of(m, "pos", kh, self.count[m]) for m in q_members])
             k_pos = torch.cat([self.rows_of(m, "pos", kh, self.count[m]) for m in k_members])
             mask = (k_pos[None, :] <= q_pos[:, None]) & (q_lower[:, None] != k_lower[None, :])  # [Tq, Tk]
-            if not bool(mask.any()):
-                continue
             qs = torch.cat([self.rows_of(m, "q", h, self.count[m]) for m in q_members])
             ks = torch.cat([self.rows_of(m, "k", kh, self.count[m]) for m in k_members])
             vs = torch.cat([self.rows_of(m, "v", kh, self.count[m]) for m in k_members])
@@ -100,7 +96,7 @@ class LevelAttention:
                 elif parts:
                     o, lse = merge_attn_states_many([p[0][:, None] for p in parts], [p[1][None] for p in parts])
                     state = (o[:, 0], lse[0])
-                else:  # no kept row, or no key it may see: an empty state
+                else:  # no kept row, or no kept key: an empty state
                     rows = self.rows_of(m, "q", h, self.count[m])  # [c, D]
                     state = (torch.zeros_like(rows), torch.full((rows.shape[0],), float("-inf"), device=rows.device))
                 out.setdefault(m, []).append(state)

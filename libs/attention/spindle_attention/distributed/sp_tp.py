@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .comm import CommStats, Group, Timer, group_rank_size
-from .token_collectives import gather_tokens, scatter_tokens
+from .token_collectives import all_gather_tokens_hierarchical, reduce_scatter_tokens_hierarchical
 from .ulysses import _attend_heads, head_split
 
 # (q [N, hq, D], k [N, hk, D], positions [N]) -> rotated (q, k)
@@ -72,7 +72,7 @@ def sp_tp_attention(
         raise ValueError(f"history must hold this rank's {ke - ks} KV heads of dim {d}, got {tuple(history[0].shape)}")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
 
-    x_all, pos, lengths = gather_tokens(x, positions, group, gpus_per_node, stats)  # [N, hidden], [N]
+    x_all, pos, lengths = all_gather_tokens_hierarchical(x, positions, group, gpus_per_node, stats)  # [N, hidden]
     n = x_all.shape[0]
     with Timer(stats, "compute_s"):
         q = (x_all @ w_q[qs * d : qe * d].T).view(n, qe - qs, d)  # [N, hq_r, D]
@@ -89,5 +89,5 @@ def sp_tp_attention(
             partial = out.reshape(n, (qe - qs) * d) @ w_o[:, qs * d : qe * d].T  # [N, hidden]
         else:
             partial = x_all.new_zeros(n, w_o.shape[0])
-    y = scatter_tokens(partial, lengths, group, gpus_per_node, stats)
+    y = reduce_scatter_tokens_hierarchical(partial, lengths, group, gpus_per_node, stats)
     return y, k, v

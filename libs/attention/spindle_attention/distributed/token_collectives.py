@@ -23,7 +23,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .comm import CommStats, Group, RankGroup, Timer, all_gather_ints, all_to_all_bytes, group_rank_size, pack, unpack
+from .comm import (
+    RANK_GROUP_TAG,
+    CommStats,
+    Group,
+    RankGroup,
+    Timer,
+    all_gather_ints,
+    all_to_all_bytes,
+    group_rank_size,
+    pack,
+    unpack,
+)
 
 
 def all_gather_tokens(
@@ -101,7 +112,7 @@ def _group_ranks(group: Group) -> list[int]:
 def _subgroups(group: Group, gpus_per_node: int) -> tuple[RankGroup, RankGroup]:
     across, within = node_layout(_group_ranks(group), dist.get_rank(), gpus_per_node)
     # a pair of members is in one of the two at most, so both may share the parent's tags
-    tag = group.tag_base if isinstance(group, RankGroup) else RankGroup((0,)).tag_base
+    tag = group.tag_base if isinstance(group, RankGroup) else RANK_GROUP_TAG
     return RankGroup(tuple(across), tag), RankGroup(tuple(within), tag)
 
 
@@ -118,12 +129,13 @@ def _phase(stats: CommStats | None, name: str, before: int) -> None:
 
 
 def all_gather_tokens_hierarchical(
-    x: Tensor, positions: Tensor, group: Group, gpus_per_node: int, stats: CommStats | None = None
+    x: Tensor, positions: Tensor, group: Group, gpus_per_node: int | None, stats: CommStats | None = None
 ) -> tuple[Tensor, Tensor, list[int]]:
     """`all_gather_tokens` in two steps (module docstring): `(x_all [N, ...], positions [N], lengths)` in member
-    order, the same as the flat one's. `stats.bytes_by_phase` gets "across" and "within"."""
+    order, the same as the flat one's. `stats.bytes_by_phase` gets "across" and "within". One node (or None):
+    the flat one."""
     _, size = group_rank_size(group)
-    if gpus_per_node >= size:
+    if gpus_per_node is None or gpus_per_node >= size:
         return all_gather_tokens(x, positions, group, stats)
     across, within = _subgroups(group, gpus_per_node)
     lengths = [m[0] for m in all_gather_ints([x.shape[0]], group, x.device, stats)]
@@ -142,12 +154,13 @@ def all_gather_tokens_hierarchical(
 
 
 def reduce_scatter_tokens_hierarchical(
-    y: Tensor, lengths: list[int], group: Group, gpus_per_node: int, stats: CommStats | None = None
+    y: Tensor, lengths: list[int], group: Group, gpus_per_node: int | None, stats: CommStats | None = None
 ) -> Tensor:
     """`reduce_scatter_tokens` in two steps (module docstring): this member's rows of the sum of every member's
-    `y [N, ...]` (member order, `lengths` per member). `stats.bytes_by_phase` gets "within" and "across"."""
+    `y [N, ...]` (member order, `lengths` per member). `stats.bytes_by_phase` gets "within" and "across". One
+    node (or None): the flat one."""
     rank, size = group_rank_size(group)
-    if gpus_per_node >= size:
+    if gpus_per_node is None or gpus_per_node >= size:
         return reduce_scatter_tokens(y, lengths, group, stats)
     if len(lengths) != size or sum(lengths) != y.shape[0]:
         raise ValueError(f"lengths {lengths} do not split {y.shape[0]} tokens over {size} ranks")
@@ -165,21 +178,3 @@ def reduce_scatter_tokens_hierarchical(
     mine = reduce_scatter_tokens(column, [lengths[n * gpus_per_node + local] for n in range(nodes)], across, stats)
     _phase(stats, "across", before)
     return mine
-
-
-def gather_tokens(
-    x: Tensor, positions: Tensor, group: Group, gpus_per_node: int | None, stats: CommStats | None = None
-) -> tuple[Tensor, Tensor, list[int]]:
-    """The flat all-gather, or the hierarchical one over nodes of `gpus_per_node`."""
-    if gpus_per_node is None:
-        return all_gather_tokens(x, positions, group, stats)
-    return all_gather_tokens_hierarchical(x, positions, group, gpus_per_node, stats)
-
-
-def scatter_tokens(
-    y: Tensor, lengths: list[int], group: Group, gpus_per_node: int | None, stats: CommStats | None = None
-) -> Tensor:
-    """The flat reduce-scatter, or the hierarchical one over nodes of `gpus_per_node`."""
-    if gpus_per_node is None:
-        return reduce_scatter_tokens(y, lengths, group, stats)
-    return reduce_scatter_tokens_hierarchical(y, lengths, group, gpus_per_node, stats)
