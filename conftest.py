@@ -5,6 +5,7 @@ kernel in the test session runs in the interpreter (CPU). With CUDA present, ker
 """
 
 import os
+import tempfile
 
 import torch
 
@@ -16,3 +17,6 @@ os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "false"
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Gateways started by tests (README commands, launcher tests) keep their Batch API store under the state
+# directory: a temporary one, not the user's ~/.local/state.
+os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="spindle-test-state-")

@@ -32,6 +32,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -438,9 +439,12 @@ def check_docker(cmd: Command, args: list[str]) -> list[str]:
 def gateway_routes() -> list:
     """The gateway app's routes; the app is built around a stand-in state (no tokenizer, no NATS)."""
     from spindle_gateway.app import create_app
+    from spindle_gateway.batch.store import BatchStore
 
-    config = SimpleNamespace(body_limit=1 << 22, served_model_name="smollm2", model="smollm2")
-    state = SimpleNamespace(metrics=SimpleNamespace(error=lambda *a, **k: None), config=config)
+    config = SimpleNamespace(body_limit=1 << 22, served_model_name="smollm2", model="smollm2",
+                             batch_max_file_bytes=1 << 20, batch_max_lines=10, batch_concurrency=1)  # fmt: skip
+    store = BatchStore(Path(tempfile.mkdtemp(prefix="spindle-readme-")) / "batches.sqlite")
+    state = SimpleNamespace(metrics=SimpleNamespace(error=lambda *a, **k: None), config=config, batches=store)
     return list(create_app(state).routes)
 
 

@@ -20,12 +20,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def start_stack(tmp_path_factory: pytest.TempPathFactory, name: str, **overrides) -> Stack:
+    log_dir = tmp_path_factory.mktemp(f"logs-{name}")
     config = StackConfig(
         port=0,
         max_model_len=overrides.pop("max_model_len", MAX_MODEL_LEN),
         kv_cache_tokens=overrides.pop("kv_cache_tokens", 2 * MAX_MODEL_LEN),
         kvstore_memory_gb=0.5,
-        log_dir=str(tmp_path_factory.mktemp(f"logs-{name}")),
+        log_dir=str(log_dir),
+        batch_db=overrides.pop("batch_db", str(log_dir / "batches.sqlite")),  # not the user's default store
         **overrides,
     )
     return Stack(config).start()

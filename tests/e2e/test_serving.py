@@ -11,7 +11,7 @@ import pytest
 
 from spindle_gateway.sse import SPINDLE_USAGE_KEYS
 
-from .conftest import MAX_MODEL_LEN, engine_greedy, instance_blocks, wait_until
+from .conftest import MAX_MODEL_LEN, engine_greedy, instance_blocks, no_blocks_held, wait_until
 from .sse import read_events, stream_text
 
 pytestmark = pytest.mark.slow
@@ -260,3 +260,27 @@ def test_one_trace_per_request_across_services(stack, otlp):
     assert trace, sorted({(sp.service, sp.name, sp.trace_id[:6]) for sp in otlp.spans})
     ids = {sp.span_id for sp in trace}
     assert all(sp.parent_id in ids for sp in trace if sp.parent_id is not None), "a parent link was lost"
+
+
+def test_a_batch_through_the_openai_client_gives_the_engines_tokens(stack, reference_engine, tokenizer):
+    import io
+    import json
+
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused")
+    questions = ["What is the capital of France?", "Name a primary colour.", "What is 2 + 2?"]
+    rows = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": "smollm2", "messages": [{"role": "user", "content": q}], "max_tokens": 12,
+                      "temperature": 0}} for i, q in enumerate(questions)]  # fmt: skip
+    rows.append(rows[0] | {"custom_id": "bad", "body": rows[0]["body"] | {"max_tokens": -1}})
+    f = client.files.create(file=("q.jsonl", io.BytesIO("\n".join(map(json.dumps, rows)).encode())), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert wait_until(lambda: client.batches.retrieve(batch.id).status == "completed", timeout=120)
+    done = client.batches.retrieve(batch.id)
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (4, 3, 1)
+    out = {r["custom_id"]: r for r in map(json.loads, client.files.content(done.output_file_id).text.splitlines())}
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+    for i, ref in enumerate(engine_greedy(reference_engine, prompts, 12)):
+        assert out[f"q{i}"]["response"]["body"]["choices"][0]["message"]["content"] == tokenizer.decode(ref)
+    err = json.loads(client.files.content(done.error_file_id).text)
+    assert err["custom_id"] == "bad" and err["response"]["status_code"] == 400
+    assert wait_until(lambda: no_blocks_held(stack), timeout=10)

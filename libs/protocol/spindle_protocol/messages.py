@@ -6,8 +6,11 @@ Times are Unix seconds (float) from `time.time()`; durations are seconds unless 
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
+ServiceClass = Literal["interactive", "batch"]
 Role = str  # "prefill" | "decode" | "elastic" (prefills and decodes) | "kvstore"
 ROLES = ("prefill", "decode", "kvstore")
 
@@ -67,6 +70,8 @@ class RequestSpec(msgspec.Struct, frozen=True, kw_only=True):
     sampling: Sampling
     arrival_time: float
     deadline: float  # absolute; the gateway ends the request at this time whatever happens
+    # "batch": throughput-class work (a Batch API line): a strategy may run it after interactive requests
+    service_class: ServiceClass = "interactive"
 
 
 # ---- gateway <-> scheduler ----

@@ -73,7 +73,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="max_tokens of a chat request that sends none (default: the model's generation_config max_new_tokens, "
         "else all the room the context leaves, as vLLM; completions default to 16 as OpenAI's)",
     )
+    b = parser.add_argument_group("batch API (/v1/files, /v1/batches)")
+    b.add_argument(
+        "--batch-db",
+        default=None,
+        help="SQLite file holding uploaded files, batches and their results, kept across restarts: a gateway "
+        "started on the same file resumes the batches it left (default: $XDG_STATE_HOME or ~/.local/state, then "
+        "spindle/gateway-<port>/batches.sqlite; 'off': no Batch API)",
+    )
+    b.add_argument(
+        "--batch-max-file-bytes", type=int, default=200 << 20, help="largest upload to /v1/files (default 200 MiB)"
+    )
+    b.add_argument("--batch-max-lines", type=int, default=50_000, help="requests per batch (default %(default)s)")
+    b.add_argument(
+        "--batch-concurrency",
+        type=int,
+        default=16,
+        help="batch requests in flight at once over all batches; the scheduler treats them as throughput-class "
+        "(default %(default)s)",
+    )
     return parser
+
+
+def default_batch_db(port: int) -> str:
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(state, "spindle", f"gateway-{port}", "batches.sqlite")
 
 
 def _server(app: Any, args: argparse.Namespace) -> Any:
@@ -120,10 +144,17 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         admit_timeout=args.admit_timeout,
         max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.default_max_tokens,
+        batch_db=None if args.batch_db == "off" else args.batch_db or default_batch_db(args.port),
+        batch_max_file_bytes=args.batch_max_file_bytes,
+        batch_max_lines=args.batch_max_lines,
+        batch_concurrency=args.batch_concurrency,
     )
     bus = await Bus.connect(args.nats_url, "spindle-gateway", inject=tracing.inject_hook())
     state = GatewayState(config, tokenizer, bus)
     server = _server(with_stack_token(create_app(state), os.environ.get(STACK_TOKEN_ENV)), args)
+    if state.batch_runner is not None:
+        log.info("batch API on %s", config.batch_db)
+        state.batch_runner.resume()
     serving = asyncio.create_task(server.serve())
     stopping = asyncio.create_task(stop.wait())
     try:

@@ -14,12 +14,16 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
+from spindle_protocol.messages import ServiceClass
+
 from . import openapi, tokenize_api, tracing
+from .batch import routes as batch_routes
+from .batch.runner import BatchRunner
 from .body_limit import BodySizeLimit
 from .errors import GatewayError, install_error_handlers
 from .inputs import Kind, prepare_chat, prepare_completion
 from .metrics import CONTENT_TYPE
-from .request_flow import Generation
+from .request_flow import Disconnected, Generation
 from .schemas import ChatCompletionRequest, CompletionRequest, parse_body
 from .sse import DONE, ChoiceOutput, ResponseBuilder, error_event
 from .state import GatewayState
@@ -51,16 +55,19 @@ def create_app(state: GatewayState) -> FastAPI:
     app = FastAPI(title="Spindle gateway", version="0.1.0", summary="OpenAI-compatible API of a Spindle cluster")
     app.state.gateway = state
     install_error_handlers(app, on_error=state.metrics.error)
-    app.add_middleware(BodySizeLimit, limit=state.config.body_limit, on_reject=state.metrics.error)
+    files_limit = {"/v1/files": state.config.batch_max_file_bytes + (1 << 20)}  # + room for the form's headers
+    app.add_middleware(BodySizeLimit, limit=state.config.body_limit, on_reject=state.metrics.error, paths=files_limit)
     served = state.config.served_model_name
 
     def check_model(model: str | None) -> None:
         if model is not None and model not in (served, state.config.model):
             raise GatewayError(404, f"The model `{model}` does not exist.", param="model")
 
-    async def generate(request: Request, kind: Kind) -> Response:
+    async def start(
+        kind: Kind, body: bytes, headers: Any, service_class: ServiceClass = "interactive"
+    ) -> tuple[Generation, ResponseBuilder]:
+        """Parse, admit and start one generation (GatewayError when any of it fails: the request has ended)."""
         arrival = time.time()
-        body = await request.body()
         limits = state.limits()
         if kind == "chat":
             chat = parse_body(body, ChatCompletionRequest)
@@ -70,10 +77,12 @@ def create_app(state: GatewayState) -> FastAPI:
             completion = parse_body(body, CompletionRequest)
             check_model(completion.model)
             params = await prepare_completion(completion, state.tokenizer, limits)
+        if params.stream and service_class == "batch":
+            raise GatewayError(400, "stream is not supported in a batch", param="stream")
         request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         root = state.tracer.start_span(
             "gateway.request",
-            context=tracing.extract(request.headers),
+            context=tracing.extract(headers),
             start_time=int(arrival * 1e9),
             attributes={
                 "spindle.request_id": request_id,
@@ -81,9 +90,10 @@ def create_app(state: GatewayState) -> FastAPI:
                 "spindle.stream": params.stream,
                 "spindle.prompt_tokens": len(params.prompt_ids),
                 "spindle.max_tokens": params.sampling.max_tokens,
+                "spindle.service_class": service_class,
             },
         )
-        generation = Generation(state, request_id, params, arrival, root)
+        generation = Generation(state, request_id, params, arrival, root, service_class)
         await generation.start()  # GatewayError (429, 503, ...) -> error JSON; the request has ended
         builder = ResponseBuilder(
             kind,
@@ -95,14 +105,33 @@ def create_app(state: GatewayState) -> FastAPI:
             echo=params.echo,
             tool_call=params.tool_call,
         )
-        if params.stream:
-            return GenerationStream(sse_body(generation, builder, request), generation)
-        return await collect(generation, builder, request)
+        return generation, builder
 
-    async def collect(generation: Generation, builder: ResponseBuilder, request: Request) -> Response:
+    async def generate(request: Request, kind: Kind) -> Response:
+        generation, builder = await start(kind, await request.body(), request.headers)
+        if generation.params.stream:
+            return GenerationStream(sse_body(generation, builder, request), generation)
+        response = await collect(generation, builder, request.is_disconnected)
+        return Response(status_code=499) if response is None else _json(response)  # 499: nobody reads it
+
+    async def run_line(kind: Kind, body: bytes) -> tuple[int, dict[str, Any]]:
+        """One line of a batch: a non-streaming request of the throughput class; (HTTP status, response JSON)."""
+        try:
+            generation, builder = await start(kind, body, {}, "batch")
+            response = await collect(generation, builder, None)
+        except GatewayError as e:
+            state.metrics.error(e.status)
+            return e.status, e.body()
+        assert response is not None, "a batch line has no client to go away"
+        return 200, response
+
+    async def collect(
+        generation: Generation, builder: ResponseBuilder, is_disconnected: Disconnected | None
+    ) -> dict[str, Any] | None:
+        """The whole response, or None when the client went away."""
         want_logprobs = generation.params.sampling.logprobs is not None
         choices = [ChoiceOutput(logprobs=[] if want_logprobs else None) for _ in range(generation.params.sampling.n)]
-        async for delta in generation.deltas(request.is_disconnected):
+        async for delta in generation.deltas(is_disconnected):
             if delta.error is not None:
                 raise delta.error
             choice = choices[delta.index]
@@ -114,8 +143,8 @@ def create_app(state: GatewayState) -> FastAPI:
             if delta.last:
                 assert delta.usage is not None
                 builder.set_prompt(generation.params.prompt_ids, generation.prompt_logprobs)
-                return _json(builder.response(choices, delta.usage))
-        return Response(status_code=499)  # the client went away; nobody reads this
+                return builder.response(choices, delta.usage)
+        return None
 
     async def sse_body(generation: Generation, builder: ResponseBuilder, request: Request) -> AsyncIterator[bytes]:
         role_sent: set[int] = set() if builder.kind == "chat" else set(range(generation.params.sampling.n))
@@ -215,6 +244,10 @@ def create_app(state: GatewayState) -> FastAPI:
         except ConnectionError as e:
             return GatewayError(503, str(e)).response()
         return _json({"instances": stats})
+
+    if state.batches is not None:
+        state.batch_runner = BatchRunner(state.batches, run_line, state.config.batch_concurrency)
+        batch_routes.install(app, state.batch_runner, state.config.batch_max_file_bytes, state.config.batch_max_lines)
 
     bodies: dict[str, type[BaseModel]] = {"/v1/chat/completions": ChatCompletionRequest}
     bodies["/v1/completions"] = CompletionRequest

@@ -31,24 +31,33 @@ def _content_length(scope: Scope) -> int | None:
 
 
 class BodySizeLimit:
-    """ASGI middleware: a body over `limit` bytes is a 413 in the OpenAI error shape; `on_reject(413)` is told."""
+    """ASGI middleware: a body over `limit` bytes (`paths[path]` for the paths named there) is a 413 in the OpenAI
+    error shape; `on_reject(413)` is told."""
 
-    def __init__(self, app: ASGIApp, limit: int, on_reject: Callable[[int], None] | None = None) -> None:
-        if limit < 1:
-            raise ValueError(f"the body limit must be positive, got {limit}")
+    def __init__(
+        self,
+        app: ASGIApp,
+        limit: int,
+        on_reject: Callable[[int], None] | None = None,
+        paths: dict[str, int] | None = None,
+    ) -> None:
+        if limit < 1 or any(v < 1 for v in (paths or {}).values()):
+            raise ValueError(f"body limits must be positive, got {limit} and {paths}")
         self.app = app
         self.limit = limit
         self.on_reject = on_reject
+        self.paths = dict(paths or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.paths.get(scope["path"], self.limit)
         length = _content_length(scope)
-        if length is not None and length > self.limit:
+        if length is not None and length > limit:
             if self.on_reject is not None:
                 self.on_reject(413)
-            await BodyTooLarge(self.limit, length).response()(scope, receive, send)
+            await BodyTooLarge(limit, length).response()(scope, receive, send)
             return
         received = 0
 
@@ -57,8 +66,8 @@ class BodySizeLimit:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.limit:
-                    raise BodyTooLarge(self.limit)  # the app's GatewayError handler answers it
+                if received > limit:
+                    raise BodyTooLarge(limit)  # the app's GatewayError handler answers it
             return message
 
         await self.app(scope, limited, send)

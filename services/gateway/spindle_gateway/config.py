@@ -32,6 +32,10 @@ class GatewayConfig:
     disconnect_poll: float = 0.2  # seconds between client-disconnect checks while no token arrives
     default_max_tokens: int | None = None  # chat requests without max_tokens: at most this (None: fill the context)
     max_body_bytes: int | None = None  # larger request bodies are a 413 unread; None: default_max_body_bytes()
+    batch_db: str | None = None  # the Batch API's SQLite file (files, batches, results); None: no Batch API
+    batch_max_file_bytes: int = 200 << 20  # the largest upload to /v1/files
+    batch_max_lines: int = 50_000  # requests per batch
+    batch_concurrency: int = 16  # batch lines in flight at once, over all batches
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -48,6 +52,9 @@ class GatewayConfig:
             raise ValueError(f"default_max_tokens must be positive, got {self.default_max_tokens}")
         for name in ("admit_timeout", "status_max_age", "disconnect_poll"):
             if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("batch_max_file_bytes", "batch_max_lines", "batch_concurrency"):
+            if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_body_bytes is not None and self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")

@@ -25,7 +25,16 @@ from opentelemetry import trace
 
 from spindle_protocol import prompts, subjects
 from spindle_protocol.codec import ProtocolError
-from spindle_protocol.messages import Abort, AdmitReply, AdmitRequest, Prompt, RequestSpec, StreamEvent, TokenLogprob
+from spindle_protocol.messages import (
+    Abort,
+    AdmitReply,
+    AdmitRequest,
+    Prompt,
+    RequestSpec,
+    ServiceClass,
+    StreamEvent,
+    TokenLogprob,
+)
 
 from .errors import GatewayError
 from .inputs import GenerationParams
@@ -75,9 +84,16 @@ class _Disconnected(Exception):
 
 class Generation:
     def __init__(
-        self, state: GatewayState, request_id: str, params: GenerationParams, arrival: float, root: trace.Span
+        self,
+        state: GatewayState,
+        request_id: str,
+        params: GenerationParams,
+        arrival: float,
+        root: trace.Span,
+        service_class: ServiceClass = "interactive",
     ) -> None:
         self.state = state
+        self.service_class = service_class
         self.id = request_id
         self.params = params
         self.arrival = arrival  # wall clock, as sent to the cluster
@@ -139,6 +155,7 @@ class Generation:
             sampling=self.params.sampling,
             arrival_time=self.arrival,
             deadline=self.deadline,
+            service_class=self.service_class,
         )
         timeout = max(0.001, min(state.config.admit_timeout, self._deadline_mono - time.monotonic()))
         try:

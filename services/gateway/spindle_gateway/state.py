@@ -6,12 +6,15 @@ import asyncio
 import logging
 import time
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from spindle_protocol.bus import Bus
 from spindle_tokenizer import Tokenizer
 
 from . import tracing
+from .batch.runner import BatchRunner
+from .batch.store import BatchStore
 from .cluster import ClusterView
 from .config import GatewayConfig
 from .inputs import Limits
@@ -47,6 +50,8 @@ class GatewayState:
         self._tasks: set[asyncio.Task] = set()
         self._token_texts: dict[int, str] = {}
         self.generation_defaults = generation_defaults(tokenizer)
+        self.batches = BatchStore(Path(config.batch_db)) if config.batch_db else None
+        self.batch_runner: BatchRunner | None = None  # create_app makes it (it runs lines through the app)
 
     @property
     def max_model_len(self) -> int:
@@ -86,6 +91,8 @@ class GatewayState:
     async def drain(self, timeout: float = 5.0) -> None:
         """Shutdown: end every request in flight with a 503 (streams get an error event), abort it everywhere,
         and wait for the cleanups."""
+        if self.batch_runner is not None:  # batches stay active in the store: the next gateway resumes them
+            await self.batch_runner.stop()
         for gen in list(self.live.values()):
             gen.interrupt("the gateway is shutting down", 503)
         deadline = time.monotonic() + min(2.0, timeout)
@@ -95,3 +102,5 @@ class GatewayState:
             gen.close("gateway shutting down")
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=timeout)
+        if self.batches is not None:
+            self.batches.close()

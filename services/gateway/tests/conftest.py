@@ -69,6 +69,8 @@ class RunningGateway:
             if task.done():
                 task.result()
             await asyncio.sleep(0.01)
+        if state.batch_runner is not None:
+            state.batch_runner.resume()  # as the gateway's serve() does
         return cls(state, server, task, f"http://127.0.0.1:{port}")
 
     async def stop(self) -> None:

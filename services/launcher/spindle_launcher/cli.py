@@ -173,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="max_tokens of a chat request that sends none (default: the model's generation config, else the "
         "context's room)",
     )
+    n.add_argument(
+        "--batch-db",
+        default=None,
+        help="the gateway's Batch API store, an SQLite file kept across restarts (default: per gateway port under "
+        "$XDG_STATE_HOME or ~/.local/state/spindle; 'off': no Batch API)",
+    )
     n.add_argument("--host", default="127.0.0.1", help="gateway bind address (%(default)s)")
     n.add_argument("--port", type=int, default=8000, help="gateway port (%(default)s; 0 = any free port)")
     n.add_argument("--nats-port", type=int, default=None, help="nats-server client port (default: a free port)")
@@ -236,6 +242,7 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         decode_kv_cache_tokens=args.decode_kv_cache_tokens,
         max_model_len=args.max_model_len,
         default_max_tokens=args.default_max_tokens,
+        batch_db=args.batch_db,
         kvstore_memory_gb=args.kvstore_memory_gb,
         otlp_endpoint=args.otlp_endpoint,
         log_level=args.log_level,

@@ -129,6 +129,7 @@ class StackConfig:
     decode_kv_cache_tokens: int | None = None  # overrides kv_cache_tokens on decode instances
     max_model_len: int | None = None
     default_max_tokens: int | None = None  # the gateway's default max_tokens of chat requests
+    batch_db: str | None = None  # the gateway's Batch API store (None: its default, per port; "off": none)
     kvstore_memory_gb: float | None = None
     otlp_endpoint: str | None = None
     log_level: str = "INFO"
@@ -385,6 +386,8 @@ def build_plan(config: StackConfig, runtime: Runtime, python: str = sys.executab
     gateway = ["--host", config.host, "--port", str(runtime.port), "--model", config.model]
     if config.default_max_tokens is not None:
         gateway += ["--default-max-tokens", str(config.default_max_tokens)]
+    if config.batch_db is not None:
+        gateway += ["--batch-db", config.batch_db]
     add("gateway", "gateway", gateway, token)
     return specs
 

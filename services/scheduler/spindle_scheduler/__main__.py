@@ -31,6 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-num-requests", type=int, default=256, help="requests in flight before new ones get 429 (default 256)"
     )
+    p.add_argument(
+        "--batch-share",
+        type=float,
+        default=0.5,
+        help="most throughput-class (Batch API) requests in flight, as a share of --max-num-requests; the rest "
+        "is kept for interactive requests (default %(default)s)",
+    )
     p.add_argument("--model", default="", help="model name reported in the cluster status")
     service.add_common_args(p)
     return p
@@ -44,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
         config = SchedulerServiceConfig(
             nats_url=args.nats_url,
             strategy=args.strategy,
-            core=SchedulerConfig(max_num_requests=args.max_num_requests),
+            core=SchedulerConfig(max_num_requests=args.max_num_requests, batch_share=args.batch_share),
             otlp_endpoint=args.otlp_endpoint,
             model=args.model,
             latency=latency,

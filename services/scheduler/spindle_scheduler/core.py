@@ -54,10 +54,19 @@ class SchedulerConfig:
     max_num_requests: int = 256  # requests in flight before admission answers 429
     dead_after_s: float = DEAD_AFTER_S  # heartbeat age that makes an instance dead
     retry_after_s: float = 1.0
+    # throughput-class requests (service_class "batch") in flight, as a share of max_num_requests: the rest is
+    # kept for interactive ones (a batch line refused with 429 waits and tries again)
+    batch_share: float = 0.5
 
     def __post_init__(self) -> None:
         if self.max_num_requests < 1:
             raise ValueError(f"max_num_requests must be >= 1, got {self.max_num_requests}")
+        if not 0.0 < self.batch_share <= 1.0:
+            raise ValueError(f"batch_share must be in (0, 1], got {self.batch_share}")
+
+    @property
+    def max_batch_requests(self) -> int:
+        return max(1, int(self.batch_share * self.max_num_requests))
         if self.dead_after_s <= 0:
             raise ValueError(f"dead_after_s must be > 0, got {self.dead_after_s}")
 
@@ -244,6 +253,11 @@ class SchedulerCore:
             return [
                 Reject(rid, 429, f"{len(self.state.requests)} requests in flight; try again", self.config.retry_after_s)
             ]
+        if spec.service_class == "batch":
+            batch = sum(r.spec.service_class == "batch" for r in self.state.requests.values())
+            if batch >= self.config.max_batch_requests:
+                return [Reject(rid, 429, f"{batch} batch requests in flight, the most kept for batch work; try "
+                               "again", self.config.retry_after_s)]  # fmt: skip
         actions = self.plan(spec, now)
         plans = {a.spec.request_id: a for a in actions if isinstance(a, RunPrefill)}
         if (plan := plans.get(rid)) is not None and spec.sampling.n > 1 and self._kv_parallel(plan):

@@ -1,5 +1,6 @@
 """The scheduler core on CPU, no NATS: admission limits, the `single` strategy, events, dead instances."""
 
+import msgspec
 import pytest
 
 from spindle_protocol.messages import (
@@ -89,6 +90,17 @@ def test_admission_rejections():
     assert isinstance(over, Reject) and over.status == 429 and over.retry_after_s > 0
     empty = SchedulerCore(create_strategy("single"))
     assert empty.admit(spec("d"), 0.0)[0].status == 503
+
+
+def test_batch_requests_take_at_most_their_share_and_leave_the_rest_to_interactive_ones():
+    core = create_scheduler(max_num_requests=4, batch_share=0.5)
+    batch = [core.admit(msgspec.structs.replace(spec(f"b{i}"), service_class="batch"), 100.0)[0] for i in range(3)]
+    assert [type(a) for a in batch] == [Admit, Admit, Reject] and batch[2].status == 429 and batch[2].retry_after_s
+    assert "batch requests in flight" in batch[2].reason
+    assert all(isinstance(core.admit(spec(f"i{i}"), 100.0)[0], Admit) for i in range(2))  # interactive: the rest
+    assert core.admit(spec("i2"), 100.0)[0].status == 429  # and then the cluster is full
+    with pytest.raises(ValueError, match="batch_share"):
+        SchedulerConfig(batch_share=0.0)
 
 
 def test_events_move_phases_and_finish_frees_the_slot():
