@@ -396,7 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog="examples:\n"
         "  spindle verify --prompt-file doc.txt --plan '0:300@0;300:900@0,1;900:@0,1,2,3' --decode-tp 2\n"
-        "  spindle verify --prompt-file doc.txt --spp 2 --chunk 300",
+        "  spindle verify --prompt-file doc.txt --spp 2 --chunk 300\n"
+        "  spindle verify --prompt-file doc.txt --reshard PP2:TP2",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--prompt-file", type=Path, required=True, help="text, or a JSON list of token ids")
@@ -422,6 +423,16 @@ def build_parser() -> argparse.ArgumentParser:
         "greedy decode mastered by the last while every member attends its share; with --spp S each member is a "
         "pipeline of S stages (Medha's 3D, N x S processes)",
     )
+    ap.add_argument(
+        "--reshard",
+        default=None,
+        metavar="PPa[xTPb]:TPc",
+        help="instead of an SP plan: Seesaw's re-sharding on a*b processes: the prompt prefilled as a pipeline of a "
+        "stages (of b tensor-parallel ranks), its KV pushed to a shared host-memory tier, then the same processes "
+        "re-shard to TP c (weights rebuilt from one shared host copy), pull their KV heads and decode; each round "
+        "switches prefill -> decode and back",
+    )
+    ap.add_argument("--rounds", type=int, default=2, help="with --reshard: prefill/decode rounds (default 2)")
     ap.add_argument("--chunk", type=int, default=256, help="with --spp or --kvp-prefill: prefill chunk size in tokens")
     ap.add_argument(
         "--stage-tp", type=int, default=1, help="with --spp: tensor-parallel ranks inside each stage (Medha's 2D)"
@@ -495,6 +506,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.reshard:
+        return _main_reshard(args)
     if args.kvp_prefill:
         return _main_kvp_prefill(args)
     if args.spp:
@@ -546,6 +559,31 @@ def main(argv: list[str] | None = None) -> int:
         docs = [asdict(r) | {"layout": lay} for lay, r in zip(layouts, results, strict=True)]
         args.json.write_text(json.dumps(docs, indent=1))
     return 0 if all(r.match for r in results) else 1
+
+
+def _main_reshard(args: argparse.Namespace) -> int:
+    from ..reshard import ReshardPlan
+    from ..reshard.verify import verify_reshard
+
+    try:
+        if args.plan is not None or args.spp or args.kvp or args.decode_tp != 1 or args.csa_drop is not None:
+            raise ValueError("--reshard takes no SP plan, --spp, --kvp, --decode-tp or --csa-drop")
+        plan = ReshardPlan.parse(args.reshard)
+        mc = resolve_model(args.model).config
+        plan.check(mc.num_layers, mc.num_kv_heads)
+        if args.rounds < 1 or args.max_new_tokens < 1:
+            raise ValueError("--rounds and --max-new-tokens must be >= 1")
+        ids = read_prompt(args.prompt_file, args.model)
+    except (ValueError, OSError) as e:
+        print(f"spindle verify: error: {e}", file=sys.stderr)
+        return 2
+    print(f"{len(ids)} tokens: prefill {plan.prefill.label()}, decode {plan.decode.label()}, {plan.world} processes")
+    result = verify_reshard(plan, ids, model=args.model, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
+                            rounds=args.rounds, threads=args.threads, timeout_s=args.timeout)  # fmt: skip
+    print(result.summary())
+    if args.json:
+        args.json.write_text(json.dumps(asdict(result), indent=1))
+    return 0 if result.match else 1
 
 
 def _main_spp(args: argparse.Namespace) -> int:
