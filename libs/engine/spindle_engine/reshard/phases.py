@@ -33,9 +33,7 @@ class Loaded:
 
 
 @torch.inference_mode()
-def load(
-    config: ModelConfig, dtype: torch.dtype, par: Parallel, rank: int, weights: Mapping[str, Tensor]
-) -> Loaded:
+def load(config: ModelConfig, dtype: torch.dtype, par: Parallel, rank: int, weights: Mapping[str, Tensor]) -> Loaded:
     """This rank's shard of the model in configuration `par`, built from the shared host weights."""
     t0 = time.perf_counter()
     stage, _ = par.position(rank)
