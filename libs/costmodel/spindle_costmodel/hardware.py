@@ -133,8 +133,8 @@ HARDWARE: dict[str, Hardware] = {h.name: h for h in (
              "H200-SXM-141GB; efficiencies of h100-sxm"),
     Hardware("l4",            121e12, 300 * GB,  24 * GB, 8, PCIE4_X8, ETH100, PCIE4, 5e11, A100_EFF,
              "L4 24GB, GPUs over PCIe 4.0 x8 (Seesaw's 8xL4); efficiencies of a100-80g"),
-    Hardware("a10",           125e12, 600 * GB,  24 * GB, 4, PCIE4, ETH100, PCIE4, 5e11, A100_EFF,
-             "A10 24GB over PCIe 4.0 (Seesaw's); efficiencies of a100-80g"),
+    Hardware("a10",           125e12, 600 * GB,  24 * GB, 8, PCIE4_X8, ETH100, PCIE4_X8, 5e11, A100_EFF,
+             "A10G 24GB, 8 per AWS g5.48xlarge over PCIe 4.0 x8 (Seesaw's 8xA10); efficiencies of a100-80g"),
 )}
 # fmt: on
 
