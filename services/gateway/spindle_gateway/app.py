@@ -257,5 +257,8 @@ def create_app(state: GatewayState) -> FastAPI:
         bodies[prefix + "/detokenize"] = tokenize_api.DetokenizeRequest
         errors[prefix + "/tokenize"] = errors[prefix + "/detokenize"] = openapi.SIMPLE_ERRORS
     errors |= {"/v1/models/{model_id}": (404, 500), "/health": (500, 503), "/v1/spindle/instances": (500, 503)}
+    if state.batches is not None:
+        bodies["/v1/batches"] = batch_routes.CreateBatch
+        errors |= dict.fromkeys(batch_routes.PATHS, (400, 404, 409, 413, 500))
     openapi.document(app, bodies, errors)
     return app

@@ -23,6 +23,7 @@ ERROR_TYPES = {
     400: "BadRequestError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    409: "ConflictError",
     413: "PayloadTooLargeError",
     429: "RateLimitError",
     500: "InternalServerError",

@@ -35,8 +35,9 @@ class ErrorResponse(BaseModel):
 
 _WHY = {
     400: "invalid request: bad JSON, a field out of range, an unsupported parameter, a prompt over the context",
-    404: "unknown model or route",
+    404: "unknown model, file, batch or route",
     405: "method not allowed (the Allow header lists the allowed ones)",
+    409: "the batch has ended: there is nothing to cancel",
     413: "request body over the gateway's limit",
     429: "too many requests in flight (Retry-After)",
     500: "internal error",

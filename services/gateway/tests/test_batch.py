@@ -236,3 +236,41 @@ def test_an_overloaded_cluster_delays_a_line_instead_of_failing_it(gateways: Gat
 def test_input_files_that_are_not_requests_are_refused_with_a_reason(content: bytes, code: str) -> None:
     lines, problems = parse_input(content, "/v1/chat/completions", max_lines=10)
     assert lines == [] and problems[0]["code"] == code
+
+
+def test_fuzzed_batch_requests_get_no_5xx_and_error_json(gateways: Gateways) -> None:
+    """schemathesis' cases (valid and invalid) for every Files / Batches operation /openapi.json documents, with a
+    real file and batch in the store so that valid ids exist too."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis.errors import Unsatisfiable
+
+    client = gateways.start()
+    url = str(client.base_url).removesuffix("/v1/").removesuffix("/v1")
+    f = client.files.create(file=("in.jsonl", io.BytesIO(jsonl([line("a")]))), purpose="batch")
+    client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    schema = schemathesis.openapi.from_url(url + "/openapi.json")
+    operations = [r.ok() for r in schema.get_all_operations()]
+    operations = [op for op in operations if op.path.startswith(("/v1/files", "/v1/batches"))]
+    assert {op.path for op in operations} >= {"/v1/batches", "/v1/batches/{batch_id}/cancel", "/v1/files/{file_id}"}
+    calls: dict[int, int] = {}
+
+    def check(case: schemathesis.Case) -> None:
+        response = case.call(base_url=url, timeout=10)
+        calls[response.status_code] = calls.get(response.status_code, 0) + 1
+        assert response.status_code < 500, (case.method, case.path, case.body, response.text[:500])
+        if response.status_code >= 400 and case.method != "HEAD":
+            error = response.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["code"] == response.status_code
+
+    for operation in operations:
+        for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
+            run = settings(max_examples=15, deadline=None, print_blob=False, suppress_health_check=list(HealthCheck))(
+                given(case=operation.as_strategy(generation_mode=mode))(check)
+            )
+            try:
+                run()
+            except Unsatisfiable:
+                assert mode is schemathesis.GenerationMode.NEGATIVE, operation.label
+    print(f"\nschemathesis: {sum(calls.values())} calls over {len(operations)} batch operations, by status {calls}")
+    assert calls.get(400, 0) > 0 and sum(v for k, v in calls.items() if k < 300) > 0

@@ -11,12 +11,16 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, field_validator
 from starlette.datastructures import UploadFile
 
 from ..errors import GatewayError
+from ..schemas import parse_body
 from .lines import ENDPOINTS, parse_input
 from .runner import BatchRunner
 
+PATHS = ("/v1/files", "/v1/files/{file_id}", "/v1/files/{file_id}/content", "/v1/batches", "/v1/batches/{batch_id}",
+         "/v1/batches/{batch_id}/cancel")  # fmt: skip
 WINDOWS = ("24h",)
 WINDOW_S = {"24h": 24 * 3600}
 _encode = msgspec.json.Encoder().encode
@@ -26,11 +30,21 @@ def _json(obj: Any) -> Response:
     return Response(_encode(obj), media_type="application/json")
 
 
-class CreateBatch(msgspec.Struct, forbid_unknown_fields=True):
+class CreateBatch(BaseModel):
+    """The body of `POST /v1/batches` (OpenAI's)."""
+
+    model_config = ConfigDict(extra="forbid")
     input_file_id: str
     endpoint: str
     completion_window: str
     metadata: dict[str, str] | None = None
+
+    @field_validator("input_file_id", "endpoint", "completion_window", mode="before")
+    @classmethod
+    def _text(cls, v: object) -> object:
+        if not isinstance(v, str):  # no coercion from numbers
+            raise ValueError("must be a string")
+        return v
 
 
 def install(app: FastAPI, runner: BatchRunner, max_file_bytes: int, max_lines: int) -> None:
@@ -86,10 +100,7 @@ def install(app: FastAPI, runner: BatchRunner, max_file_bytes: int, max_lines: i
 
     @app.post("/v1/batches")
     async def create_batch(request: Request) -> Response:
-        try:
-            req = msgspec.json.decode(await request.body(), type=CreateBatch)
-        except msgspec.DecodeError as e:
-            raise GatewayError(400, f"invalid batch request: {e}") from None
+        req = parse_body(await request.body(), CreateBatch)
         if req.endpoint not in ENDPOINTS:
             raise GatewayError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}, got {req.endpoint!r}",
                                param="endpoint")  # fmt: skip
