@@ -18,6 +18,7 @@ from spindle_gateway.batch.lines import parse_input
 from spindle_protocol.messages import AdmitReply
 
 from .conftest import Harness, RunningGateway
+from .fuzz import fuzz
 from .scripted_peer import ANSWER, MODEL, ScriptedPeer, wait_until
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -242,8 +243,6 @@ def test_fuzzed_batch_requests_get_no_5xx_and_error_json(gateways: Gateways) -> 
     """schemathesis' cases (valid and invalid) for every Files / Batches operation /openapi.json documents, with a
     real file and batch in the store so that valid ids exist too."""
     import schemathesis
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis.errors import Unsatisfiable
 
     client = gateways.start()
     url = str(client.base_url).removesuffix("/v1/").removesuffix("/v1")
@@ -253,24 +252,6 @@ def test_fuzzed_batch_requests_get_no_5xx_and_error_json(gateways: Gateways) -> 
     operations = [r.ok() for r in schema.get_all_operations()]
     operations = [op for op in operations if op.path.startswith(("/v1/files", "/v1/batches"))]
     assert {op.path for op in operations} >= {"/v1/batches", "/v1/batches/{batch_id}/cancel", "/v1/files/{file_id}"}
-    calls: dict[int, int] = {}
-
-    def check(case: schemathesis.Case) -> None:
-        response = case.call(base_url=url, timeout=10)
-        calls[response.status_code] = calls.get(response.status_code, 0) + 1
-        assert response.status_code < 500, (case.method, case.path, case.body, response.text[:500])
-        if response.status_code >= 400 and case.method != "HEAD":
-            error = response.json()["error"]
-            assert set(error) == {"message", "type", "param", "code"} and error["code"] == response.status_code
-
-    for operation in operations:
-        for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
-            run = settings(max_examples=15, deadline=None, print_blob=False, suppress_health_check=list(HealthCheck))(
-                given(case=operation.as_strategy(generation_mode=mode))(check)
-            )
-            try:
-                run()
-            except Unsatisfiable:
-                assert mode is schemathesis.GenerationMode.NEGATIVE, operation.label
+    calls = fuzz(url, operations, examples=15)
     print(f"\nschemathesis: {sum(calls.values())} calls over {len(operations)} batch operations, by status {calls}")
     assert calls.get(400, 0) > 0 and sum(v for k, v in calls.items() if k < 300) > 0

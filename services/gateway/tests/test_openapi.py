@@ -9,9 +9,8 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
-from hypothesis.errors import Unsatisfiable
 
+from .fuzz import fuzz
 from .scripted_peer import ScriptedPeer
 
 EXAMPLES = 40  # per operation and mode
@@ -40,9 +39,6 @@ def test_every_request_body_and_error_is_documented(spec: dict[str, Any]) -> Non
     assert "404" in spec["paths"]["/v1/models/{model_id}"]["get"]["responses"]
 
 
-MODES = (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)
-
-
 @pytest.mark.slow
 def test_fuzzed_requests_get_no_5xx_no_hang_and_error_json(gateway_url: str, peer: ScriptedPeer) -> None:
     """schemathesis' generated cases for every operation, valid and invalid (its pytest plugin does not run on
@@ -50,24 +46,6 @@ def test_fuzzed_requests_get_no_5xx_no_hang_and_error_json(gateway_url: str, pee
     schema = schemathesis.openapi.from_url(gateway_url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     assert len(operations) >= 15
-    calls: dict[int, int] = {}
-
-    def check(case: schemathesis.Case) -> None:
-        response = case.call(base_url=gateway_url, timeout=10)  # a hang fails here
-        calls[response.status_code] = calls.get(response.status_code, 0) + 1
-        assert response.status_code < 500, (case.method, case.path, case.body, response.text[:500])
-        if response.status_code >= 400 and case.method != "HEAD":
-            error = response.json()["error"]
-            assert set(error) == {"message", "type", "param", "code"} and error["code"] == response.status_code
-
-    for operation in operations:
-        for mode in MODES:
-            run = settings(
-                max_examples=EXAMPLES, deadline=None, print_blob=False, suppress_health_check=list(HealthCheck)
-            )(given(case=operation.as_strategy(generation_mode=mode))(check))
-            try:
-                run()
-            except Unsatisfiable:  # nothing to make invalid (no parameters, no body): only positive cases
-                assert mode is schemathesis.GenerationMode.NEGATIVE, operation.label
+    calls = fuzz(gateway_url, operations, EXAMPLES)
     print(f"\nschemathesis: {sum(calls.values())} calls over {len(operations)} operations, by status {calls}")
     assert sum(v for k, v in calls.items() if k < 300) > 0 and sum(v for k, v in calls.items() if k >= 400) > 0

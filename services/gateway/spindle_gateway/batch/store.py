@@ -69,11 +69,10 @@ class BatchStore:
         return None if row is None else _file_object(row)
 
     def files(self, purpose: str | None = None) -> list[dict[str, Any]]:
-        sql = "SELECT id, purpose, filename, created_at, bytes FROM files"
-        rows = (
-            self._db.execute(sql + " WHERE purpose = ? ORDER BY rowid", (purpose,))
-            if purpose
-            else (self._db.execute(sql + " ORDER BY rowid"))
+        rows = self._db.execute(
+            "SELECT id, purpose, filename, created_at, bytes FROM files "
+            "WHERE ?1 IS NULL OR purpose = ?1 ORDER BY rowid",
+            (purpose,),
         )
         return [_file_object(r) for r in rows]
 
