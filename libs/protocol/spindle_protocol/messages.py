@@ -120,6 +120,8 @@ class InstanceInfo(msgspec.Struct, frozen=True, kw_only=True):
     # KV only over instances of one group; every member registers as its own decode instance, with its own blocks
     kvp_group: str = ""
     kv_bytes_per_token: int = 0  # bytes of one token's KV on this instance (all layers; 0 = not reported)
+    # a re-sharding instance's current parallel configuration (`PPa x TPb` label, Seesaw; "" = it does not re-shard)
+    parallel: str = ""
 
 
 class ClusterStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -527,6 +529,19 @@ class KVMigrated(msgspec.Struct, frozen=True, kw_only=True, tag="kv_migrated"):
     seconds: float
 
 
+class Resharded(msgspec.Struct, frozen=True, kw_only=True, tag="resharded"):
+    """A colocated instance switched its parallel configuration (the scheduler's `Reshard`, Seesaw): its weights
+    are loaded as `config` (a `PPa x TPb` label such as `TP4`) and the KV it keeps re-sharded to it. The event is the
+    instance's, not a request's (`request_id` empty)."""
+
+    instance_id: str
+    config: str
+    seconds: float  # measured: the switch, weights and KV together
+    weight_bytes: int  # weights loaded from host memory over every GPU of the instance
+    kv_bytes: int  # KV of the requests it keeps, moved out and back in the new layout
+    request_id: str = ""
+
+
 WorkerEvent = (
     PrefillProgress
     | PrefillDone
@@ -536,6 +551,7 @@ WorkerEvent = (
     | KVPShards
     | IterationDone
     | KVMigrated
+    | Resharded
     | RequestFinished
     | RequestFailed
 )

@@ -264,12 +264,17 @@ class RunBatch:
     # every member computes its own chunks (parts with a master) and decodes over the KV the group holds (Medha's KV
     # parallelism), rather than sequence-parallel passes over the group: how the simulator times it
     kvp: bool = False
+    # a kvstore whose host tier takes the KV of the prefill parts that retain on it (Seesaw's tiered KV buffer): each
+    # such part is a whole prompt, its KV swapped out as it is computed, and its request decodes once a MigrateKV
+    # from the kvstore brings the KV back (onboarding)
+    offload: str = ""
 
     def __post_init__(self) -> None:
         members = set(self.instances)
         assert self.instances and len(members) == len(self.instances), f"bad group {self.instances}"
         assert self.prefills or self.decodes, "an iteration runs something"
-        assert all(s.instance in members for p in self.prefills for s in p.retain), "KV retained outside the group"
+        assert all(s.instance in members or (s.instance == self.offload and p.start == 0 and p.last)
+                   for p in self.prefills for s in p.retain), "KV retained outside the group"  # fmt: skip
         assert all(d.master in members for d in self.decodes), "a master outside the group"
         assert all(p.master in members for p in self.prefills if p.master), "a master outside the group"
         assert not self.kvp or all(p.master for p in self.prefills), "a KV-parallel iteration has no SP passes"
@@ -287,4 +292,16 @@ class MigrateKV:
     dst: str
 
 
-Action = Admit | Reject | RunPrefill | FailRequest | Preempt | TransferKV | ScaleDownKVP | RunBatch | MigrateKV
+@dataclass(frozen=True)
+class Reshard:
+    """Switch colocated instance `instance` to the parallel configuration `to` (a `PPa x TPb` label: `PP4`, `TP4`,
+    `TP2PP2`; Seesaw's dynamic re-sharding): its weights load from host memory as `to`, the KV it keeps moves to
+    the new layout. It runs no iteration meanwhile (none may be in flight when it is sent); answered by Resharded."""
+
+    instance: str
+    to: str
+
+
+Action = (
+    Admit | Reject | RunPrefill | FailRequest | Preempt | TransferKV | ScaleDownKVP | RunBatch | MigrateKV | Reshard
+)

@@ -124,30 +124,34 @@ def latency_from_cost_model(
 
 
 def mixed_from_cost_model(cm: CostModel, shapes: Sequence[Parallelism], max_tokens: int = 1 << 20) -> MixedBatchModel:
-    """The mixed-batch step per TP degree of `shapes`: the dense grid from the cost model's dense ops, the attention
-    coefficients by least squares (relative) on its attention ops; the error is the mean relative one against
-    whole cost-model iterations of chunks (after histories up to 16x their length) mixed with decode batches."""
+    """The mixed-batch step per TP degree of `shapes` (`mixed_fit`)."""
     fits, errors = {}, {}
-    lengths = length_grid(min(max_tokens, 1 << 16), 64)
     for par in shapes:
-        grid, dense = dense_grid(cm, par)
-        if len(grid) < 2:
-            raise ValueError(f"{cm}: not even a 2-token iteration fits on {par.label()}")
-        rows = np.array([r for r in attention_samples(cm, par, lengths) if r[2] > 0])
-        x = np.stack([rows[:, 0] * rows[:, 1], rows[:, 1] ** 2], axis=1)
-        c_hist, c_sq = np.linalg.lstsq(x / rows[:, 2:3], np.ones(len(rows)), rcond=None)[0]
-        kv = np.array([r for r in decode_attention_samples(cm, par, (1, 16, 128), lengths) if r[1] > 0])
-        c_kv = float(np.sum(kv[:, 1]) / np.sum(kv[:, 0]))
-        fit = MixedFit(tuple(grid), tuple(dense), float(c_hist), float(c_sq), c_kv)
-        fits[par.tp] = fit
-        model = MixedBatchModel({par.tp: fit})
-        rel = []
-        for n in (128, 512, 2048):
-            for hist in (0, 4 * n, 16 * n):
-                for b, ctx in ((0, 0), (8, 4096), (64, 16384)):
-                    if not cm.memory(par, hist + n + b * ctx, n + b).fits:
-                        continue
-                    want = cm.step([Chunk(n, hist)], [ctx] * b, par).total_s
-                    rel.append(abs(model.predict(par.tp, [(hist, n)], b, b * ctx) - want) / want)
-        errors[par.tp] = float(np.mean(rel)) if rel else float("nan")
+        fits[par.tp], errors[par.tp] = mixed_fit(cm, par, max_tokens)
     return MixedBatchModel(fits, errors)
+
+
+def mixed_fit(cm: CostModel, par: Parallelism, max_tokens: int = 1 << 20) -> tuple[MixedFit, float]:
+    """The mixed-batch step of one instance shape (a full pass through its pipeline stages, if any): the dense grid
+    from the cost model's dense ops, the attention coefficients by least squares (relative) on its attention ops;
+    and the mean relative error against whole cost-model iterations of chunks (after histories up to 16x their
+    length) mixed with decode batches."""
+    lengths = length_grid(min(max_tokens, 1 << 16), 64)
+    grid, dense = dense_grid(cm, par)
+    if len(grid) < 2:
+        raise ValueError(f"{cm}: not even a 2-token iteration fits on {par.label()}")
+    rows = np.array([r for r in attention_samples(cm, par, lengths) if r[2] > 0])
+    x = np.stack([rows[:, 0] * rows[:, 1], rows[:, 1] ** 2], axis=1)
+    c_hist, c_sq = np.linalg.lstsq(x / rows[:, 2:3], np.ones(len(rows)), rcond=None)[0]
+    kv = np.array([r for r in decode_attention_samples(cm, par, (1, 16, 128), lengths) if r[1] > 0])
+    c_kv = float(np.sum(kv[:, 1]) / np.sum(kv[:, 0]))
+    fit = MixedFit(tuple(grid), tuple(dense), float(c_hist), float(c_sq), c_kv)
+    rel = []
+    for n in (128, 512, 2048):
+        for hist in (0, 4 * n, 16 * n):
+            for b, ctx in ((0, 0), (8, 4096), (64, 16384)):
+                if not cm.memory(par, hist + n + b * ctx, n + b).fits:
+                    continue
+                want = cm.step([Chunk(n, hist)], [ctx] * b, par).total_s
+                rel.append(abs(fit.predict([(hist, n)], b, b * ctx) - want) / want)
+    return fit, float(np.mean(rel)) if rel else float("nan")

@@ -23,6 +23,7 @@ from spindle_protocol.messages import (
     RequestFailed,
     RequestFinished,
     RequestSpec,
+    Resharded,
     TransferDone,
     WorkerEvent,
 )
@@ -328,7 +329,7 @@ class SchedulerCore:
         return ""
 
     def on_event(self, event: WorkerEvent, now: float) -> list[Action]:
-        if isinstance(event, IterationDone):  # a group's event: only the strategy keeps groups
+        if isinstance(event, IterationDone | Resharded):  # a group's event: only the strategy keeps groups
             return self._track(self.strategy.on_event(event, self.state, now))
         req = self.state.requests.get(event.request_id)
         if req is None:

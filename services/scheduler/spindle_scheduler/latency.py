@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from .mixed_batch import MixedBatchModel
+from .reshard_model import ReshardModel
 
 WEIGHTINGS = ("relative", "absolute")
 
@@ -324,6 +325,8 @@ class LatencyModel:
     decode: DecodeStepModel | None = None
     transfer: TransferModel | None = None
     mixed: MixedBatchModel | None = None
+    # a re-sharding group's configurations (Seesaw); built from the cost model, not saved in the JSON
+    reshard: ReshardModel | None = None
     source: str = ""
 
     def mixed_model(self, tps: Iterable[int]) -> MixedBatchModel:

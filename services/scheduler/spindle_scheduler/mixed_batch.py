@@ -54,6 +54,17 @@ class MixedFit:
         x0, x1, y0, y1 = g[i - 1], g[i], d[i - 1], d[i]
         return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
+    def predict(self, chunks: Iterable[tuple[int, int]], num_decodes: int = 0, decode_kv: float = 0) -> float:
+        """Seconds of one iteration: `chunks` as (history, length) pairs, `num_decodes` decodes over `decode_kv`
+        cached tokens in all. An empty iteration takes 0."""
+        tokens, attn = float(num_decodes), 0.0
+        for history, length in chunks:
+            tokens += length
+            attn += self.c_hist * history * length + self.c_sq * length * length
+        if tokens <= 0:
+            return 0.0
+        return max(0.0, self.dense_s(tokens) + attn + self.c_kv * decode_kv)
+
 
 @dataclass(frozen=True)
 class MixedBatchModel:
@@ -72,16 +83,8 @@ class MixedBatchModel:
         return self.fits[tp]
 
     def predict(self, tp: int, chunks: Iterable[tuple[int, int]], num_decodes: int = 0, decode_kv: float = 0) -> float:
-        """Seconds of one iteration: `chunks` as (history, length) pairs, `num_decodes` decodes over `decode_kv`
-        cached tokens in all. An empty iteration takes 0."""
-        f = self.fit_for(tp)
-        tokens, attn = float(num_decodes), 0.0
-        for history, length in chunks:
-            tokens += length
-            attn += f.c_hist * history * length + f.c_sq * length * length
-        if tokens <= 0:
-            return 0.0
-        return max(0.0, f.dense_s(tokens) + attn + f.c_kv * decode_kv)
+        """Seconds of one iteration at `tp` (MixedFit.predict)."""
+        return self.fit_for(tp).predict(chunks, num_decodes, decode_kv)
 
     def largest_chunk(
         self,

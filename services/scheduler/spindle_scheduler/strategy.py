@@ -42,6 +42,9 @@ class Strategy(ABC):
     # True: every plan keeps a request's KV on one colocated instance from its first chunk to its last token, so
     # that instance may be a sequence pipeline (`spindle up --spp N`: stages that move no KV)
     keeps_kv_in_place: bool = False
+    # True: each colocated instance is a re-sharding group (Seesaw): a named cluster in the simulator gives the latency
+    # model its `ReshardModel` and the kvstore a host tier (`named_cluster.with_reshard`)
+    reshards: bool = False
     # How its SP prefill groups exchange (a `spindle_costmodel` SP kind): a named cluster in the simulator prices
     # its groups so (ring for the ring layouts, ulysses for all-to-all)
     sp_kind: str = "ring"

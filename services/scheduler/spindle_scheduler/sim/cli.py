@@ -272,15 +272,15 @@ def setups(args: argparse.Namespace, specs: list[str]) -> dict[str, SimSetup]:
             spec: reshaped(setup, strategy_class(spec).colocated, strategy_class(spec).keeps_kv_in_place)
             for spec in specs
         }
-    built: dict[tuple[bool, bool, bool, str], SimSetup] = {}
+    built: dict[tuple[bool, bool, bool, str, bool], SimSetup] = {}
     out = {}
     for spec in specs:
         cls = strategy_class(spec)
         sp_kind = args.sp_kind or cls.sp_kind
-        kind = (cls.colocated, cls.elastic, cls.keeps_kv_in_place, sp_kind)
+        kind = (cls.colocated, cls.elastic, cls.keeps_kv_in_place, sp_kind, cls.reshards)
         if kind not in built:  # a pipeline (--spp) only for the strategies that can run on one
             shaped = replace(cluster, spp=cluster.spp if cls.keeps_kv_in_place else None, sp_kind=sp_kind)
-            built[kind] = named_cluster(shaped, cls.colocated, cls.elastic, **_sim_options(args))
+            built[kind] = named_cluster(shaped, cls.colocated, cls.elastic, cls.reshards, **_sim_options(args))
         out[spec] = built[kind]
     return out
 
@@ -325,6 +325,16 @@ def cluster_dict(by_spec: dict[str, SimSetup]) -> dict[str, Any]:
     return first | {"by_strategy": {spec: s.shape.as_dict() for spec, s in by_spec.items()}}
 
 
+def tier_text(t: dict[str, float]) -> str:
+    """Re-shards and host-tier swaps of a run (tier_side.py), in one line."""
+    hidden = lambda way: 100 * t.get(f"{way}_hidden_s", 0.0) / t[f"{way}_s"] if t.get(f"{way}_s") else 0.0  # noqa: E731
+    return (
+        f"re-shards {int(t.get('reshards', 0))} ({t.get('reshard_s', 0.0):.2f} s); swapped out "
+        f"{int(t.get('swap_out_tokens', 0))} tokens ({hidden('swap_out'):.0f} % hidden), onboarded "
+        f"{int(t.get('swap_in_tokens', 0))} ({hidden('swap_in'):.0f} % hidden)"
+    )
+
+
 def _print_shapes(by_spec: dict[str, SimSetup]) -> None:
     texts: dict[str, list[str]] = {}
     for spec, s in by_spec.items():
@@ -352,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"spindle sim: {e}", file=sys.stderr)
         return 2
     d = cast(dict[str, Any], strict_json(summary.to_dict() | {"cluster": setup.shape.as_dict()}))
+    if result.tier:
+        d["tier"] = result.tier
     if args.json is not None:
         args.json.write_text(json.dumps(d, indent=2) + "\n")
     print(f"cluster: {setup.shape.text}")
@@ -363,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  normalised latency (mean s/token): input {_f(norm[0], 6)}  output {_f(norm[1], 6)}")
     print(f"  throughput {d['throughput_tok_s']:.1f} tok/s ({result.events} events, {result.wall_s:.2f} s wall)")
     print(f"  plan() per request: {format_plan_us(d['plan_us'])} ({len(result.plan_ns)} calls)")
+    if t := result.tier:
+        print(f"  {tier_text(t)}")
     if summary.slo is not None:
         print(
             f"  goodput {d['goodput_req_s']:.3f} req/s, {d['goodput_tok_s']:.1f} tok/s; "

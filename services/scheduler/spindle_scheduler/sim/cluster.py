@@ -46,6 +46,10 @@ class SimConfig:
     # one instance's capacity, only plans that split the KV (SP prefill groups, kvp_tokens) serve the longest.
     max_model_len: int = 0
     with_kvstore: bool = True  # register a kvstore instance (strategies name it as the park for KV)
+    # the kvstore's host tier for KV that iterations offload (Seesaw's CPU KV buffer), in blocks; 0: none
+    host_kv_blocks: int = 0
+    # the configuration re-sharding groups start in ("": the latency model's prefill configuration, if it has one)
+    colocated_parallel: str = ""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
@@ -60,6 +64,8 @@ class SimConfig:
                                                  "gpus_per_node")}  # fmt: skip
         if min(sizes.values()) < 1:
             raise ValueError(f"TP sizes and gpus_per_node must be >= 1, got {sizes}")
+        if self.host_kv_blocks < 0:
+            raise ValueError(f"host_kv_blocks must be >= 0, got {self.host_kv_blocks}")
         if self.block_size < 1 or self.prefill_kv_blocks < 1 or self.decode_kv_blocks < 1:
             raise ValueError("block_size and KV block counts must be >= 1")
         if self.kv_bytes_per_token < 0 or self.query_bytes_per_token < 0:
@@ -175,6 +181,7 @@ class SimInstance:
             spp_size=getattr(self, "spp", 1),
             kvp_group=getattr(self, "kvp_group", ""),
             kv_bytes_per_token=self.kv_bytes_per_token,
+            parallel=getattr(self, "parallel", ""),
             **self._load(),
         )
 
@@ -226,7 +233,8 @@ class SimColocated(SimDecode):
     (Sarathi-style mixed batch). A request takes blocks for its whole sequence when its first chunk starts."""
 
     kvp_group: str = ""
-    spp: int = 1  # sequence-pipeline stages (SimConfig.colocated_spp)
+    spp: int = 1  # sequence-pipeline stages (SimConfig.colocated_spp; a re-sharding group's: its configuration's PP)
+    parallel: str = ""  # a re-sharding group's configuration now (tier_side.py); "" = it does not re-shard
     prefills: deque[ChunkJob] = field(default_factory=deque)
     queued_tokens: int = 0
     step_chunk: ChunkJob | None = None  # the chunk in the step now running

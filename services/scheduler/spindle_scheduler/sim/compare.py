@@ -150,21 +150,22 @@ def prepare(args: argparse.Namespace, specs: list[str]) -> list[Entry]:
         config = _sim_config(args)
         given = SimSetup(given_shape(config), _latency(args), config)
 
-    def shape(colocated: bool, elastic: bool, pipelines: bool, sp_kind: str) -> SimSetup:
+    def shape(colocated: bool, elastic: bool, pipelines: bool, sp_kind: str, reshards: bool) -> SimSetup:
         """`pipelines`: the strategy can run on sequence-pipeline replicas (--spp); the others get plain ones.
-        `sp_kind`: how its SP groups are priced (--sp-kind, or the strategy's own)."""
+        `sp_kind`: how its SP groups are priced (--sp-kind, or the strategy's own). `reshards`: re-sharding groups
+        (Seesaw)."""
         if given is not None:
             return reshaped(given, colocated, pipelines)
         assert named is not None
         cluster = replace(named, spp=named.spp if pipelines else None, sp_kind=sp_kind)
-        return named_cluster(cluster, colocated, elastic, **_sim_options(args))
+        return named_cluster(cluster, colocated, elastic, reshards, **_sim_options(args))
 
-    built: dict[tuple[bool, bool, bool, str], SimSetup | str] = {}
+    built: dict[tuple[bool, bool, bool, str, bool], SimSetup | str] = {}
     entries: list[Entry] = []
     ran: dict[str, str] = {}  # spec as run -> as asked
     for asked in specs:
         cls = strategy_class(asked)
-        kind = (cls.colocated, cls.elastic, cls.keeps_kv_in_place, args.sp_kind or cls.sp_kind)
+        kind = (cls.colocated, cls.elastic, cls.keeps_kv_in_place, args.sp_kind or cls.sp_kind, cls.reshards)
         if kind not in built:
             try:
                 built[kind] = shape(*kind)

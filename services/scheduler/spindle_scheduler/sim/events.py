@@ -18,6 +18,8 @@ class EventKind(enum.IntEnum):
     SWAP_IN_DONE = 7  # a preempted request's KV is back on its decode instance; it rejoins the batch
     ITERATION_DONE = 8  # an elastic group's iteration (RunBatch) ended
     MIGRATE_DONE = 9  # a decoding request's KV moved between elastic instances (MigrateKV)
+    OFFLOAD_DONE = 10  # an offloaded prompt's KV reached the host tier; its blocks on the group free
+    RESHARD_DONE = 11  # a group switched parallel configuration (Reshard)
 
 
 class EventQueue:

@@ -39,6 +39,7 @@ from ..actions import (
     MigrateKV,
     Preempt,
     Reject,
+    Reshard,
     RunBatch,
     RunPrefill,
     ScaleDownKVP,
@@ -55,6 +56,7 @@ from .iteration_side import IterationSide
 from .metrics import RequestRecord, SimSummary, Slo, summarize
 from .prefill_side import PrefillSide
 from .swaps import Swaps
+from .tier_side import TierSide
 
 PERIODIC = (EventKind.HEARTBEAT, EventKind.TICK)
 # virtual seconds with nothing queued but heartbeats and ticks, and requests not ended, that count as a stall (a
@@ -71,6 +73,7 @@ class SimResult:
     end_time: float  # virtual time of the last event
     wall_s: float
     plan_ns: list[int] = field(default_factory=list)  # wall time of each call of the strategy's plan()
+    tier: dict[str, float] = field(default_factory=dict)  # re-shards and host-tier swaps (tier_side.py)
 
     def summary(self, workload: str = "", rate: float | None = None, slo: Slo | None = None) -> SimSummary:
         return summarize(self.records, self.strategy, workload, rate, slo, self.plan_ns)
@@ -92,7 +95,7 @@ class TimedCore(SchedulerCore):
             self.plan_ns.append(time.perf_counter_ns() - started)
 
 
-class Simulator(PrefillSide, DecodeSide, Swaps, IterationSide):
+class Simulator(PrefillSide, DecodeSide, Swaps, IterationSide, TierSide):
     """One simulated run. A chunk takes `latency.prefill.predict(sp, start, length)`; decode steps use
     `latency.decode` at (config.decode_tp, 1) — (config.colocated_tp, 1) on colocated instances — or
     `config.decode_step_s` when it is absent; a mixed colocated step costs its chunk (the SP-1 prefill model,
@@ -135,12 +138,17 @@ class Simulator(PrefillSide, DecodeSide, Swaps, IterationSide):
             )
             for k in range(cfg.num_colocated)
         ]
+        if parallel := cfg.colocated_parallel or (latency.reshard.prefill if latency.reshard else ""):
+            pp = latency.reshard.config(parallel).pp if latency.reshard else 0
+            assert pp, "re-sharding groups need a latency model with a ReshardModel"
+            for c in colocated:
+                c.parallel, c.spp = parallel, pp
         ordered: list[SimInstance] = [*prefills, *decodes, *colocated]
         for inst, node in zip(ordered, pack_nodes(cfg.instance_widths(), cfg.gpus_per_node), strict=True):
             inst.node = f"node-{node}"  # an instance never straddles two nodes
             inst.kv_bytes_per_token = cfg.kv_bytes_per_token
         # the kvstore only appears in the registry: parked KV waits in decode FIFOs, its memory is not modelled
-        kvstore = [SimInstance("kvstore-0", "kvstore", 0, 0, bs, 0)] if cfg.with_kvstore else []
+        kvstore = [SimInstance("kvstore-0", "kvstore", 0, cfg.host_kv_blocks, bs, 0)] if cfg.with_kvstore else []
         self.instances: dict[str, SimInstance] = {i.id: i for i in [*kvstore, *prefills, *decodes, *colocated]}
         self.queue = EventQueue()
         self.records: dict[str, RequestRecord] = {}
@@ -158,6 +166,9 @@ class Simulator(PrefillSide, DecodeSide, Swaps, IterationSide):
         self._sampled_by: dict[str, float] = {}
         self._batch_of: dict[str, int] = {}
         self._migrations: dict[str, int] = {}
+        self._host_free: dict[str, float] = {}
+        self._onboarding: dict[str, tuple[str, float, float]] = {}
+        self.tier_stats: dict[str, float] = {}
         self._remaining = 0
         self._ran = False
 
@@ -186,6 +197,8 @@ class Simulator(PrefillSide, DecodeSide, Swaps, IterationSide):
             EventKind.SWAP_IN_DONE: self._on_swap_in_done,
             EventKind.ITERATION_DONE: self._on_iteration_done,
             EventKind.MIGRATE_DONE: self._on_migrate_done,
+            EventKind.OFFLOAD_DONE: self._on_offload_done,
+            EventKind.RESHARD_DONE: self._on_reshard_done,
         }
         events, progress_at = 0, 0.0
         while q:
@@ -206,9 +219,11 @@ class Simulator(PrefillSide, DecodeSide, Swaps, IterationSide):
             records=list(self.records.values()),
             peak_kv_blocks={i.id: (i.peak_blocks, i.total_blocks) for i in self.instances.values()},
             events=events,
-            end_time=q.now,
+            # a pipeline's last tokens may be timed after the last event (overlap: sampled when the last stage ends)
+            end_time=max([q.now, *(r.finished_at for r in self.records.values() if r.finished_at is not None)]),
             wall_s=time.perf_counter() - started,
             plan_ns=list(self.core.plan_ns),
+            tier=dict(self.tier_stats),
         )
 
     def _periodic(self, now: float, kind: EventKind, every: float) -> None:
@@ -245,6 +260,8 @@ class Simulator(PrefillSide, DecodeSide, Swaps, IterationSide):
                 self._run_batch(a, now)
             elif isinstance(a, MigrateKV):
                 self._migrate(a, now)
+            elif isinstance(a, Reshard):
+                self._reshard(a.instance, a.to, now)
             elif not isinstance(a, Admit):  # Admit only answers the gateway; RunPrefill carries the placement
                 raise AssertionError(f"unexpected action {a!r}")
 

@@ -46,7 +46,7 @@ from spindle_protocol.messages import (
 
 from ..actions import DecodePart, MigrateKV, PrefillPart, RunBatch
 from .base import SimBase
-from .cluster import SimColocated
+from .cluster import SimColocated, SimInstance
 from .events import EventKind
 from .metrics import RequestRecord
 
@@ -71,11 +71,17 @@ class IterationSide(SimBase):
         held[iid] = before + tokens
         blocks = self.config.blocks(before + tokens) - self.config.blocks(before)
         if blocks:
-            self._member(iid).alloc(rid, blocks)
+            self._holder(iid).alloc(rid, blocks)
+
+    def _holder(self, iid: str) -> SimInstance:
+        """An elastic instance, or the kvstore whose host tier holds offloaded KV (tier_side.py)."""
+        inst = self.instances[iid]
+        assert isinstance(inst, SimColocated) or inst.role == "kvstore", f"{iid} holds no elastic KV"
+        return inst
 
     def _free_elastic(self, rid: str) -> None:
         for iid in self._elastic_kv.pop(rid, {}):
-            self._member(iid).free(rid)
+            self._holder(iid).free(rid)
 
     # ---- iterations ----
 
@@ -96,6 +102,8 @@ class IterationSide(SimBase):
             rec.prefill_instances = tuple(dict.fromkeys((*rec.prefill_instances, *a.instances)))
             rec.max_sp = max(rec.max_sp, len(a.instances))
             for shard in p.retain:
+                if shard.instance == a.offload:  # computed on the group's first member, swapped out as it is
+                    self._hold(rec.request_id, a.instances[0], shard.end - shard.start)
                 self._hold(rec.request_id, shard.instance, shard.end - shard.start)
         for d in decodes:
             assert d.request_id not in self._batch_of, f"{d.request_id} in two iterations at once"
@@ -104,7 +112,7 @@ class IterationSide(SimBase):
             assert set(held) <= set(a.instances), f"{d.request_id}'s KV on {sorted(held)} outside {a.instances}"
         seconds = self._iteration_seconds(a, prefills, decodes)
         sampled_s = seconds
-        if self.config.colocated_spp > 1 and (len(a.instances) == 1 or a.kvp):
+        if self._member(a.instances[0]).spp > 1 and (len(a.instances) == 1 or a.kvp):
             samples = bool(decodes) or any(p.last for p in prefills)
             rids = [p.request_id for p in prefills] + [d.request_id for d in decodes]
             start = max([now, *(self._sampled_by.get(rid, now) for rid in rids)])
@@ -120,15 +128,17 @@ class IterationSide(SimBase):
         for iid in a.instances:
             self._in_batch[iid] = a.batch_id
             self._member(iid).busy_spans.append((now, now + seconds))
+        if a.offload:
+            self._offload(a.instances[0], [p for p in prefills if p.retain[0].instance == a.offload], now, sampled_s)
         kept = None
         if prefills or decodes:
-            kept = RunBatch(a.batch_id, a.instances, tuple(prefills), tuple(decodes), kvp=a.kvp)
+            kept = RunBatch(a.batch_id, a.instances, tuple(prefills), tuple(decodes), kvp=a.kvp, offload=a.offload)
         self.queue.push(now + seconds, EventKind.ITERATION_DONE, (a, kept, seconds, now + sampled_s))
 
     def _pipelined(self, iid: str, start: float, seconds: float, wait: bool) -> tuple[float, float]:
         """(when the strategy sees an iteration of full-pass time `seconds`, entering pipeline `iid` at `start`, done,
         when its last stage ends): done at the last stage's end when `wait`, else at stage 0's."""
-        spp = self.config.colocated_spp
+        spp = self._member(iid).spp
         free = self._stage_free.setdefault(iid, [0.0] * spp)
         end = first = start
         for stage in range(spp):
@@ -164,6 +174,8 @@ class IterationSide(SimBase):
         s, lat, tp = len(a.instances), self.latency, self.config.colocated_tp
         if a.kvp:
             return self._kvp_iteration_seconds(a, prefills, decodes)
+        if self._member(a.instances[0]).parallel:  # a re-sharding group (tier_side.py)
+            return self._config_seconds(a, prefills, decodes)
         mixed = decodes or any(p.start for p in prefills)
         if s == 1 and prefills and mixed and lat.mixed is not None and tp in lat.mixed.fits:
             kv = sum(sum(self._elastic_kv[d.request_id].values()) for d in decodes)
@@ -235,6 +247,8 @@ class IterationSide(SimBase):
         if rec.state != "pending":
             self._free_elastic(rid)
             return
+        if self.instances[rec.decode_instance].role == "kvstore":  # offloaded: it decodes once onboarded
+            return
         rec.transfer_end = rec.decode_start = at
         self._emit(DecodeStarted(request_id=rid, instance_id=rec.decode_instance), now)
 
@@ -257,6 +271,9 @@ class IterationSide(SimBase):
 
     def _migrate(self, a: MigrateKV, now: float) -> None:
         """The source runs nothing meanwhile; the destination may (the copy lands beside its iterations)."""
+        if "kvstore" in (self.instances[a.src].role, self.instances[a.dst].role):
+            self._host_move(a, now)  # type: ignore[attr-defined]  # tier_side.py
+            return
         assert self._in_batch.get(a.src, -1) == -1, f"migrating {a.request_id} off {a.src}, which runs an iteration"
         assert a.request_id not in self._batch_of, f"migrating {a.request_id} while it runs an iteration"
         tokens = self._elastic_kv.get(a.request_id, {}).get(a.src, 0)
@@ -279,9 +296,14 @@ class IterationSide(SimBase):
         rec = self.records[a.request_id]
         held = self._elastic_kv.get(a.request_id, {})
         if a.src in held:
-            self._member(a.src).free(a.request_id)
+            self._holder(a.src).free(a.request_id)
             del held[a.src]
         if rec.state != "pending":
             self._free_elastic(a.request_id)
         moved = KVMigrated(request_id=a.request_id, instance_id=a.src, dst=a.dst, num_tokens=tokens, seconds=seconds)
         self._emit(moved, now)
+        if self.instances[a.src].role == "kvstore":
+            self._onboarded(a.request_id)  # type: ignore[attr-defined]  # tier_side.py
+        if rec.state == "pending" and self.instances[a.src].role == "kvstore":  # onboarded: it decodes from here
+            rec.decode_instance, rec.transfer_end, rec.decode_start = a.dst, now, now
+            self._emit(DecodeStarted(request_id=a.request_id, instance_id=a.dst), now)

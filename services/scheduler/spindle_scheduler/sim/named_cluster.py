@@ -266,10 +266,13 @@ def _latency(cm: CostModel, n_p: int, ptp: int, dtp: int, n_elastic: int = 0, sp
     )
 
 
-def named_cluster(spec: ClusterSpec, colocated: bool, elastic: bool = False, **sim: Any) -> SimSetup:
+def named_cluster(
+    spec: ClusterSpec, colocated: bool, elastic: bool = False, reshards: bool = False, **sim: Any
+) -> SimSetup:
     """The shape, latency model and simulator config of `spec` for a strategy that runs on colocated
     instances (`colocated`; `elastic`: grouped into SP prefill and multi-master decode groups, LoongServe) or on
-    a prefill/decode split. `sim`: further SimConfig fields (decode_step_s, ...)."""
+    a prefill/decode split. `reshards`: each colocated instance is a re-sharding group (Seesaw; `with_reshard`).
+    `sim`: further SimConfig fields (decode_step_s, ...)."""
     hw = get_hardware(spec.hardware)
     gpn = spec.gpus_per_node or hw.gpus_per_node
     cm = CostModel(get_model(spec.model), replace(hw, gpus_per_node=gpn))  # links span nodes of this size
@@ -307,11 +310,39 @@ def named_cluster(spec: ClusterSpec, colocated: bool, elastic: bool = False, **s
     )
     if elastic and not config.max_model_len:  # a request's KV spreads over the pool, so the pool bounds a request
         config = replace(config, max_model_len=n_c * config.decode_kv_blocks * bs)
-    return SimSetup(
+    setup = SimSetup(
         _shape(spec, cm, counts, ptp, dtp, spp),
         _latency(cm, n_p, ptp, dtp, n_c if elastic else 0, spec.sp_kind),
         config,
     )
+    return with_reshard(setup, cm) if reshards else setup
+
+
+HOST_KV_SHARE = 0.9  # of each node's host memory, after a copy of the weights, for the host KV tier
+
+
+def with_reshard(setup: SimSetup, cm: CostModel, prefill_tokens: int = 2048, context: int = 2560) -> SimSetup:
+    """Each colocated instance as a Seesaw group of its GPUs: the latency model's `ReshardModel` (every fitting
+    PP x TP configuration, c_p and c_d chosen for prompts of `prefill_tokens` decoding at `context`), the KV room of
+    the roomiest configuration, and the kvstore's host tier: HOST_KV_SHARE of every node's host memory after a copy
+    of the weights (the switches reload from it)."""
+    from ..strategies.seesaw.configs import reshard_model  # the chooser is Seesaw's
+
+    c = setup.config
+    if not c.num_colocated or c.num_prefill or c.num_decode:
+        raise ValueError("re-sharding groups are colocated instances; the cluster has a prefill/decode split")
+    model, _ = reshard_model(cm, c.colocated_tp, prefill_tokens, context, ACTIVATION_TOKENS)
+    kv_tokens = max(g.kv_tokens for g in model.configs.values())
+    host = setup.shape.nodes * (cm.hw.host_mem_bytes - cm.model.weight_bytes) * HOST_KV_SHARE
+    if host < cm.model.kv_bytes_per_token * c.block_size:
+        raise ValueError(f"{cm.hw.name}'s host memory does not hold {cm.model.name}'s weights and a KV tier")
+    config = replace(
+        c, decode_kv_blocks=kv_tokens // c.block_size,
+        host_kv_blocks=int(host // (cm.model.kv_bytes_per_token * c.block_size)),
+    )  # fmt: skip
+    text = (f"{setup.shape.text}; each a Seesaw group of {c.colocated_tp} GPUs ({model.prefill} -> {model.decode}), "
+            f"a host KV tier of {config.host_kv_blocks * c.block_size} tokens")  # fmt: skip
+    return SimSetup(replace(setup.shape, text=text), replace(setup.latency, reshard=model), config)
 
 
 def given_shape(config: SimConfig, how: str = "as given") -> ClusterShape:

@@ -20,6 +20,9 @@ from spindle_costmodel import Chunk, CostModel
 from spindle_costmodel.memory import memory_plan
 from spindle_costmodel.parallel import Parallelism
 
+from ...calibration import mixed_fit
+from ...reshard_model import GroupConfig, ReshardModel
+
 UTILIZATION = 0.9  # of GPU memory for weights, KV and activations
 
 
@@ -48,9 +51,10 @@ def candidates(gpus: int, kv_heads: int) -> list[Parallelism]:
 
 
 def evaluate(
-    cm: CostModel, par: Parallelism, prefill_tokens: int, context: int, max_batch: int = 512
+    cm: CostModel, par: Parallelism, prefill_tokens: int, context: int, max_batch: int = 512, activation_tokens: int = 0
 ) -> ConfigThroughput:
-    mem = memory_plan(cm.model, cm.hw, par, 0, prefill_tokens, UTILIZATION)
+    """`activation_tokens`: room kept for a batch's activations (at least a prompt's)."""
+    mem = memory_plan(cm.model, cm.hw, par, 0, max(prefill_tokens, activation_tokens), UTILIZATION)
     if mem.kv_capacity_tokens < context:  # the weights (and a prompt's activations) leave no room
         return ConfigThroughput(par, 0.0, 0.0, 0, False)
     pre = cm.step([Chunk(prefill_tokens)], (), par)
@@ -74,12 +78,34 @@ class Choice:
         return f"{self.prefill.label} -> {self.decode.label}"
 
 
-def choose(cm: CostModel, gpus: int, prefill_tokens: int, context: int, max_batch: int = 512) -> Choice:
+def choose(
+    cm: CostModel, gpus: int, prefill_tokens: int, context: int, max_batch: int = 512, activation_tokens: int = 0
+) -> Choice:
     """c_p and c_d for `gpus` GPUs of `cm`'s hardware: prompts of about `prefill_tokens`, decode at `context`."""
-    table = tuple(evaluate(cm, p, prefill_tokens, context, max_batch) for p in candidates(gpus, cm.model.kv_heads))
+    table = tuple(evaluate(cm, p, prefill_tokens, context, max_batch, activation_tokens)
+                  for p in candidates(gpus, cm.model.kv_heads))  # fmt: skip
     fitting = [c for c in table if c.fits]
     if not fitting:
         raise ValueError(f"{cm.model.name} does not fit on {gpus} x {cm.hw.name} in any PP x TP configuration")
     best_prefill = max(fitting, key=lambda c: (c.prefill_tok_s, -c.par.pp))
     best_decode = max(fitting, key=lambda c: (c.decode_tok_s, -c.par.pp))
     return Choice(best_prefill, best_decode, table)
+
+
+def reshard_model(
+    cm: CostModel, gpus: int, prefill_tokens: int, context: int, activation_tokens: int = 8192, max_batch: int = 512
+) -> tuple[ReshardModel, Choice]:
+    """A group of `gpus` GPUs as the simulator runs it: every fitting configuration's iteration form and KV room
+    (after `activation_tokens` of activations), `choose`'s c_p and c_d, the weights and the host links (one per
+    GPU)."""
+    choice = choose(cm, gpus, prefill_tokens, context, max_batch, activation_tokens)
+    groups = {
+        c.label: GroupConfig(c.label, mixed_fit(cm, c.par)[0], cm.max_kv_tokens(c.par, activation_tokens))
+        for c in choice.table
+        if c.fits
+    }
+    model = ReshardModel(
+        groups, choice.prefill.label, choice.decode.label, float(cm.model.weight_bytes),
+        cm.hw.host.bandwidth * gpus, cm.hw.host.latency_s, cm.model.kv_bytes_per_token,
+    )  # fmt: skip
+    return model, choice

@@ -1,0 +1,410 @@
+"""`seesaw`: dynamic re-sharding with a CPU KV tier and transition-minimising scheduling (seed 004, §4).
+
+Each colocated (elastic) instance is a Seesaw group: N GPUs that run as one `PPa x TPb` configuration at a time
+(`InstanceInfo.parallel`) and switch with a `Reshard`. Requests wait in one FIFO queue; each free group takes its
+next iteration from it (per-iteration dispatch, `RunBatch`), by `schedule`:
+
+- `transition` (Seesaw, §4.2): in the prefill configuration `c_p`, prefill iterations of waiting prompts whose KV
+  goes to the kvstore's host tier as it is computed (`RunBatch.offload`), until the tier has no room for the next
+  prompt or nothing waits; then re-shard to `c_d` and decode, onboarding prompts from the tier (`MigrateKV` from
+  the kvstore: the prefetcher, overlapped with the decode iterations) whenever the group's KV has room for a whole
+  sequence, until the tier is empty; then, if prompts wait, switch back. At that switch the requests still decoding
+  go back to the tier (their KV re-shards through host memory, Fig. 7) and are onboarded first next time.
+- `prefill-first` (vLLM's default without chunked prefill): a prefill iteration whenever waiting prompts fit the
+  group's KV (whole sequences reserved), else a decode iteration.
+- `decode-first`: prefill only when nothing decodes, then until the KV is full; decode until every request ends.
+- `chunked` (vLLM's chunked prefill): every iteration decodes every running request and adds up to `chunk_size`
+  prompt tokens, FCFS.
+
+`prefill` / `decode` name `c_p` / `c_d` (default: the latency model's `ReshardModel` choice, `configs.choose`);
+`static=LABEL` runs everything in one configuration (no re-shard: vLLM's static parallelism and the paper's
+baselines). The other schedules re-shard too when `c_p` and `c_d` differ (Fig. 2's frequent transitions).
+
+Choices the paper leaves open: a prefill iteration takes waiting prompts FCFS up to `max_prefill_tokens`; a
+pipeline configuration (PP > 1) overlaps prefill micro-batches and splits decodes into PP micro-batches (§5.1:
+"each decoding step processes 1/PP of the sequences"); a decode batch is at most `max_decodes`; a request's
+whole sequence is reserved when it joins the group's KV (no preemption), as every Spindle strategy does.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from spindle_protocol.messages import (
+    IterationDone,
+    KVMigrated,
+    PrefillDone,
+    RequestFinished,
+    RequestSpec,
+    Resharded,
+    TransferDone,
+    WorkerEvent,
+)
+
+from ...actions import Action, Admit, DecodePart, KVShard, MigrateKV, PrefillPart, Reject, Reshard, RunBatch
+from ...latency import LatencyModel
+from ...reshard_model import ReshardModel, parse_label
+from ...state import ClusterState
+from ...strategy import Strategy, register_strategy
+
+ROLE = "elastic"
+SCHEDULES = ("transition", "prefill-first", "decode-first", "chunked")
+
+
+@dataclass
+class Group:
+    id: str
+    parallel: str  # the configuration it runs now (its wanted one while a Reshard is in flight)
+    block_size: int
+    busy: bool = False  # an iteration, a switch or a drain in flight
+    draining: bool = False  # its decodes going back to the tier before a switch to prefill
+    phase: str = "prefill"
+    running: dict[str, int] = field(default_factory=dict)  # decoding, KV on the group -> its decode micro-batch
+    tier: deque[str] = field(default_factory=deque)  # its prompts' KV in the host tier, to onboard in order
+    moving: set[str] = field(default_factory=set)  # onboarding or going back to the tier
+    landed: set[str] = field(default_factory=set)  # in the tier, its swap-out done (TransferDone)
+    prefilling: dict[str, int] = field(default_factory=dict)  # chunked: request -> prompt tokens done
+    reserved: dict[str, int] = field(default_factory=dict)  # request -> KV tokens it holds or will hold here
+    filling: bool = True  # decode-first: prefilling until the KV is full
+    turn: int = 0  # the next decode micro-batch (PP > 1)
+
+    @property
+    def used(self) -> int:
+        return sum(self.reserved.values())
+
+    def join(self, rid: str, pp: int) -> None:
+        """`rid` decodes from now on, in the emptiest of `pp` micro-batches (it keeps its micro-batch: a request in
+        two consecutive ones would wait for its own sample)."""
+        counts = [0] * pp
+        for slot in self.running.values():
+            counts[slot % pp] += 1
+        self.running[rid] = counts.index(min(counts))
+
+
+@register_strategy("seesaw")
+class SeesawStrategy(Strategy):
+    elastic = True
+    colocated = True
+    takes_decode_options = False
+    reshards = True
+    real_stack_gap = "the services do not carry out Reshard yet (`spindle verify --reshard` runs the mechanism)"
+
+    def __init__(
+        self,
+        latency: LatencyModel | None = None,
+        *,
+        schedule: str = "transition",
+        prefill: str = "",
+        decode: str = "",
+        static: str = "",
+        max_prefill_tokens: int = 8192,
+        max_decodes: int = 512,
+        chunk_size: int = 512,
+    ) -> None:
+        super().__init__(latency)
+        if schedule not in SCHEDULES:
+            raise ValueError(f"seesaw: schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+        if min(max_prefill_tokens, max_decodes, chunk_size) < 1:
+            raise ValueError("seesaw: max_prefill_tokens, max_decodes and chunk_size must be >= 1")
+        model = latency.reshard if latency is not None else None
+        if model is None:
+            raise ValueError("seesaw needs a latency model with a ReshardModel (a named cluster: --hardware)")
+        if static and (prefill or decode):
+            raise ValueError("seesaw: give static, or prefill and decode, not both")
+        self.model: ReshardModel = model
+        self.schedule, self.static = schedule, static
+        self.c_p = static or prefill or model.prefill
+        self.c_d = static or decode or model.decode
+        for label in (self.c_p, self.c_d):
+            parse_label(label)
+            model.config(label)  # a configuration the model has
+        self.max_prefill_tokens, self.max_decodes, self.chunk_size = max_prefill_tokens, max_decodes, chunk_size
+        self.groups: dict[str, Group] = {}
+        self.waiting: deque[RequestSpec] = deque()
+        self.specs: dict[str, RequestSpec] = {}
+        self.home: dict[str, str] = {}  # request -> its group
+        self.in_flight: dict[int, str] = {}  # batch id -> group
+        self.kvstore = ""
+        self.tier_tokens, self.tier_block = 0, 1  # the host tier's room (the kvstore's) and its block size
+        self.tier_held: dict[str, int] = {}  # request -> KV tokens it holds (or will) in the tier
+        self._ids = itertools.count(1)
+
+    def options(self) -> dict[str, object]:
+        return {"schedule": self.schedule, "prefill": self.c_p, "decode": self.c_d, "static": self.static,
+                "max_prefill_tokens": self.max_prefill_tokens, "max_decodes": self.max_decodes,
+                "chunk_size": self.chunk_size}  # fmt: skip
+
+    def describe(self) -> str:
+        opts = {"schedule": self.schedule} if self.schedule != "transition" else {}
+        opts |= {"static": self.static} if self.static else {"prefill": self.c_p, "decode": self.c_d}
+        return f"{self.name}:{','.join(f'{k}={v}' for k, v in opts.items())}"
+
+    # ---- bookkeeping ----
+
+    def _room(self, g: Group, label: str = "") -> int:
+        """KV tokens the group has room for in configuration `label` (default: its own), less what its requests hold
+        or will hold."""
+        return self.model.config(label or g.parallel).kv_tokens - g.used
+
+    def _sync(self, state: ClusterState) -> None:
+        for inst in state.live(ROLE):
+            if inst.id not in self.groups:
+                info = inst.info
+                self.groups[inst.id] = Group(inst.id, info.parallel or self.c_p, info.block_size or 1)
+        stores = state.live("kvstore")
+        if stores and self.kvstore not in {s.id for s in stores}:  # the first, or a new one after a loss
+            info = stores[0].info
+            self.kvstore, self.tier_block = info.instance_id, info.block_size or 1
+            self.tier_tokens = info.kv_blocks_total * self.tier_block
+        for rid in [r for r in self.specs if r not in state.requests]:
+            self._drop(rid)
+
+    def _drop(self, rid: str) -> None:
+        spec = self.specs.pop(rid, None)
+        g = self.groups.get(self.home.pop(rid, ""))
+        if spec is not None and spec in self.waiting:
+            self.waiting.remove(spec)
+        if g is None:
+            return
+        self.tier_held.pop(rid, None)
+        if rid in g.tier:
+            g.tier.remove(rid)
+        g.running.pop(rid, None)
+        g.prefilling.pop(rid, None)
+        g.reserved.pop(rid, None)
+        g.moving.discard(rid)
+        g.landed.discard(rid)
+        self._drained(g)
+
+    def _drained(self, g: Group) -> None:
+        """The decodes going back to the tier are all there (or gone): the switch to prefill can go."""
+        if g.draining and not g.moving:
+            g.draining = g.busy = False
+
+    # ---- arrivals and events ----
+
+    def plan(self, spec: RequestSpec, state: ClusterState, now: float) -> list[Action]:
+        self._sync(state)
+        rid = spec.request_id
+        if not self.groups:
+            return [Reject(rid, 503, "no live elastic (colocated) instance")]
+        if spec.sampling.n > 1:
+            return [Reject(rid, 400, "seesaw decodes one choice per request; send n = 1")]
+        need = spec.prompt.num_tokens + spec.sampling.max_tokens
+        room = min(self.model.config(c).kv_tokens for c in {self.c_p, self.c_d})
+        if need > room:
+            return [Reject(rid, 400, f"prompt plus max_tokens ({need} tokens) does not fit a group's KV ({room})")]
+        if self.schedule == "transition" and spec.prompt.num_tokens > self.tier_tokens:
+            return [Reject(rid, 400, f"the prompt ({spec.prompt.num_tokens} tokens) does not fit the host KV tier "
+                           f"({self.tier_tokens} tokens)")]  # fmt: skip
+        self.specs[rid] = spec
+        self.waiting.append(spec)
+        return [Admit(rid, (), ""), *self._schedule()]
+
+    def on_event(self, event: WorkerEvent, state: ClusterState, now: float) -> list[Action]:
+        self._sync(state)
+        match event:
+            case IterationDone(batch_id=bid):
+                if (g := self.groups.get(self.in_flight.pop(bid, ""))) is not None:
+                    g.busy = False
+            case Resharded(instance_id=iid, config=label) if iid in self.groups:
+                g = self.groups[iid]
+                g.parallel, g.busy = label, False
+            case KVMigrated(request_id=rid, dst=dst) if (g := self.groups.get(self.home.get(rid, ""))) is not None:
+                g.moving.discard(rid)
+                if dst == g.id:  # onboarded: its copy in the tier is gone now
+                    self.tier_held.pop(rid, None)
+                    g.join(rid, self._decode_pp)
+                else:  # back in the tier for the next decode phase, first in line
+                    g.reserved.pop(rid, None)
+                    g.tier.appendleft(rid)
+                    g.landed.add(rid)
+                    self._drained(g)
+            case TransferDone(request_id=rid, parked=True) if g := self.groups.get(self.home.get(rid, "")):
+                g.reserved.pop(rid, None)  # its prompt's KV left the group for the tier
+                g.landed.add(rid)
+            case PrefillDone(request_id=rid, finished=False) if g := self.groups.get(self.home.get(rid, "")):
+                if self.schedule != "transition":
+                    g.prefilling.pop(rid, None)
+                    g.join(rid, self._decode_pp)
+            case PrefillDone(request_id=rid) | RequestFinished(request_id=rid):
+                self._drop(rid)
+        return self._schedule()
+
+    def on_tick(self, state: ClusterState, now: float) -> list[Action]:
+        self._sync(state)
+        return self._schedule()
+
+    def on_instance_lost(self, instance_id: str, state: ClusterState, now: float) -> list[Action]:
+        """The core failed the requests the group held; its queue position is gone with it."""
+        g = self.groups.pop(instance_id, None)
+        if g is not None:
+            for rid in [*g.tier, *g.moving]:
+                self.tier_held.pop(rid, None)
+            for bid in [b for b, iid in self.in_flight.items() if iid == instance_id]:
+                del self.in_flight[bid]
+        return self._schedule()
+
+    # ---- what each free group runs next ----
+
+    def _schedule(self) -> list[Action]:
+        actions: list[Action] = []
+        for g in self.groups.values():
+            if not g.busy:
+                actions += self._next(g)
+        return actions
+
+    def _switch(self, g: Group, to: str) -> list[Action]:
+        g.parallel, g.busy = to, True
+        return [Reshard(g.id, to)]
+
+    def _next(self, g: Group) -> list[Action]:
+        if self.schedule == "transition":
+            return self._transition(g)
+        if self.schedule == "chunked":
+            return self._chunked(g)
+        prefill = self.schedule == "prefill-first" and self.waiting and self._fits(g, self.waiting[0], self.c_p)
+        if self.schedule == "decode-first":
+            g.filling = g.filling or not g.running
+            prefill = g.filling and bool(self.waiting) and self._fits(g, self.waiting[0], self.c_p)
+            g.filling = bool(prefill)
+        if prefill:
+            if g.parallel != self.c_p:
+                return self._switch(g, self.c_p)
+            return self._prefill(g, offload=False)
+        if g.running:
+            if g.parallel != self.c_d:
+                return self._switch(g, self.c_d)
+            return self._decode(g)
+        return []
+
+    def _fits(self, g: Group, spec: RequestSpec, label: str = "") -> bool:
+        """The request's whole sequence fits the group's KV in configuration `label` (default: its own)."""
+        return spec.prompt.num_tokens + spec.sampling.max_tokens <= self._room(g, label)
+
+    def _transition(self, g: Group) -> list[Action]:
+        if g.phase == "prefill":
+            if g.parallel != self.c_p:
+                return self._switch(g, self.c_p)
+            if self.waiting and self._tier_fits(self.waiting[0]):
+                if self._prefill_fits(g, self.waiting[0]):
+                    return self._prefill(g, offload=True)
+                if any(rid not in g.landed for rid in g.tier):
+                    return []  # its room frees as the prompts in flight reach the tier (TransferDone)
+            if not (g.tier or g.running):
+                return []  # nothing to decode: wait for prompts (or room) here
+            if self.c_p != self.c_d and any(rid not in g.landed for rid in g.tier):
+                return []  # switch once the last prompts are in the tier (TransferDone): nothing to re-shard
+            g.phase = "decode"
+        if g.parallel != self.c_d:
+            return self._switch(g, self.c_d)
+        actions: list[Action] = []
+        while g.tier and g.tier[0] in g.landed and self._fits(g, self.specs[g.tier[0]]):  # the prefetcher
+            rid = g.tier.popleft()
+            g.landed.discard(rid)
+            spec = self.specs[rid]
+            g.reserved[rid] = spec.prompt.num_tokens + spec.sampling.max_tokens
+            g.moving.add(rid)
+            actions.append(MigrateKV(rid, self.kvstore, g.id))
+        back = sum(g.reserved[rid] for rid in g.running) if self.c_p != self.c_d else 0
+        # (one configuration: the decodes stay on the group, so the next prompt must fit beside them)
+        room = self.c_p != self.c_d or (bool(self.waiting) and self._prefill_fits(g, self.waiting[0]))
+        if not g.tier and not g.moving and self.waiting and room and self._tier_fits(self.waiting[0], back):
+            g.phase = "prefill"  # the tier is drained: back to prefill; the decodes wait in the tier
+            if g.running and self.c_p != self.c_d:
+                for rid in g.running:
+                    g.moving.add(rid)
+                    self.tier_held[rid] = g.reserved[rid]
+                    actions.append(MigrateKV(rid, g.id, self.kvstore))
+                g.running.clear()
+                g.busy = g.draining = True  # until the last one is out (KVMigrated), then the switch
+                return actions
+            return actions + self._next(g)
+        if g.running:
+            actions += self._decode(g)
+        return actions
+
+    def _tier_fits(self, spec: RequestSpec, more: int = 0) -> bool:
+        """The tier has room for the prompt's KV (and `more` tokens of decodes going back), in its blocks."""
+        blocks = lambda n: -(-n // self.tier_block)  # noqa: E731
+        held = sum(blocks(n) for n in self.tier_held.values()) + blocks(more)
+        return (held + blocks(spec.prompt.num_tokens)) * self.tier_block <= self.tier_tokens
+
+    def _prefill_fits(self, g: Group, spec: RequestSpec) -> bool:
+        """An offloaded prompt holds the group's KV only while it is computed and swapped out."""
+        return spec.prompt.num_tokens <= self._room(g)
+
+    def _prefill(self, g: Group, offload: bool) -> list[Action]:
+        parts, tokens = [], 0
+        while self.waiting and len(parts) < self.max_decodes:
+            spec = self.waiting[0]
+            n = spec.prompt.num_tokens
+            if parts and tokens + n > self.max_prefill_tokens:
+                break
+            if offload and not (self._tier_fits(spec) and self._prefill_fits(g, spec)):
+                break
+            if not offload and not self._fits(g, spec):
+                break
+            self.waiting.popleft()
+            rid = spec.request_id
+            self.home[rid] = g.id
+            tokens += n
+            if offload:
+                self.tier_held[rid] = n
+                g.reserved[rid] = n  # on the group until it is swapped out
+                g.tier.append(rid)
+                parts.append(PrefillPart(spec, 0, n, (KVShard(self.kvstore, 0, n),)))
+            else:
+                g.reserved[rid] = n + spec.sampling.max_tokens
+                parts.append(PrefillPart(spec, 0, n, (KVShard(g.id, 0, n),)))
+        if not parts:
+            return []
+        return [self._batch(g, RunBatch(next(self._ids), (g.id,), tuple(parts), offload=self.kvstore if offload else "",
+                                        overlap=self.model.config(g.parallel).pp > 1))]  # fmt: skip
+
+    @property
+    def _decode_pp(self) -> int:
+        return self.model.config(self.c_d).pp
+
+    def _decode(self, g: Group) -> list[Action]:
+        """The next non-empty decode micro-batch (all of them when the configuration has one stage)."""
+        pp = self.model.config(g.parallel).pp
+        batch: list[str] = []
+        for _ in range(pp):
+            batch = [rid for rid, slot in g.running.items() if pp == 1 or slot % pp == g.turn % pp]
+            g.turn += 1
+            if batch:
+                break
+        if not batch:
+            return []
+        parts = tuple(DecodePart(rid, g.id) for rid in batch[: self.max_decodes])
+        return [self._batch(g, RunBatch(next(self._ids), (g.id,), decodes=parts, overlap=pp > 1))]
+
+    def _chunked(self, g: Group) -> list[Action]:
+        if g.parallel != self.c_d:
+            return self._switch(g, self.c_d)
+        budget, parts = self.chunk_size, []
+        for rid, done in list(g.prefilling.items()):  # continue the prompts under way first
+            spec = self.specs[rid]
+            n = min(budget, spec.prompt.num_tokens - done)
+            if n > 0:
+                parts.append(PrefillPart(spec, done, done + n, (KVShard(g.id, done, done + n),)))
+                g.prefilling[rid], budget = done + n, budget - n
+        while budget > 0 and self.waiting and self._fits(g, self.waiting[0]):
+            spec = self.waiting.popleft()
+            rid, n = spec.request_id, min(budget, spec.prompt.num_tokens)
+            self.home[rid] = g.id
+            g.reserved[rid] = spec.prompt.num_tokens + spec.sampling.max_tokens
+            g.prefilling[rid], budget = n, budget - n
+            parts.append(PrefillPart(spec, 0, n, (KVShard(g.id, 0, n),)))
+        decodes = tuple(DecodePart(rid, g.id) for rid in list(g.running)[: self.max_decodes])
+        if not parts and not decodes:
+            return []
+        return [self._batch(g, RunBatch(next(self._ids), (g.id,), tuple(parts), decodes))]
+
+    def _batch(self, g: Group, batch: RunBatch) -> RunBatch:
+        g.busy = True
+        self.in_flight[batch.batch_id] = g.id
+        return batch
