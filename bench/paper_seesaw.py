@@ -18,7 +18,8 @@
   interconnect bandwidth scaled 0.1x-50x for CodeLLaMA-34B on arxiv / 8 x A10 (Fig. 14; the links between GPUs
   only: the host links stay PCIe 4.0 x8).
 - Ablation (Fig. 2 / §4.2) on CodeLLaMA-34B, 4 x A10, arxiv: re-sharding with vLLM's prefill-first and with
-  decode-first schedules, and the transition-minimising schedule without re-sharding.
+  decode-first schedules; the prefill-prioritising, decode-prioritising and transition-minimising schedules without
+  re-sharding (TP4, PP4); vLLM's best there (TP2PP2 with chunked prefill, Fig. 12).
 """
 
 from __future__ import annotations
@@ -140,8 +141,9 @@ def tasks(args: argparse.Namespace) -> dict[tuple[Any, ...], tuple[Any, ...]]:
         for spec in ["seesaw", *(f"seesaw:schedule=prefill-first,static={label(p)}" for p in candidates(8, 8))]:
             key = ("fig14", s, spec)
             out[key] = (key, spec, "a10", "codellama-34b", 8, 8, "seesaw-arxiv", 500, args.seed, s)
+    static = [f"seesaw:schedule={s},static={c}" for s in ("prefill-first", "decode-first") for c in ("TP4", "PP4")]
     for spec in ("seesaw", "seesaw:schedule=prefill-first", "seesaw:schedule=decode-first", "seesaw:static=TP4",
-                 "seesaw:static=PP4", "seesaw:schedule=chunked,static=TP2PP2,chunk_size=2048"):  # fmt: skip
+                 "seesaw:static=PP4", *static, "seesaw:schedule=chunked,static=TP2PP2,chunk_size=2048"):  # fmt: skip
         key = ("ablation", spec)
         out[key] = (key, spec, "a10", "codellama-34b", 4, 4, "seesaw-arxiv", 500, args.seed)
     return out

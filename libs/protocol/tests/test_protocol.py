@@ -12,6 +12,7 @@ from spindle_protocol.messages import (
     Prompt,
     RequestFinished,
     RequestSpec,
+    Resharded,
     RunPrefill,
     Sampling,
     TensorHeader,
@@ -41,6 +42,8 @@ def test_round_trip_and_tagged_events():
         decode(encode(PrefillDone(request_id="r", instance_id="p", seconds=1.0, finished=False)), WorkerEvent),
         PrefillDone,
     )
+    switched = Resharded(instance_id="e0", config="TP2PP2", seconds=0.5, weight_bytes=10, kv_bytes=4)
+    assert decode(encode(switched), WorkerEvent) == switched  # a group's event: no request
     with pytest.raises(ProtocolError):
         decode(encode(ev), RunPrefill)
     with pytest.raises(ProtocolError):

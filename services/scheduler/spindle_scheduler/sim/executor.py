@@ -14,8 +14,13 @@ Per-iteration lifecycle (an `elastic` strategy, LoongServe): arrival -> Admit wi
 strategy sends each group of colocated instances its next iteration (RunBatch) as the last one ends
 (iteration_side.py).
 
+Re-sharding lifecycle (a `reshards` strategy, Seesaw): as per-iteration, on groups that switch parallel
+configuration (`Reshard`), prefill iterations that offload prompts to the kvstore's host tier and onboarding back
+(`MigrateKV` from the kvstore) before decode iterations (tier_side.py).
+
 This file holds the loop, arrivals and failures; the prefill side is in prefill_side.py, the decode side in
-decode_side.py, preemption and moves of parked requests in swaps.py (mixins over the state in base.py).
+decode_side.py, preemption and moves of parked requests in swaps.py, re-sharding in tier_side.py (mixins over
+the state in base.py).
 """
 
 from __future__ import annotations
