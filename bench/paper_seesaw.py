@@ -210,7 +210,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         fig, x, spec = r["key"]
         name = "Seesaw" if spec == "seesaw" else spec.rpartition("=")[2]
         sweeps[fig].setdefault(name, {})[str(x)] = r["throughput_rps"]
-    ablation = {r["key"][1]: {"throughput_rps": r["throughput_rps"], "tier": r["tier"]}
+    ablation = {r["key"][1]: {"throughput_rps": r["throughput_rps"], "makespan_s": r["makespan_s"], "tier": r["tier"]}
                 for r in ok if r["key"][0] == "ablation"}  # fmt: skip
     errors = [r for r in runs if "error" in r or r["completed"] != r["requests"]]
     incomplete = [{"key": r["key"], "error": r.get("error"), "completed": r.get("completed")} for r in errors]
@@ -245,9 +245,13 @@ def table(s: dict[str, Any]) -> str:
             for name, v in s[fig].items():
                 lines.append(f"  {name:10s} " + " ".join(f"{_f(v.get(x)):>7}" for x in xs))
     if s["ablation"]:
-        lines.append("\nablation (34B, 4 x A10, arxiv): " + "; ".join(
-            f"{k}: {_f(v['throughput_rps'])} req/s, {int(v['tier'].get('reshards', 0))} re-shards"
-            for k, v in s["ablation"].items()))  # fmt: skip
+        lines.append("\nablation (34B, 4 x A10, arxiv; Fig. 12's breakdown: seconds in prefill / mixed / decode "
+                     "iterations, re-shards)")  # fmt: skip
+        for k, v in s["ablation"].items():
+            t = v["tier"]
+            busy = " / ".join(f"{t.get(f'{kind}_busy_s', 0.0):.0f}" for kind in ("prefill", "mixed", "decode"))
+            lines.append(f"  {k:55s} {_f(v['throughput_rps']):>6} req/s  {busy} s  {int(t.get('reshards', 0))} "
+                         f"re-shards ({t.get('reshard_s', 0.0):.1f} s)")  # fmt: skip
     if s["incomplete"]:
         lines.append(f"\n{len(s['incomplete'])} run(s) incomplete: {s['incomplete'][:3]}")
     return "\n".join(lines)

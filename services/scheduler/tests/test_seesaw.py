@@ -92,6 +92,7 @@ def test_seesaw_prefills_everything_into_the_tier_then_switches_once_and_decodes
     assert tier["reshard_s"] == pytest.approx(2 * MODEL.switch_s(0), rel=1e-6)  # nothing kept on the GPUs
     assert 0.99 < tier["swap_out_hidden_s"] / tier["swap_out_s"] <= 1.0  # swap-out behind the prefill compute
     assert 0.0 <= tier["swap_in_hidden_s"] <= tier["swap_in_s"]
+    assert tier["prefill_busy_s"] > 0 and tier["decode_busy_s"] > 0 and "mixed_busy_s" not in tier  # phases apart
     assert {i.parallel for i in sim.instances.values() if i.role == "elastic"} == {"TP2"}  # type: ignore[attr-defined]
     assert sim.instances["kvstore-0"].peak_blocks == 40 * -(-500 // 16)  # the tier held every prompt at once
     # the prompts finish their prefill before any output token after the first (no interleaving)

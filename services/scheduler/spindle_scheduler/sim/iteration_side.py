@@ -128,6 +128,9 @@ class IterationSide(SimBase):
         for iid in a.instances:
             self._in_batch[iid] = a.batch_id
             self._member(iid).busy_spans.append((now, now + seconds))
+        if self._member(a.instances[0]).parallel:  # Fig. 12's breakdown: time the group gave to each kind of iteration
+            kind = "mixed" if prefills and decodes else "prefill" if prefills else "decode"
+            self._count(f"{kind}_busy_s", seconds)  # type: ignore[attr-defined]  # tier_side.py
         if a.offload:
             self._offload(a.instances[0], [p for p in prefills if p.retain[0].instance == a.offload], now, sampled_s)
         kept = None
