@@ -108,7 +108,8 @@ class TierSide(SimBase):
         assert onboard or self._in_batch.get(group, -1) == -1, f"moving {a.request_id} off {group} mid-iteration"
         assert a.request_id not in self._batch_of, f"moving {a.request_id}'s KV while it runs an iteration"
         tokens = self._elastic_kv.get(a.request_id, {}).get(a.src, 0)
-        start, end = self._host_transfer(group, tokens, now) if tokens else (now, now)
+        ready = max(now, self._sampled_by.get(a.request_id, now))  # a pipeline's last token of it is out first
+        start, end = self._host_transfer(group, tokens, ready) if tokens else (now, now)
         if tokens:
             self._hold(a.request_id, a.dst, tokens)
         self._in_batch[a.src] = -1

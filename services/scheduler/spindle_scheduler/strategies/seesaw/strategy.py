@@ -308,7 +308,7 @@ class SeesawStrategy(Strategy):
             g.reserved[rid] = spec.prompt.num_tokens + spec.sampling.max_tokens
             g.moving.add(rid)
             actions.append(MigrateKV(rid, self.kvstore, g.id))
-        back = sum(g.reserved[rid] for rid in g.running) if self.c_p != self.c_d else 0
+        back = tuple(g.reserved[rid] for rid in g.running) if self.c_p != self.c_d else ()
         # (one configuration: the decodes stay on the group, so the next prompt must fit beside them)
         room = self.c_p != self.c_d or (bool(self.waiting) and self._prefill_fits(g, self.waiting[0]))
         if not g.tier and not g.moving and self.waiting and room and self._tier_fits(self.waiting[0], back):
@@ -326,10 +326,11 @@ class SeesawStrategy(Strategy):
             actions += self._decode(g)
         return actions
 
-    def _tier_fits(self, spec: RequestSpec, more: int = 0) -> bool:
-        """The tier has room for the prompt's KV (and `more` tokens of decodes going back), in its blocks."""
+    def _tier_fits(self, spec: RequestSpec, more: tuple[int, ...] = ()) -> bool:
+        """The tier has room for the prompt's KV (and the KV of decodes going back, `more` tokens each), counted in
+        its blocks as the kvstore holds them (each request's rounded up)."""
         blocks = lambda n: -(-n // self.tier_block)  # noqa: E731
-        held = sum(blocks(n) for n in self.tier_held.values()) + blocks(more)
+        held = sum(blocks(n) for n in (*self.tier_held.values(), *more))
         return (held + blocks(spec.prompt.num_tokens)) * self.tier_block <= self.tier_tokens
 
     def _prefill_fits(self, g: Group, spec: RequestSpec) -> bool:
