@@ -327,7 +327,10 @@ def cluster_dict(by_spec: dict[str, SimSetup]) -> dict[str, Any]:
 
 def tier_text(t: dict[str, float]) -> str:
     """Re-shards and host-tier swaps of a run (tier_side.py), in one line."""
-    hidden = lambda way: 100 * t.get(f"{way}_hidden_s", 0.0) / t[f"{way}_s"] if t.get(f"{way}_s") else 0.0  # noqa: E731
+
+    def hidden(way: str) -> float:
+        return 100 * t.get(f"{way}_hidden_s", 0.0) / t[f"{way}_s"] if t.get(f"{way}_s") else 0.0
+
     return (
         f"re-shards {int(t.get('reshards', 0))} ({t.get('reshard_s', 0.0):.2f} s); swapped out "
         f"{int(t.get('swap_out_tokens', 0))} tokens ({hidden('swap_out'):.0f} % hidden), onboarded "

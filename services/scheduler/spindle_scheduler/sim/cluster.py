@@ -48,8 +48,6 @@ class SimConfig:
     with_kvstore: bool = True  # register a kvstore instance (strategies name it as the park for KV)
     # the kvstore's host tier for KV that iterations offload (Seesaw's CPU KV buffer), in blocks; 0: none
     host_kv_blocks: int = 0
-    # the configuration re-sharding groups start in ("": the latency model's prefill configuration, if it has one)
-    colocated_parallel: str = ""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:

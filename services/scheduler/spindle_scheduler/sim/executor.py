@@ -143,11 +143,10 @@ class Simulator(PrefillSide, DecodeSide, Swaps, IterationSide, TierSide):
             )
             for k in range(cfg.num_colocated)
         ]
-        if parallel := cfg.colocated_parallel or (latency.reshard.prefill if latency.reshard else ""):
-            pp = latency.reshard.config(parallel).pp if latency.reshard else 0
-            assert pp, "re-sharding groups need a latency model with a ReshardModel"
+        if latency.reshard is not None:  # re-sharding groups start in the prefill configuration
+            start = latency.reshard.config(latency.reshard.prefill)
             for c in colocated:
-                c.parallel, c.spp = parallel, pp
+                c.parallel, c.spp = start.label, start.pp
         ordered: list[SimInstance] = [*prefills, *decodes, *colocated]
         for inst, node in zip(ordered, pack_nodes(cfg.instance_widths(), cfg.gpus_per_node), strict=True):
             inst.node = f"node-{node}"  # an instance never straddles two nodes

@@ -132,7 +132,8 @@ class IterationSide(SimBase):
             kind = "mixed" if prefills and decodes else "prefill" if prefills else "decode"
             self._count(f"{kind}_busy_s", seconds)  # type: ignore[attr-defined]  # tier_side.py
         if a.offload:
-            self._offload(a.instances[0], [p for p in prefills if p.retain[0].instance == a.offload], now, sampled_s)
+            offloaded = [p for p in prefills if p.retain[0].instance == a.offload]
+            self._offload(a.instances[0], a.offload, offloaded, now, sampled_s)  # type: ignore[attr-defined]
         kept = None
         if prefills or decodes:
             kept = RunBatch(a.batch_id, a.instances, tuple(prefills), tuple(decodes), kvp=a.kvp, offload=a.offload)
@@ -305,8 +306,8 @@ class IterationSide(SimBase):
             self._free_elastic(a.request_id)
         moved = KVMigrated(request_id=a.request_id, instance_id=a.src, dst=a.dst, num_tokens=tokens, seconds=seconds)
         self._emit(moved, now)
-        if self.instances[a.src].role == "kvstore":
+        if self.instances[a.src].role == "kvstore":  # onboarded: it decodes from here
             self._onboarded(a.request_id)  # type: ignore[attr-defined]  # tier_side.py
-        if rec.state == "pending" and self.instances[a.src].role == "kvstore":  # onboarded: it decodes from here
-            rec.decode_instance, rec.transfer_end, rec.decode_start = a.dst, now, now
-            self._emit(DecodeStarted(request_id=a.request_id, instance_id=a.dst), now)
+            if rec.state == "pending":
+                rec.decode_instance, rec.transfer_end, rec.decode_start = a.dst, now, now
+                self._emit(DecodeStarted(request_id=a.request_id, instance_id=a.dst), now)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from spindle_protocol.messages import Resharded, TransferDone
 
 from ..actions import DecodePart, MigrateKV, PrefillPart, RunBatch
-from ..reshard_model import ReshardModel, parse_label
+from ..reshard_model import ReshardModel
 from .base import SimBase
 from .cluster import SimColocated
 from .events import EventKind
@@ -71,18 +71,18 @@ class TierSide(SimBase):
 
     # ---- swap-out (offload) ----
 
-    def _offload(self, iid: str, parts: list[PrefillPart], now: float, compute_s: float) -> None:
+    def _offload(self, iid: str, kvstore: str, parts: list[PrefillPart], now: float, compute_s: float) -> None:
+        """`parts` computed on group `iid` for `compute_s` go to `kvstore`'s tier over the group's host links."""
         tokens = sum(p.num_tokens for p in parts)
         if not tokens:
             return
         start, end = self._host_transfer(iid, tokens, now)
         rids = [p.request_id for p in parts]
-        self.queue.push(max(end, now + compute_s), EventKind.OFFLOAD_DONE, (iid, rids, start, end, tokens))
+        self.queue.push(max(end, now + compute_s), EventKind.OFFLOAD_DONE, (iid, kvstore, rids, start, end, tokens))
 
-    def _on_offload_done(self, now: float, payload: tuple[str, list[str], float, float, int]) -> None:
-        iid, rids, start, end, tokens = payload
+    def _on_offload_done(self, now: float, payload: tuple[str, str, list[str], float, float, int]) -> None:
+        iid, kvstore, rids, start, end, tokens = payload
         inst = self._group(iid)
-        kvstore = next(i.id for i in self.instances.values() if i.role == "kvstore")
         for rid in rids:
             held = self._elastic_kv.get(rid)
             if held is not None and iid in held:  # the copy on the group frees; the tier keeps the KV
@@ -138,19 +138,21 @@ class TierSide(SimBase):
         first = not inst.busy_spans
         seconds = 0.0 if first else model.switch_s(kept)
         self._in_batch[iid] = RESHARDING
+        moved = Resharded(
+            instance_id=iid, config=config.label, seconds=start + seconds - now,
+            weight_bytes=0 if first else int(model.weight_bytes),
+            kv_bytes=0 if first else 2 * kept * self.config.kv_bytes_per_token,
+        )  # fmt: skip
         if not first:
             self._count("reshards", 1)
             self._count("reshard_s", seconds)
-            self._count("reshard_weight_bytes", model.weight_bytes)
-        kv_bytes = 0 if first else 2 * kept * self.config.kv_bytes_per_token
-        self.queue.push(start + seconds, EventKind.RESHARD_DONE, (iid, config.label, start + seconds - now, kv_bytes))
+            self._count("reshard_weight_bytes", moved.weight_bytes)
+        self.queue.push(start + seconds, EventKind.RESHARD_DONE, (moved, config.pp))
 
-    def _on_reshard_done(self, now: float, payload: tuple[str, str, float, int]) -> None:
-        iid, label, seconds, kv_bytes = payload
-        inst = self._group(iid)
-        del self._in_batch[iid]
-        inst.parallel, inst.spp = label, parse_label(label)[1]
-        self._stage_free.pop(iid, None)
-        weights = int(self._reshard_model().weight_bytes) if seconds else 0
-        done = Resharded(instance_id=iid, config=label, seconds=seconds, weight_bytes=weights, kv_bytes=kv_bytes)
+    def _on_reshard_done(self, now: float, payload: tuple[Resharded, int]) -> None:
+        done, pp = payload
+        inst = self._group(done.instance_id)
+        del self._in_batch[inst.id]
+        inst.parallel, inst.spp = done.config, pp
+        self._stage_free.pop(inst.id, None)
         self._emit(done, now)

@@ -45,7 +45,7 @@ from spindle_protocol.messages import (
 
 from ...actions import Action, Admit, DecodePart, KVShard, MigrateKV, PrefillPart, Reject, Reshard, RunBatch
 from ...latency import LatencyModel
-from ...reshard_model import ReshardModel, parse_label
+from ...reshard_model import ReshardModel
 from ...state import ClusterState
 from ...strategy import Strategy, register_strategy
 
@@ -57,7 +57,6 @@ SCHEDULES = ("transition", "prefill-first", "decode-first", "chunked")
 class Group:
     id: str
     parallel: str  # the configuration it runs now (its wanted one while a Reshard is in flight)
-    block_size: int
     busy: bool = False  # an iteration, a switch or a drain in flight
     draining: bool = False  # its decodes going back to the tier before a switch to prefill
     phase: str = "prefill"
@@ -118,8 +117,7 @@ class SeesawStrategy(Strategy):
         self.c_p = static or prefill or model.prefill
         self.c_d = static or decode or model.decode
         for label in (self.c_p, self.c_d):
-            parse_label(label)
-            model.config(label)  # a configuration the model has
+            model.config(label)  # a configuration the model has (a ValueError names those it has)
         self.max_prefill_tokens, self.max_decodes, self.chunk_size = max_prefill_tokens, max_decodes, chunk_size
         self.groups: dict[str, Group] = {}
         self.waiting: deque[RequestSpec] = deque()
@@ -152,7 +150,7 @@ class SeesawStrategy(Strategy):
         for inst in state.live(ROLE):
             if inst.id not in self.groups:
                 info = inst.info
-                self.groups[inst.id] = Group(inst.id, info.parallel or self.c_p, info.block_size or 1)
+                self.groups[inst.id] = Group(inst.id, info.parallel or self.c_p)
         stores = state.live("kvstore")
         if stores and self.kvstore not in {s.id for s in stores}:  # the first, or a new one after a loss
             info = stores[0].info
