@@ -93,3 +93,45 @@ def test_smollm2_pp2_to_tp2_through_the_cli(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert doc["match"] and doc["kv_pushed"] == doc["kv_pulled"] == doc["kv_bytes_theory"]
     assert main(["--prompt-file", "examples/doc.txt", "--reshard", "PP2:TP4"]) == 2  # 4 processes vs 2
+
+
+def _greedy(model_dir: str, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
+    from spindle_engine import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(EngineConfig(model=model_dir, kv_cache_tokens=512, block_size=4, max_model_len=256))
+    out: dict[str, list[int]] = {}
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return out
+
+
+@pytest.mark.parametrize("plan", ["PP2:TP2", "PP3:TP3"])
+def test_group_prefills_into_the_tier_switches_both_ways_and_decodes_like_the_single_engine(tiny_dir, plan, tmp_path):
+    """The stack's re-sharding group (`reshard.group`): prompts through the pipeline into the host tier, a switch to
+    TP, onboarding, a decode parked back into the tier, a switch back to the pipeline for a new prompt, and again;
+    every request's tokens equal the single engine's, and the tier and the blocks end empty."""
+    from spindle_engine.reshard.testing import group_worker
+    from spindle_model.testing import run_gloo
+
+    rng = random.Random(3)
+    prompts = {rid: [rng.randrange(3, 311) for _ in range(n)] for rid, n in [("a", 13), ("b", 7), ("c", 21), ("d", 10)]}
+    tp = f"TP{plan[2]}"
+    pp = plan.split(":")[0]
+    steps = [["prefill", ["a", "b"]], ["prefill", ["c"]], ["switch", tp], ["onboard", "a"], ["onboard", "b"],
+             ["onboard", "c"], ["decode", 3], ["refused", pp], ["park", "b"], ["decode", 1], ["park", "a"],
+             ["park", "c"], ["switch", pp], ["prefill", ["d"]], ["switch", tp], ["onboard", "b"], ["onboard", "d"],
+             ["onboard", "a"], ["onboard", "c"], ["decode", 12]]  # fmt: skip
+    script = {"prompts": prompts, "steps": steps, "max_tokens": 9, "tier_tokens": 200}
+    world = int(plan[2])
+    results = run_gloo(group_worker, world, tmp_path, tiny_dir, plan, json.dumps(script), str(tmp_path))
+    r = results[0]
+    want = _greedy(tiny_dir, prompts, 9)
+    got = {rid: r[f"tokens:{rid}"].tolist() for rid in prompts}
+    assert got == want
+    assert len(r["switch_s"]) == 4  # the first load, to TP, back to the pipeline, to TP
+    assert r["tier"][2:].tolist() == [0, 0] and r["tier"][0] == r["tier"][1] > 0  # all in, all out, none left
+    assert r["blocks_used"].item() == 0 and r["files_left"].item() == 0
+    assert r["refused"].item() == 1  # with decodes on the group a switch is refused, and the group goes on

@@ -122,6 +122,9 @@ class InstanceInfo(msgspec.Struct, frozen=True, kw_only=True):
     kv_bytes_per_token: int = 0  # bytes of one token's KV on this instance (all layers; 0 = not reported)
     # a re-sharding instance's current parallel configuration (`PPa x TPb` label, Seesaw; "" = it does not re-shard)
     parallel: str = ""
+    # a re-sharding instance's configurations, `PREFILL:DECODE` labels (e.g. `PP2:TP2`); its host KV tier registers
+    # as a kvstore `<instance id>-host`
+    reshard_plan: str = ""
 
 
 class ClusterStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -132,6 +135,8 @@ class ClusterStatus(msgspec.Struct, frozen=True, kw_only=True):
     strategy: str
     max_model_len: int
     model: str
+    reshards: dict[str, int] = {}  # re-shards carried out so far, per configuration switched to (Seesaw)
+    reshard_seconds: float = 0.0  # their measured time together
 
 
 # ---- scheduler -> workers ----
@@ -210,6 +215,14 @@ class RunIteration(msgspec.Struct, frozen=True, kw_only=True):
     ranks: dict[str, int] = {}
     prefills: list[IterationPrefill] = []
     decodes: list[IterationDecode] = []
+    offload: str = ""  # the host KV tier the prompts' KV goes to as it is computed (Seesaw; "" = none)
+
+
+class ReshardInstance(msgspec.Struct, frozen=True, kw_only=True):
+    """scheduler -> a re-sharding elastic instance (Seesaw): switch to the parallel configuration `to` (a label of
+    its `reshard_plan`); it answers Resharded."""
+
+    to: str
 
 
 class IterationAbandoned(msgspec.Struct, frozen=True, kw_only=True):

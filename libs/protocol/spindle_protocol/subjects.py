@@ -57,6 +57,11 @@ def elastic_migrate_in(instance_id: str) -> str:
     return f"{PREFIX}.elastic.{check_token(instance_id)}.migrate_in"
 
 
+def elastic_reshard(instance_id: str) -> str:
+    """The scheduler -> a re-sharding elastic instance (Seesaw): ReshardInstance, in order with its iterations."""
+    return f"{PREFIX}.elastic.{check_token(instance_id)}.reshard"
+
+
 def elastic_migrate_out(instance_id: str) -> str:
     """A migration's destination -> its source elastic instance: MigrateKVOut."""
     return f"{PREFIX}.elastic.{check_token(instance_id)}.migrate_out"

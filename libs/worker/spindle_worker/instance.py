@@ -43,7 +43,7 @@ from spindle_protocol.messages import (
 )
 from spindle_protocol.prompts import load_prompt
 from spindle_protocol.registry import run_heartbeat
-from spindle_telemetry import inject, setup, shutdown, tracer
+from spindle_telemetry import extract, inject, setup, shutdown, tracer
 from spindle_transfer import DataPlane
 
 log = logging.getLogger("spindle.worker")
@@ -291,6 +291,18 @@ class Instance:
             spp_size=self.config.spp_size,
             kv_bytes_per_token=self.kv_bytes_per_token(),
         )
+
+    def start_job(self, spec: RequestSpec, raw: Msg, job_type: type[Job] = Job) -> Job | None:
+        """The request's job here, its span a child of the command's (None when it already has one, or was
+        aborted)."""
+        rid = spec.request_id
+        if rid in self.jobs or self.is_aborted(rid):
+            return None
+        span = self.tracer.start_span(self.config.role, context=extract(raw.headers))
+        span.set_attribute("spindle.request_id", rid)
+        span.set_attribute("spindle.instance", self.id)
+        job = self.jobs[rid] = job_type(spec, span)
+        return job
 
     # ---- engine access ----
 

@@ -51,7 +51,6 @@ from spindle_protocol.messages import (
     RunPrefill,
     StreamEvent,
 )
-from spindle_telemetry import extract
 from spindle_worker import Instance, InstanceConfig, Job
 
 from .group import GroupIterations
@@ -157,13 +156,8 @@ class ElasticInstance(GroupIterations, KVMigration, Instance):
 
     def new_job(self, spec: RequestSpec, raw: Msg) -> ElasticJob | None:
         """The request's job here (None when it already has one, or was aborted)."""
-        rid = spec.request_id
-        if rid in self.jobs or self.is_aborted(rid):
-            return None
-        span = self.tracer.start_span("elastic", context=extract(raw.headers))
-        span.set_attribute("spindle.request_id", rid)
-        span.set_attribute("spindle.instance", self.id)
-        job = self.jobs[rid] = ElasticJob(spec, span)
+        job = self.start_job(spec, raw, ElasticJob)
+        assert job is None or isinstance(job, ElasticJob)
         return job
 
     async def _on_run(self, cmd: RunPrefill, raw: Msg) -> None:

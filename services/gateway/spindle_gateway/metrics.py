@@ -100,6 +100,17 @@ class GatewayMetrics:
             ["model_name", "status"],
             registry=r,
         )
+        self._reshards = Counter(
+            "spindle:reshards",
+            "Parallel-configuration switches of re-sharding groups (seesaw), by the configuration switched to.",
+            ["model_name", "to"],
+            registry=r,
+        )
+        self.reshard_seconds = Counter(
+            "spindle:reshard_seconds", "Time the re-sharding groups spent switching.", m, registry=r
+        ).labels(model_name)
+        self._reshards_seen: dict[str, int] = {}  # the scheduler's counts at the last status (counters only grow)
+        self._reshard_seconds_seen = 0.0
         self._model = model_name
 
     def success(self, finish_reason: str) -> None:
@@ -122,6 +133,11 @@ class GatewayMetrics:
                 used += inst.kv_blocks_used
                 total += inst.kv_blocks_total
         self.kv_usage.set(used / total if total else 0.0)
+        for to, n in status.reshards.items():
+            self._reshards.labels(self._model, to).inc(max(0, n - self._reshards_seen.get(to, 0)))
+            self._reshards_seen[to] = max(n, self._reshards_seen.get(to, 0))
+        self.reshard_seconds.inc(max(0.0, status.reshard_seconds - self._reshard_seconds_seen))
+        self._reshard_seconds_seen = max(status.reshard_seconds, self._reshard_seconds_seen)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

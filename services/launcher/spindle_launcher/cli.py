@@ -19,6 +19,7 @@ from .plan import (
     check_decode_tp,
     colocated,
     default_layout,
+    reshards,
     with_option,
 )
 from .stack import Stack, StackError, StackInterrupted, check_ports
@@ -114,6 +115,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="with --spp > 1: tensor-parallel ranks inside each stage (Medha's 2D: --spp x --spp-tp processes per "
         "instance; at most the model's KV heads) (%(default)s)",
+    )
+    c.add_argument(
+        "--reshard",
+        default=None,
+        metavar="PREFILL:DECODE",
+        help="with --strategy seesaw: each elastic instance a re-sharding group of these configurations, e.g. "
+        "PP2:TP2 (the default): prefill as a pipeline into the group's host KV tier, decode tensor-parallel, the "
+        "weights reloaded from shared host memory at each switch",
+    )
+    c.add_argument(
+        "--host-kv-tokens",
+        type=int,
+        default=None,
+        help="with --strategy seesaw: each group's host KV tier in tokens (default: 2 GiB of shared memory)",
     )
     c.add_argument(
         "--prefill-per-node",
@@ -221,6 +236,17 @@ def layout_from_args(args: argparse.Namespace, cpu_count: int | None = None) -> 
     return layout
 
 
+DEFAULT_RESHARD = "PP2:TP2"
+
+
+def reshard_from_args(args: argparse.Namespace) -> str:
+    """--reshard, or PP2:TP2 under a re-sharding strategy (seesaw)."""
+    name = args.strategy.partition(":")[0].strip() if args.strategy is not None else ""
+    if args.reshard is not None:
+        return args.reshard
+    return DEFAULT_RESHARD if name and reshards(name) else ""
+
+
 def config_from_args(args: argparse.Namespace) -> StackConfig:
     return StackConfig(
         model=args.model,
@@ -230,6 +256,8 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         decode_kvp=args.decode_kvp,
         elastic_spp=args.spp,
         elastic_tp=args.spp_tp,
+        elastic_reshard=reshard_from_args(args),
+        host_kv_tokens=args.host_kv_tokens,
         prefill_per_node=args.prefill_per_node,
         kvp_tokens=args.kvp_tokens,
         kvp_scale_down_tokens=args.kvp_scale_down_tokens,

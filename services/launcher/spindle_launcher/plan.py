@@ -63,6 +63,16 @@ def _spreads_kv(strategy: str) -> bool:
         return False
 
 
+def reshards(strategy: str) -> bool:
+    """Whether the strategy switches its instances' parallel configuration (`Strategy.reshards`: seesaw)."""
+    from spindle_scheduler.strategy import strategy_class
+
+    try:
+        return strategy_class(strategy).reshards
+    except ValueError:
+        return False
+
+
 def _predicts(strategy: str) -> bool:
     """Whether the strategy needs a latency model (`Strategy.needs_latency`)."""
     from spindle_scheduler.strategy import strategy_class
@@ -112,6 +122,9 @@ class StackConfig:
     shared_chunk: int | None = None  # elastic: one prompt's tokens per step while others share the instance
     elastic_spp: int = 1  # sequence-pipeline stages of each elastic instance
     elastic_tp: int = 1  # tensor-parallel ranks inside each stage of a pipeline elastic instance (elastic_spp > 1)
+    # each elastic instance a re-sharding group (seesaw) of this plan, PREFILL:DECODE (e.g. PP2:TP2); "" = none
+    elastic_reshard: str = ""
+    host_kv_tokens: int | None = None  # a re-sharding group's host KV tier in tokens (None: the instance's default)
     decode_tp: int = 1  # tensor-parallel ranks (processes) of each decode instance
     decode_kvp: int = 1  # KV-parallel members (processes) of each decode instance (with decode_tp 1)
     # > 0: prefill instances report nodes "node-0", "node-1", ... of this many instances each (strategies keep SP
@@ -186,6 +199,19 @@ class StackConfig:
             raise ValueError(f"elastic_spp must be a positive integer, got {self.elastic_spp!r}")
         if self.elastic_spp > 1 and not self.elastic:
             raise ValueError("elastic_spp applies to elastic instances: set elastic > 0 too")
+        if reshards(self.strategy) != bool(self.elastic_reshard):
+            raise ValueError(
+                "a re-sharding strategy (seesaw) runs on re-sharding groups and they run only it: set elastic_reshard "
+                f"(e.g. PP2:TP2) with it, got strategy {self.strategy!r} and elastic_reshard {self.elastic_reshard!r}"
+            )
+        if self.elastic_reshard:
+            from spindle_engine.reshard import ReshardPlan
+
+            ReshardPlan.parse(self.elastic_reshard)  # ValueError says what is wrong
+            if self.elastic_spp > 1 or self.elastic_tp > 1:
+                raise ValueError("elastic_reshard names the group's configurations: leave elastic_spp, elastic_tp 1")
+        if self.host_kv_tokens is not None and (not self.elastic_reshard or self.host_kv_tokens < 1):
+            raise ValueError("host_kv_tokens is a positive size of a re-sharding group's tier (elastic_reshard)")
         if not isinstance(self.elastic_tp, int) or self.elastic_tp < 1:
             raise ValueError(f"elastic_tp must be a positive integer, got {self.elastic_tp!r}")
         if self.elastic_tp > 1 and self.elastic_spp == 1:
@@ -242,7 +268,11 @@ class StackConfig:
 
     @property
     def elastic_ranks(self) -> int:
-        """Processes (ranks) of one elastic instance: its pipeline stages' TP ranks."""
+        """Processes (ranks) of one elastic instance: its pipeline stages' TP ranks, or its re-sharding group's."""
+        if self.elastic_reshard:
+            from spindle_engine.reshard import ReshardPlan
+
+            return ReshardPlan.parse(self.elastic_reshard).world
         return self.elastic_spp * self.elastic_tp
 
     @property
@@ -372,7 +402,15 @@ def build_plan(config: StackConfig, runtime: Runtime, python: str = sys.executab
             budget.append("--partial-kv")
         spp = ["--spp-size", str(config.elastic_spp)] if config.elastic_spp > 1 else []
         spp += ["--tp-size", str(config.elastic_tp)] if config.elastic_tp > 1 else []
-        add(f"elastic-{i}", "elastic", worker(f"elastic-{i}", rank) + engine(config.kv_cache_tokens) + budget + spp)
+        member = "spindle_elastic.spp_stage"
+        if config.elastic_reshard:
+            budget = ["--reshard", config.elastic_reshard]
+            if config.host_kv_tokens is not None:
+                budget += ["--host-kv-tokens", str(config.host_kv_tokens)]
+            spp = ["--reshard", config.elastic_reshard, "--reshard-size", str(config.elastic_ranks)]
+            member = "spindle_elastic.reshard_member"
+        add(f"elastic-{i}", "elastic", worker(f"elastic-{i}", rank) + engine(config.kv_cache_tokens) + budget
+            + (spp if not config.elastic_reshard else []))  # fmt: skip
         for j in range(1, config.elastic_ranks):
             flags = ["--instance-id", f"elastic-{i}", "--rank", str(rank + j), "--leader-rank", str(rank)]
             flags += [*spp, "--world-size", str(config.world_size)]
@@ -380,8 +418,10 @@ def build_plan(config: StackConfig, runtime: Runtime, python: str = sys.executab
             flags += ["--log-level", config.log_level.upper()]
             if runtime.parent_pid:
                 flags += ["--parent-pid", str(runtime.parent_pid)]
-            argv = (python, "-m", "spindle_elastic.spp_stage", *flags)
-            specs.append(ServiceSpec(f"elastic-{i}-spp{j}", argv, dict(env)))
+            argv = (python, "-m", member, *flags)
+            specs.append(
+                ServiceSpec(f"elastic-{i}-{'member' if config.elastic_reshard else 'spp'}{j}", argv, dict(env))
+            )
     token = {STACK_TOKEN_ENV: runtime.stack_token} if runtime.stack_token else {}
     gateway = ["--host", config.host, "--port", str(runtime.port), "--model", config.model]
     if config.default_max_tokens is not None:

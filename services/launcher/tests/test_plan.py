@@ -283,3 +283,29 @@ def test_a_strategy_the_services_cannot_run_yet_is_refused_with_why(monkeypatch)
     monkeypatch.setitem(registry._REGISTRY, "gap-test", Gap)
     with pytest.raises(ValueError, match=r"runs in `spindle sim` only for now: its mechanism is not built yet"):
         StackConfig(strategy="gap-test")
+
+
+def test_seesaw_runs_re_sharding_groups_of_its_plan() -> None:
+    from spindle_launcher.cli import build_parser, config_from_args
+
+    config = config_from_args(build_parser().parse_args(["up", "--strategy", "seesaw", "--host-kv-tokens", "900"]))
+    assert (config.elastic, config.elastic_reshard, config.host_kv_tokens, config.world_size) == (1, "PP2:TP2", 900, 3)
+    specs = {s.name: s for s in build_plan(config, RT, python="py")}
+    assert [n for n in specs if n.startswith("elastic")] == ["elastic-0", "elastic-0-member1"]
+    lead, member = flags(specs["elastic-0"].args), flags(specs["elastic-0-member1"].args)
+    assert (lead["--reshard"], lead["--host-kv-tokens"], lead["--rank"]) == ("PP2:TP2", "900", "1")
+    assert specs["elastic-0-member1"].module == "spindle_elastic.reshard_member"
+    assert (member["--rank"], member["--leader-rank"], member["--reshard-size"]) == ("2", "1", "2")
+    assert "--max-num-batched-tokens" not in lead and "--partial-kv" not in specs["elastic-0"].args
+    three = StackConfig(prefill=0, decode=0, elastic=2, strategy="seesaw", elastic_reshard="PP3:TP3")
+    assert three.world_size == 7 and len([s for s in build_plan(three, RT) if s.role == "elastic.reshard_member"]) == 4
+    for kwargs, match in [
+        ({"strategy": "seesaw"}, "set elastic_reshard"),
+        ({"strategy": "chunked", "elastic_reshard": "PP2:TP2"}, "set elastic_reshard"),
+        ({"strategy": "seesaw", "elastic_reshard": "PP2:TP4"}, "same number of processes"),
+        ({"strategy": "seesaw", "elastic_reshard": "PP2:TP2", "elastic_spp": 2}, "elastic_spp 1"),
+        ({"strategy": "seesaw:schedule=chunked", "elastic_reshard": "PP2:TP2"}, "transition schedule only"),
+        ({"strategy": "chunked", "host_kv_tokens": 5}, "host_kv_tokens"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            StackConfig(prefill=0, decode=0, elastic=1, **kwargs)

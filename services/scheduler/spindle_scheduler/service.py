@@ -28,6 +28,8 @@ from spindle_protocol.messages import (
     PlaceKVP,
     PreemptDecode,
     PreemptReply,
+    Resharded,
+    ReshardInstance,
     RunIteration,
     ScaleDownKVP,
     ScaleDownReply,
@@ -47,6 +49,7 @@ from .actions import (
     MigrateKV,
     Preempt,
     Reject,
+    Reshard,
     RunBatch,
     RunPrefill,
     TransferKV,
@@ -84,6 +87,8 @@ class SchedulerService:
         self.bus: Bus | None = None
         self._tasks: set[asyncio.Task] = set()
         self._plan_lock = asyncio.Lock()
+        self.reshards: dict[str, int] = {}  # Resharded events so far, per configuration switched to
+        self.reshard_seconds = 0.0
 
     async def run(self, stop: asyncio.Event) -> None:
         setup("spindle-scheduler", self.config.otlp_endpoint)
@@ -149,10 +154,15 @@ class SchedulerService:
             strategy=self.config.strategy,
             max_model_len=state.max_model_len(),
             model=self.config.model,
+            reshards=dict(self.reshards),
+            reshard_seconds=self.reshard_seconds,
         )
 
     async def _on_event(self, event: WorkerEvent, raw: Msg) -> None:
         log.debug("event: %r", event)
+        if isinstance(event, Resharded):
+            self.reshards[event.config] = self.reshards.get(event.config, 0) + 1
+            self.reshard_seconds += event.seconds
         await self._execute(self.core.on_event(event, time.time()))
 
     async def _on_abort(self, msg: Abort, raw: Msg) -> None:
@@ -211,6 +221,7 @@ class SchedulerService:
                 for p in a.prefills
             ],
             decodes=[IterationDecode(request_id=d.request_id, master=d.master) for d in a.decodes],
+            offload=a.offload,
         )
         async with self._plan_lock:
             for instance in a.instances:
@@ -292,6 +303,10 @@ class SchedulerService:
                 await self._run_batch(a)
             elif isinstance(a, MigrateKV):
                 await self._migrate(a)
+            elif isinstance(a, Reshard):
+                log.info("re-sharding %s to %s", a.instance, a.to)
+                async with self._plan_lock:  # in order with the iterations sent to it
+                    await self.bus.publish(subjects.elastic_reshard(a.instance), ReshardInstance(to=a.to))
             elif isinstance(a, Preempt):
                 self._spawn(self._preempt(a))  # its reply must not hold up the tick loop
             elif isinstance(a, TransferKV):

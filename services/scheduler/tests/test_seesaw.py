@@ -74,8 +74,9 @@ def test_options_are_checked() -> None:
         create_strategy("seesaw:static=TP2,prefill=PP2", LATENCY)
     with pytest.raises(ValueError, match="no configuration 'TP4'"):
         create_strategy("seesaw:decode=TP4", LATENCY)
-    with pytest.raises(ValueError, match="ReshardModel"):
-        create_strategy("seesaw", LatencyModel(prefill=LATENCY.prefill))
+    live = create_strategy("seesaw", LatencyModel(prefill=LATENCY.prefill))  # the services: the groups say
+    assert live.describe() == "seesaw" and type(live).stack_gap(live.options()) == ""
+    assert "transition schedule only" in type(live).stack_gap({"schedule": "chunked"})
     assert create_strategy("seesaw", LATENCY).describe() == "seesaw:prefill=PP2,decode=TP2"
     assert create_strategy("seesaw:schedule=chunked,static=TP2", LATENCY).describe() == (
         "seesaw:schedule=chunked,static=TP2"

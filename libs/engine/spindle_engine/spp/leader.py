@@ -27,7 +27,9 @@ import logging
 import time
 from collections import deque
 from dataclasses import replace
+from pathlib import Path
 
+import msgspec
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -43,6 +45,7 @@ from ..esp.decode import MultiMasterContext
 from ..esp.pipeline import KVPStep
 from ..kv_cache import KVCache
 from ..model_runner import ModelRunner, StepBatch
+from ..reshard.tier import TierPut, open_kv, push_cache
 from ..sampling_params import SamplingParams
 from .stage import SEND_TIMEOUT_S, PipelineLayout, PipelineStats, stage_layers
 from .wire import StageStep, post_step, recv_return, wait_posted
@@ -110,19 +113,50 @@ class SPPRunner(ModelRunner):
         self.pipelined = True  # False: wait for every step to pass the last stage (for comparison)
         self.kept_logits: list[Tensor] | None = None  # a list: every sampled row's logits are appended (verify)
         self.last_post = time.monotonic()
+        # Seesaw: request -> (tier directory, file, capacity) of prompts whose KV goes to the host tier as the step
+        # that completes them runs; set by the caller before the step
+        self.offload: dict[str, tuple[Path, str, int]] = {}
+        self.swap_out_s = 0.0  # this rank's tier writes
+        self.swap_out_bytes = 0
+        self.swap_out_steps = self.swap_out_hidden_steps = 0  # hidden: the last stage's rows came after the writes
+
+    def _tier_puts(self, batch: StepBatch) -> list[tuple[Path, TierPut]]:
+        puts = []
+        for c in batch.ordered:
+            seq = c.seq
+            if seq.request_id in self.offload and seq.num_computed_tokens + c.num_tokens == seq.num_prompt_tokens:
+                directory, name, capacity = self.offload[seq.request_id]
+                put = TierPut(name, list(seq.block_table), seq.num_prompt_tokens, capacity)
+                puts.append((directory, put))
+        return puts
+
+    def _push(self, puts: list[tuple[Path, TierPut]]) -> None:
+        t0 = time.time()
+        first, heads = self.model.layer_range[0], self.model.shard.kv_heads
+        for directory, put in puts:
+            store = open_kv(directory, put.name, self.model.config, put.capacity, self.cache.k.dtype, create=False)
+            self.swap_out_bytes += push_cache(store, self.cache, put, first, heads)
+        self.swap_out_s += time.time() - t0
 
     def forward(self, batch: StepBatch, rows: list[int] | None) -> Tensor:
         want = list(range(batch.num_tokens)) if rows is None else rows
+        puts = self._tier_puts(batch) if self.offload else []
+        if puts and not want:
+            want = [0]  # wait for the last stage: its tier writes are done when its rows are back
         if not want and not self.pipelined:
             want = [0]  # a row nobody reads: the step is waited for like one that samples
         step = StageStep.of(self.seq, batch, want)
+        if puts:
+            step = msgspec.structs.replace(step, offload=[p for _, p in puts])
         followers = self.layout.stages[0][1:]
         with_ids = step.with_tokens(batch.token_ids) if followers else step
         sent = [p for f in followers for p in post_step(with_ids, None, f)]  # before the all-reduces need them
         t0 = time.time()
         hidden = super().forward(batch, None)  # [T, H]: stage 0's output
-        t1 = time.time()
         self._track(sent + [p for dst in self.layout.stages[1] for p in post_step(step, hidden, dst)])
+        if puts:  # while the next stages compute
+            self._push(puts)
+        t1 = time.time()
         self.stats.steps += 1
         self.stats.busy_s += t1 - t0
         self.stats.bytes_out += hidden.numel() * hidden.element_size() * self.layout.tp
@@ -135,6 +169,9 @@ class SPPRunner(ModelRunner):
         back = recv_return(last, len(want), hidden.shape[1], hidden.dtype, self.timeout_s)
         self._drain()  # the last stage answered this step, so every send before it is through
         self.stats.wait_s += time.time() - t1
+        if puts:
+            self.swap_out_steps += 1
+            self.swap_out_hidden_steps += time.time() - t1 > 1e-3  # still waited after the writes
         return back.to(self.device) if rows is None or rows else back[:0].to(self.device)
 
     def multi_master_forward(self, ctx: MultiMasterContext, kvp: KVPStep, ids: list[int], rows: list[int]) -> Tensor:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -25,6 +26,7 @@ from ..esp.decode import MultiMasterContext
 from ..esp.exchange import ESPError, Tags, Waiter
 from ..kv_cache import KVCache
 from ..model_runner import StepBatch, attention_context
+from ..reshard.tier import TierPut, open_kv, push_cache
 from .wire import SPPError, StageStep, post_return, post_step, recv_hidden, recv_step, wait_posted
 
 log = logging.getLogger("spindle.engine.spp")
@@ -108,7 +110,9 @@ class PipelineStage:
         block_size: int,
         attention_backend: str = "torch",
         timeout_s: float = LEADER_SILENCE_S,
+        tier: Path | None = None,
     ) -> None:
+        """`tier`: the group's host-tier directory, for steps that write KV to it (Seesaw's swap-out)."""
         stage, tp_index = layout.position(rank)
         if rank == layout.leader:
             raise ValueError(f"rank {rank} leads the pipeline: it runs SPPLeaderEngine")
@@ -132,6 +136,9 @@ class PipelineStage:
         )  # fmt: skip
         self.stats = PipelineStats()
         self.record_spans = False
+        self.tier = tier
+        self.swap_out_s = 0.0
+        self.swap_out_bytes = 0
 
     @property
     def source(self) -> int:
@@ -157,6 +164,8 @@ class PipelineStage:
             batch = step.batch(self.block_size, self.num_blocks) if not step.stop and step.kvp is None else None
             if step.kvp is not None:
                 step.kvp.check(self.num_blocks, self.block_size)
+            if step.offload and self.tier is None:
+                raise ValueError(f"step {step.seq} writes to a host tier, but this stage has none")
             hidden = None
             if step.num_tokens and self.stage > 0:
                 hidden = recv_hidden(src, step.num_tokens, self.config.hidden_size, self.model.dtype, self.timeout_s)
@@ -188,6 +197,17 @@ class PipelineStage:
                 rows = out[torch.tensor(step.return_rows, dtype=torch.long, device=out.device)].cpu()
                 pending = [post_return(rows, self.layout.leader)]
                 self.stats.bytes_out += rows.numel() * elem
+            if step.offload:  # after passing the step on: the writes overlap the next stages and the leader
+                self._push(step.offload)
+
+    def _push(self, puts: list[TierPut]) -> None:
+        assert self.tier is not None
+        t0 = time.time()
+        first, heads = self.model.layer_range[0], self.model.shard.kv_heads
+        for put in puts:
+            store = open_kv(self.tier, put.name, self.config, put.capacity, self.cache.k.dtype, create=False)
+            self.swap_out_bytes += push_cache(store, self.cache, put, first, heads)
+        self.swap_out_s += time.time() - t0
 
     def _forward(self, step: StageStep, batch: StepBatch | None, hidden: torch.Tensor | None) -> torch.Tensor:
         """This stage's layers of a plain step: `[T, H]`."""

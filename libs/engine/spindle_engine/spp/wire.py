@@ -26,6 +26,7 @@ from ..control_frames import encode_frame, recv_frame, wait_all
 from ..errors import EngineFatal
 from ..esp.pipeline import KVPStep
 from ..model_runner import StepBatch
+from ..reshard.tier import TierPut
 
 SPP_TAG = 24576
 _LENGTH, _PAYLOAD, _HIDDEN, _RETURN = (RANK_GROUP_TAG + SPP_TAG + i for i in range(4))
@@ -44,6 +45,9 @@ class StageStep(msgspec.Struct, frozen=True):
     stop: bool = False
     token_ids: list[int] = msgspec.field(default_factory=list)  # for stage 0's TP followers only
     kvp: KVPStep | None = None  # a multi-master step of a KV-parallel group (Medha's 3D): no batch, its own context
+    # prompts this step completes whose KV every member writes to the host tier (Seesaw's swap-out), its layers x
+    # its heads, before passing the step on
+    offload: list[TierPut] = msgspec.field(default_factory=list)
 
     def with_tokens(self, token_ids: list[int]) -> StageStep:
         return msgspec.structs.replace(self, token_ids=token_ids)

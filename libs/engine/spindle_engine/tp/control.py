@@ -4,7 +4,8 @@ Before each step the leader sends every follower one `Control`: the engine-mutat
 in order, and whether to step. On the wire, per follower: an int64 `[nbytes]`, then the msgspec (msgpack)
 bytes as a uint8 tensor, then one KV tensor per `Resume` call that is not `direct` (that follower's heads, in
 call order). A `direct` resume's KV came to the follower from the prefill holders themselves (`ReceiveKV`,
-direct.py). The follower answers each `Control`, after applying it and stepping, with an int64 `Ack`: `[seq,
+direct.py); a resume from the host tier's (Seesaw) the follower reads from the tier file itself. The follower
+answers each `Control`, after applying it and stepping, with an int64 `Ack`: `[seq,
 used blocks, total blocks, checksum of the step's tokens, KV bytes received directly so far]`; the first four
 must equal the leader's, so the leader notices a diverged or dead follower at once.
 
@@ -26,6 +27,7 @@ from spindle_attention.distributed.comm import RANK_GROUP_TAG
 from ..control_frames import encode_frame, recv_frame, send_ints, wait_all
 from ..engine import StepOutput
 from ..errors import EngineFatal
+from ..reshard.tier import TierPut
 from ..sampling_params import SamplingParams
 
 CONTROL_TAG = 12288
@@ -60,6 +62,7 @@ class Resume(msgspec.Struct, frozen=True, tag="resume"):
     num_prompt_tokens: int
     params: SamplingParams
     direct: bool = False
+    tier: TierPut | None = None  # each rank reads its heads from this host-tier file (Seesaw's onboarding)
 
 
 class ReceiveKV(msgspec.Struct, frozen=True, tag="receive_kv"):
@@ -76,7 +79,15 @@ class Abort(msgspec.Struct, frozen=True, tag="abort"):
     request_id: str
 
 
-Call = AddRequest | Reserve | CancelReservation | Resume | ReceiveKV | Abort
+class Park(msgspec.Struct, frozen=True, tag="park"):
+    """Take the decoding request out (`Engine.preempt_out`) and write this rank's heads of its KV to the host-tier
+    file `put.name` (Seesaw: a decode going back to the tier before a switch); `put.table` is unused."""
+
+    request_id: str
+    put: TierPut
+
+
+Call = AddRequest | Reserve | CancelReservation | Resume | ReceiveKV | Abort | Park
 
 
 class Control(msgspec.Struct, frozen=True):
@@ -115,7 +126,7 @@ def recv_control(
     control = recv_frame(leader, (_LENGTH, _PAYLOAD), _decoder, timeout_s, "control message", TPError)
     parts = []
     for call in control.calls:
-        if isinstance(call, Resume) and not call.direct:
+        if isinstance(call, Resume) and not call.direct and call.tier is None:
             t = torch.empty(kv_shape(len(call.token_ids) - 1), dtype=kv_dtype)
             _wait([dist.irecv(t, leader, tag=_KV)], timeout_s, f"KV of {call.request_id} from rank {leader}")
             parts.append(t)

@@ -20,6 +20,7 @@ import logging
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
+from pathlib import Path
 
 from torch import Tensor
 
@@ -30,6 +31,8 @@ from spindle_model.parallel import TPShard
 from ..config import EngineConfig
 from ..engine import Engine, PreemptedSequence, StepOutput
 from ..kv_cache import KVCache
+from ..reshard.host_kv import HostKV
+from ..reshard.tier import TierPut, open_kv, pull_kv, push_kv
 from ..sampling_params import SamplingParams
 from ..sp.kv_parts import decode_heads, split_for_decode
 from .control import (
@@ -39,6 +42,7 @@ from .control import (
     Call,
     CancelReservation,
     Control,
+    Park,
     ReceiveKV,
     Reserve,
     Resume,
@@ -169,6 +173,42 @@ class TPLeaderEngine(Engine):
             self._kv[f].append(part)
             self.forwarded_bytes += part.numel() * part.element_size()
 
+    def resume_from_tier(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        num_prompt_tokens: int,
+        params: SamplingParams,
+        tier: Path,
+        put: TierPut,
+    ) -> None:
+        """`resume` with every rank reading its own heads from the host-tier file `put.name` in directory `tier`
+        (Seesaw's onboarding: the followers read theirs at the next exchange)."""
+        store = open_kv(tier, put.name, self.model_config, put.capacity, self.cache.k.dtype, create=False)
+        kv = pull_kv(store, self.model.shard.kv_heads, len(token_ids) - 1)
+        super().resume(request_id, token_ids, num_prompt_tokens, kv, params)
+        self._calls.append(Resume(request_id, list(token_ids), num_prompt_tokens, params, tier=put))
+
+    def park_to_tier(self, request_id: str, tier: Path, put: TierPut) -> PreemptedSequence:
+        """Take a decoding request out, every rank writing its heads of the KV to the host-tier file `put.name`
+        (the followers at the next exchange: `sync` before reading the file). Returns what it needs to resume (its
+        `kv` this rank's heads)."""
+        out = Engine.preempt_out(self, request_id)
+        store = open_kv(tier, put.name, self.model_config, put.capacity, self.cache.k.dtype, create=False)
+        if out.num_kv_tokens > put.capacity:
+            raise ValueError(f"{request_id}: {out.num_kv_tokens} KV tokens for a tier file of {put.capacity}")
+        push_kv(store, out.kv, self.model.shard.kv_heads)
+        self._calls.append(Park(request_id, put))
+        return out
+
+    def needs_sync(self) -> bool:
+        """Calls wait for the followers, or the keepalive is due."""
+        return bool(self._calls) or time.monotonic() - self._last_sent >= self.keepalive_s
+
+    def sync(self) -> None:
+        """Send the followers the calls since the last exchange and wait for them to apply them (no step)."""
+        self._exchange(step=False)
+
     def abort(self, request_id: str) -> bool:
         done = super().abort(request_id)
         self._direct.discard(request_id)
@@ -235,8 +275,11 @@ class TPFollower:
         timeout_s: float = LEADER_SILENCE_S,
         receiver: Receiver | None = None,
         direct_timeout_s: float = DIRECT_WAIT_S,
+        tier: Path | None = None,
     ) -> None:
+        """`tier`: the group's host-tier directory, for `Park` and tier `Resume` calls (Seesaw)."""
         self.engine = engine
+        self.tier = tier
         self.leader = leader
         self.timeout_s = timeout_s
         self.tp_rank = engine.model.shard.rank
@@ -278,11 +321,26 @@ class TPFollower:
                         raise TPError("the leader sent a direct KV receive, but this follower cannot receive one")
                     self.direct.post(call.request_id, call.src, call.tags[self.tp_rank], call.runs)
                 case Resume():
-                    part = self._direct_kv(call) if call.direct else next(kv)
+                    if call.tier is not None:
+                        part = pull_kv(self._tier_file(call.tier), e.model.shard.kv_heads, len(call.token_ids) - 1)
+                    else:
+                        part = self._direct_kv(call) if call.direct else next(kv)
                     e.resume(call.request_id, call.token_ids, call.num_prompt_tokens, part, call.params)
+                case Park():
+                    out = e.preempt_out(call.request_id)
+                    push_kv(self._tier_file(call.put), out.kv, e.model.shard.kv_heads)
                 case Abort():
                     e.abort(call.request_id)
                     self._drop(call.request_id)
+
+    def _tier_file(self, put: TierPut) -> HostKV:
+        if self.tier is None:
+            raise TPError("the leader named a host-tier file, but this follower has no tier")
+        try:
+            return open_kv(self.tier, put.name, self.engine.model_config, put.capacity, self.engine.cache.k.dtype,
+                           create=False)  # fmt: skip
+        except (ValueError, OSError) as e:
+            raise TPError(f"host-tier file {put.name!r}: {e}") from e
 
     def _direct_kv(self, call: Resume) -> Tensor:
         if self.direct is None:

@@ -179,6 +179,8 @@ def prepare(args: argparse.Namespace, specs: list[str]) -> list[Entry]:
         skipped = f"the same as {ran[spec]}" if spec in ran else ""
         try:
             create_strategy(spec, setup.latency)
+            if cls.reshards and setup.latency.reshard is None:
+                raise ValueError("its re-sharding groups are priced by the cost model: a named cluster (--hardware)")
         except ValueError as e:
             skipped = str(e)
         ran.setdefault(spec, asked)

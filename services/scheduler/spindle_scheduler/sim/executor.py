@@ -117,9 +117,12 @@ class Simulator(PrefillSide, DecodeSide, Swaps, IterationSide, TierSide):
             if missing := [k for k in need if k not in latency.decode.coeffs]:
                 raise ValueError(f"the decode latency model has no (tp, kvp) = {missing[0]} configuration")
         self.latency = latency
-        self.core = TimedCore(
-            create_strategy(strategy, latency) if isinstance(strategy, str) else strategy, cfg.scheduler
-        )
+        strategy = create_strategy(strategy, latency) if isinstance(strategy, str) else strategy
+        if strategy.reshards and latency.reshard is None:
+            raise ValueError(
+                f"{strategy.name}'s groups are priced by the cost model: simulate a named cluster (--hardware)"
+            )
+        self.core = TimedCore(strategy, cfg.scheduler)
         ctx, bs = cfg.context_len(), cfg.block_size
         n_p, n_d, tp_c = cfg.num_prefill, cfg.num_decode, cfg.colocated_tp
         prefills = [

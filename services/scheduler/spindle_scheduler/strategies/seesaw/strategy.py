@@ -20,6 +20,12 @@ next iteration from it (per-iteration dispatch, `RunBatch`), by `schedule`:
 `static=LABEL` runs everything in one configuration (no re-shard: vLLM's static parallelism and the paper's
 baselines). The other schedules re-shard too when `c_p` and `c_d` differ (Fig. 2's frequent transitions).
 
+On the services (no `ReshardModel`: the scheduler has no cost model of the live group) the groups say what they
+are: each registers its `reshard_plan` (`c_p:c_d`, the default here), its current configuration and its KV room
+(one capacity in both configurations), and its own host KV tier as a kvstore `<group>-host`, which it uses instead
+of a shared kvstore. The services run the `transition` schedule (a group prefills only in a pipeline
+configuration, into its tier, and decodes only in a tensor-parallel one).
+
 Choices the paper leaves open: a prefill iteration takes waiting prompts FCFS up to `max_prefill_tokens`; a
 pipeline configuration (PP > 1) overlaps prefill micro-batches and splits decodes into PP micro-batches (§5.1:
 "each decoding step processes 1/PP of the sequences"); a decode batch is at most `max_decodes`; a request's
@@ -45,7 +51,7 @@ from spindle_protocol.messages import (
 
 from ...actions import Action, Admit, DecodePart, KVShard, MigrateKV, PrefillPart, Reject, Reshard, RunBatch
 from ...latency import LatencyModel
-from ...reshard_model import ReshardModel
+from ...reshard_model import ReshardModel, parse_label
 from ...state import ClusterState
 from ...strategy import Strategy, register_strategy
 
@@ -68,6 +74,8 @@ class Group:
     reserved: dict[str, int] = field(default_factory=dict)  # request -> KV tokens it holds or will hold here
     filling: bool = True  # decode-first: prefilling until the KV is full
     turn: int = 0  # the next decode micro-batch (PP > 1)
+    kv_tokens: int = 0  # its KV room as registered (on the services; the simulator's comes from the ReshardModel)
+    tier_id: str = ""  # the host tier its prompts go to: its own (`<id>-host`) or the kvstore groups share
 
     @property
     def used(self) -> int:
@@ -88,7 +96,6 @@ class SeesawStrategy(Strategy):
     colocated = True
     takes_decode_options = False
     reshards = True
-    real_stack_gap = "the services do not carry out Reshard yet (`spindle verify --reshard` runs the mechanism)"
 
     def __init__(
         self,
@@ -107,27 +114,34 @@ class SeesawStrategy(Strategy):
             raise ValueError(f"seesaw: schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
         if min(max_prefill_tokens, max_decodes, chunk_size) < 1:
             raise ValueError("seesaw: max_prefill_tokens, max_decodes and chunk_size must be >= 1")
-        model = latency.reshard if latency is not None else None
-        if model is None:
-            raise ValueError("seesaw needs a latency model with a ReshardModel (a named cluster: --hardware)")
         if static and (prefill or decode):
             raise ValueError("seesaw: give static, or prefill and decode, not both")
-        self.model: ReshardModel = model
+        # None on the services: the groups' registrations say what they are (the module docstring)
+        self.model: ReshardModel | None = latency.reshard if latency is not None else None
         self.schedule, self.static = schedule, static
-        self.c_p = static or prefill or model.prefill
-        self.c_d = static or decode or model.decode
-        for label in (self.c_p, self.c_d):
-            model.config(label)  # a configuration the model has (a ValueError names those it has)
+        self.c_p = static or prefill or (self.model.prefill if self.model else "")
+        self.c_d = static or decode or (self.model.decode if self.model else "")
+        for label in filter(None, (self.c_p, self.c_d)):
+            if self.model is not None:
+                self.model.config(label)  # a configuration the model has (a ValueError names those it has)
+            else:
+                parse_label(label)
         self.max_prefill_tokens, self.max_decodes, self.chunk_size = max_prefill_tokens, max_decodes, chunk_size
         self.groups: dict[str, Group] = {}
         self.waiting: deque[RequestSpec] = deque()
         self.specs: dict[str, RequestSpec] = {}
         self.home: dict[str, str] = {}  # request -> its group
         self.in_flight: dict[int, str] = {}  # batch id -> group
-        self.kvstore = ""
-        self.tier_tokens, self.tier_block = 0, 1  # the host tier's room (the kvstore's) and its block size
-        self.tier_held: dict[str, int] = {}  # request -> KV tokens it holds (or will) in the tier
+        self.tiers: dict[str, tuple[int, int]] = {}  # host tier (a kvstore) -> its room in tokens, its block size
+        self.tier_held: dict[str, int] = {}  # request -> KV tokens it holds (or will) in its group's tier
         self._ids = itertools.count(1)
+
+    @classmethod
+    def stack_gap(cls, options: dict[str, object]) -> str:
+        if options.get("schedule", "transition") != "transition" or options.get("static"):
+            return ("a group on the services prefills into its host tier in a pipeline configuration and decodes in "
+                    "a tensor-parallel one: the transition schedule only, without static")  # fmt: skip
+        return ""
 
     def options(self) -> dict[str, object]:
         return {"schedule": self.schedule, "prefill": self.c_p, "decode": self.c_d, "static": self.static,
@@ -137,25 +151,37 @@ class SeesawStrategy(Strategy):
     def describe(self) -> str:
         opts = {"schedule": self.schedule} if self.schedule != "transition" else {}
         opts |= {"static": self.static} if self.static else {"prefill": self.c_p, "decode": self.c_d}
-        return f"{self.name}:{','.join(f'{k}={v}' for k, v in opts.items())}"
+        named = ",".join(f"{k}={v}" for k, v in opts.items() if v)  # on the services c_p, c_d may come from the groups
+        return f"{self.name}:{named}" if named else self.name
 
     # ---- bookkeeping ----
+
+    def _kv_tokens(self, g: Group, label: str = "") -> int:
+        """The group's KV room in configuration `label` (default: its own)."""
+        return self.model.config(label or g.parallel).kv_tokens if self.model is not None else g.kv_tokens
 
     def _room(self, g: Group, label: str = "") -> int:
         """KV tokens the group has room for in configuration `label` (default: its own), less what its requests hold
         or will hold."""
-        return self.model.config(label or g.parallel).kv_tokens - g.used
+        return self._kv_tokens(g, label) - g.used
 
     def _sync(self, state: ClusterState) -> None:
+        stores = {s.id: s.info for s in state.live("kvstore")}
+        self.tiers = {iid: (info.kv_blocks_total * (info.block_size or 1), info.block_size or 1)
+                      for iid, info in stores.items()}  # fmt: skip
+        shared = min((iid for iid in stores if not iid.endswith("-host")), default="")  # a kvstore groups share
         for inst in state.live(ROLE):
-            if inst.id not in self.groups:
-                info = inst.info
-                self.groups[inst.id] = Group(inst.id, info.parallel or self.c_p)
-        stores = state.live("kvstore")
-        if stores and self.kvstore not in {s.id for s in stores}:  # the first, or a new one after a loss
-            info = stores[0].info
-            self.kvstore, self.tier_block = info.instance_id, info.block_size or 1
-            self.tier_tokens = info.kv_blocks_total * self.tier_block
+            info = inst.info
+            g = self.groups.get(inst.id)
+            if g is None:
+                if self.model is None and info.reshard_plan and not (self.c_p and self.c_d):
+                    p, d = info.reshard_plan.split(":")
+                    self.c_p, self.c_d = self.c_p or p, self.c_d or d
+                g = self.groups[inst.id] = Group(inst.id, info.parallel or self.c_p)
+            g.kv_tokens = info.kv_blocks_total * (info.block_size or 1)
+            if g.tier_id not in stores:  # the first, or a new one after a loss
+                own = f"{inst.id}-host"
+                g.tier_id = own if own in stores else shared
         for rid in [r for r in self.specs if r not in state.requests]:
             self._drop(rid)
 
@@ -191,12 +217,13 @@ class SeesawStrategy(Strategy):
         if spec.sampling.n > 1:
             return [Reject(rid, 400, "seesaw decodes one choice per request; send n = 1")]
         need = spec.prompt.num_tokens + spec.sampling.max_tokens
-        room = min(self.model.config(c).kv_tokens for c in {self.c_p, self.c_d})
+        room = max(min(self._kv_tokens(g, c) for c in {self.c_p, self.c_d}) for g in self.groups.values())
         if need > room:
             return [Reject(rid, 400, f"prompt plus max_tokens ({need} tokens) does not fit a group's KV ({room})")]
-        if self.schedule == "transition" and spec.prompt.num_tokens > self.tier_tokens:
+        tier = max(self.tiers.get(g.tier_id, (0, 1))[0] for g in self.groups.values())
+        if self.schedule == "transition" and spec.prompt.num_tokens > tier:
             return [Reject(rid, 400, f"the prompt ({spec.prompt.num_tokens} tokens) does not fit the host KV tier "
-                           f"({self.tier_tokens} tokens)")]  # fmt: skip
+                           f"({tier} tokens)")]  # fmt: skip
         self.specs[rid] = spec
         self.waiting.append(spec)
         return [Admit(rid, (), ""), *self._schedule()]
@@ -286,7 +313,7 @@ class SeesawStrategy(Strategy):
         if g.phase == "prefill":
             if g.parallel != self.c_p:
                 return self._switch(g, self.c_p)
-            if self.waiting and self._tier_fits(self.waiting[0]):
+            if self.waiting and self._tier_fits(g, self.waiting[0]):
                 if self._prefill_fits(g, self.waiting[0]):
                     return self._prefill(g, offload=True)
                 if any(rid not in g.landed for rid in g.tier):
@@ -305,17 +332,17 @@ class SeesawStrategy(Strategy):
             spec = self.specs[rid]
             g.reserved[rid] = spec.prompt.num_tokens + spec.sampling.max_tokens
             g.moving.add(rid)
-            actions.append(MigrateKV(rid, self.kvstore, g.id))
+            actions.append(MigrateKV(rid, g.tier_id, g.id))
         back = tuple(g.reserved[rid] for rid in g.running) if self.c_p != self.c_d else ()
         # (one configuration: the decodes stay on the group, so the next prompt must fit beside them)
         room = self.c_p != self.c_d or (bool(self.waiting) and self._prefill_fits(g, self.waiting[0]))
-        if not g.tier and not g.moving and self.waiting and room and self._tier_fits(self.waiting[0], back):
+        if not g.tier and not g.moving and self.waiting and room and self._tier_fits(g, self.waiting[0], back):
             g.phase = "prefill"  # the tier is drained: back to prefill; the decodes wait in the tier
             if g.running and self.c_p != self.c_d:
                 for rid in g.running:
                     g.moving.add(rid)
                     self.tier_held[rid] = g.reserved[rid]
-                    actions.append(MigrateKV(rid, g.id, self.kvstore))
+                    actions.append(MigrateKV(rid, g.id, g.tier_id))
                 g.running.clear()
                 g.busy = g.draining = True  # until the last one is out (KVMigrated), then the switch
                 return actions
@@ -324,12 +351,18 @@ class SeesawStrategy(Strategy):
             actions += self._decode(g)
         return actions
 
-    def _tier_fits(self, spec: RequestSpec, more: tuple[int, ...] = ()) -> bool:
-        """The tier has room for the prompt's KV (and the KV of decodes going back, `more` tokens each), counted in
-        its blocks as the kvstore holds them (each request's rounded up)."""
-        blocks = lambda n: -(-n // self.tier_block)  # noqa: E731
-        held = sum(blocks(n) for n in (*self.tier_held.values(), *more))
-        return (held + blocks(spec.prompt.num_tokens)) * self.tier_block <= self.tier_tokens
+    def _tier_fits(self, g: Group, spec: RequestSpec, more: tuple[int, ...] = ()) -> bool:
+        """The group's tier has room for the prompt's KV (and the KV of decodes going back, `more` tokens each),
+        counted in its blocks as the kvstore holds them (each request's rounded up)."""
+        tokens, block = self.tiers.get(g.tier_id, (0, 1))
+        blocks = lambda n: -(-n // block)  # noqa: E731
+        mine = (n for rid, n in self.tier_held.items() if self._tier_of(rid) == g.tier_id)
+        held = sum(blocks(n) for n in (*mine, *more))
+        return (held + blocks(spec.prompt.num_tokens)) * block <= tokens
+
+    def _tier_of(self, rid: str) -> str:
+        g = self.groups.get(self.home.get(rid, ""))
+        return g.tier_id if g is not None else ""
 
     def _prefill_fits(self, g: Group, spec: RequestSpec) -> bool:
         """An offloaded prompt holds the group's KV only while it is computed and swapped out."""
@@ -342,7 +375,7 @@ class SeesawStrategy(Strategy):
             n = spec.prompt.num_tokens
             if parts and tokens + n > self.max_prefill_tokens:
                 break
-            if offload and not (self._tier_fits(spec) and self._prefill_fits(g, spec)):
+            if offload and not (self._tier_fits(g, spec) and self._prefill_fits(g, spec)):
                 break
             if not offload and not self._fits(g, spec):
                 break
@@ -354,22 +387,22 @@ class SeesawStrategy(Strategy):
                 self.tier_held[rid] = n
                 g.reserved[rid] = n  # on the group until it is swapped out
                 g.tier.append(rid)
-                parts.append(PrefillPart(spec, 0, n, (KVShard(self.kvstore, 0, n),)))
+                parts.append(PrefillPart(spec, 0, n, (KVShard(g.tier_id, 0, n),)))
             else:
                 g.reserved[rid] = n + spec.sampling.max_tokens
                 parts.append(PrefillPart(spec, 0, n, (KVShard(g.id, 0, n),)))
         if not parts:
             return []
-        return [self._batch(g, RunBatch(next(self._ids), (g.id,), tuple(parts), offload=self.kvstore if offload else "",
-                                        overlap=self.model.config(g.parallel).pp > 1))]  # fmt: skip
+        return [self._batch(g, RunBatch(next(self._ids), (g.id,), tuple(parts), offload=g.tier_id if offload else "",
+                                        overlap=parse_label(g.parallel)[1] > 1))]  # fmt: skip
 
     @property
     def _decode_pp(self) -> int:
-        return self.model.config(self.c_d).pp
+        return parse_label(self.c_d)[1]
 
     def _decode(self, g: Group) -> list[Action]:
         """The next non-empty decode micro-batch (all of them when the configuration has one stage)."""
-        pp = self.model.config(g.parallel).pp
+        pp = parse_label(g.parallel)[1]
         batch: list[str] = []
         for _ in range(pp):
             batch = [rid for rid, slot in g.running.items() if pp == 1 or slot % pp == g.turn % pp]
