@@ -111,27 +111,32 @@ def _greedy(model_dir: str, prompts: dict[str, list[int]], max_tokens: int) -> d
 @pytest.mark.parametrize("plan", ["PP2:TP2", "PP3:TP3"])
 def test_group_prefills_into_the_tier_switches_both_ways_and_decodes_like_the_single_engine(tiny_dir, plan, tmp_path):
     """The stack's re-sharding group (`reshard.group`): prompts through the pipeline into the host tier, a switch to
-    TP, onboarding, a decode parked back into the tier, a switch back to the pipeline for a new prompt, and again;
-    every request's tokens equal the single engine's, and the tier and the blocks end empty."""
+    TP, onboarding (with and without the prefetcher), a decode parked back into the tier, a switch back to the
+    pipeline for a new prompt, and again; every request's tokens equal the single engine's; one request aborted
+    after its prefetch; the tier and the blocks end empty."""
     from spindle_engine.reshard.testing import group_worker
     from spindle_model.testing import run_gloo
 
     rng = random.Random(3)
-    prompts = {rid: [rng.randrange(3, 311) for _ in range(n)] for rid, n in [("a", 13), ("b", 7), ("c", 21), ("d", 10)]}
+    sizes = [("a", 13), ("b", 7), ("c", 21), ("d", 10), ("e", 5)]  # e: aborted after its prefetch
+    prompts = {rid: [rng.randrange(3, 311) for _ in range(n)] for rid, n in sizes}
     tp = f"TP{plan[2]}"
     pp = plan.split(":")[0]
-    steps = [["prefill", ["a", "b"]], ["prefill", ["c"]], ["switch", tp], ["onboard", "a"], ["onboard", "b"],
-             ["onboard", "c"], ["decode", 3], ["refused", pp], ["park", "b"], ["decode", 1], ["park", "a"],
-             ["park", "c"], ["switch", pp], ["prefill", ["d"]], ["switch", tp], ["onboard", "b"], ["onboard", "d"],
-             ["onboard", "a"], ["onboard", "c"], ["decode", 12]]  # fmt: skip
+    steps = [["prefill", ["a", "b", "e"]], ["prefill", ["c"]], ["switch", tp], ["onboard", "a"], ["onboard", "b"],
+             ["prefetch", "c"], ["prefetch", "e"], ["decode", 1], ["abort", "e"], ["onboard", "c"], ["decode", 2],
+             ["refused", pp], ["park", "b"], ["decode", 1], ["park", "a"], ["park", "c"], ["switch", pp],
+             ["prefill", ["d"]], ["switch", tp], ["onboard", "b"], ["onboard", "d"], ["onboard", "a"],
+             ["onboard", "c"], ["decode", 12]]  # fmt: skip
     script = {"prompts": prompts, "steps": steps, "max_tokens": 9, "tier_tokens": 200}
     world = int(plan[2])
     results = run_gloo(group_worker, world, tmp_path, tiny_dir, plan, json.dumps(script), str(tmp_path))
     r = results[0]
     want = _greedy(tiny_dir, prompts, 9)
     got = {rid: r[f"tokens:{rid}"].tolist() for rid in prompts}
+    assert got.pop("e") == want.pop("e")[:1]  # its first token, then aborted in the tier
     assert got == want
+    assert r["prefetch_s"][0] > 0  # the prefetcher read (c, e) off the engine thread
     assert len(r["switch_s"]) == 4  # the first load, to TP, back to the pipeline, to TP
-    assert r["tier"][2:].tolist() == [0, 0] and r["tier"][0] == r["tier"][1] > 0  # all in, all out, none left
+    assert r["tier"][2:].tolist() == [0, 0] and r["tier"][0] > r["tier"][1] > 0  # all in, out but e, none left
     assert r["blocks_used"].item() == 0 and r["files_left"].item() == 0
     assert r["refused"].item() == 1  # with decodes on the group a switch is refused, and the group goes on

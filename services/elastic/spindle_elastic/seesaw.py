@@ -151,6 +151,8 @@ class SeesawGroup(Instance):
         counters |= {"tier_bytes_out": g.tier.bytes_out, **g.counts}
         counters |= {f"{k}_ms": int(v * 1e3) for k, v in g.seconds.items()}
         counters["reshard_ms"] = int(sum(s.seconds for s in g.switches[1:]) * 1e3)
+        busy, exposed = g.prefetch_seconds()
+        counters |= {"prefetch_read_ms": int(busy * 1e3), "prefetch_exposed_ms": int(exposed * 1e3)}
         return msgspec.structs.replace(stats, counters=counters)
 
     async def _on_tier_stats(self, msg: StatsQuery, raw: Msg) -> InstanceStats:
@@ -287,8 +289,10 @@ class SeesawGroup(Instance):
                                      f"{cmd.src}")  # fmt: skip
             return
         try:
+            read = await self.call(lambda g: g.prefetch(rid))  # the group decodes on while the ranks read
+            await asyncio.wrap_future(read)
             entry = await self.call(lambda g: g.onboard(rid))
-        except ValueError as e:
+        except Exception as e:  # not in the tier (aborted meanwhile), no room, a read that failed
             await self._fail_request(rid, 503, f"onboarding {rid} on {self.id}: {e}")
             return
         n = len(entry.token_ids) - 1

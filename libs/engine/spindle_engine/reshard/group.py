@@ -26,6 +26,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -44,7 +45,8 @@ from ..kv_cache import KVCache
 from ..sampling_params import SamplingParams
 from ..spp import PipelineLayout, PipelineStage, SPPLeaderEngine
 from ..spp.stage import stage_layers
-from ..tp.lockstep import TPFollower, TPLeaderEngine
+from ..tp.follower import TPFollower
+from ..tp.lockstep import TPLeaderEngine
 from .config import Parallel, ReshardPlan
 from .tier import HostTier, TierEntry, TierPut
 
@@ -131,6 +133,7 @@ class ReshardingEngine:
         # what the group moved through its tier, for the instance's stats (the members' own writes are in their logs)
         self.counts = {"prefilled": 0, "onboarded": 0, "parked": 0, "swap_out_steps": 0, "swap_out_hidden_steps": 0}
         self.seconds = {"swap_out": 0.0, "onboard": 0.0, "park": 0.0}  # the leader's side
+        self._prefetched = (0.0, 0.0)  # prefetch_seconds of the tensor-parallel engines closed so far
         self.first_load = self.switch(plan.prefill)
         assert self.current is not None
         self.max_model_len = self.current.max_model_len  # the same in every configuration
@@ -178,14 +181,16 @@ class ReshardingEngine:
         engine = self._pipeline()
         runner = engine.runner
         before = (runner.swap_out_s, runner.swap_out_steps, runner.swap_out_hidden_steps)
+        taken: list[str] = []  # tier files and engine entries made here (a failure undoes just these)
         try:
             for rid, ids, params in prompts:
                 name = self.tier.reserve(rid, len(ids))
+                taken.append(rid)
                 runner.offload[rid] = (self.tier.dir, name, len(ids))
                 engine.add_directed(rid, ids, params)
             outputs = engine.step_directed({rid: len(ids) for rid, ids, _ in prompts}, [])
         except Exception:
-            for rid, _, _ in prompts:
+            for rid in taken:
                 engine.abort(rid)
                 self.tier.drop(rid)
             raise
@@ -204,8 +209,26 @@ class ReshardingEngine:
             self.counts["prefilled"] += 1
         return outputs
 
+    def prefetch(self, request_id: str) -> Future[Tensor]:
+        """Start every rank reading its heads of a request's KV from the tier on its prefetcher's thread (Seesaw's
+        swap-in, §5.2), while the group keeps decoding; `onboard` then takes them. Returns this rank's read."""
+        engine = self._tp()
+        entry = self.tier.entries.get(request_id)
+        if entry is None:
+            raise ValueError(f"{request_id} is not in the host tier")
+        put = TierPut(entry.name, [], len(entry.token_ids) - 1, entry.capacity)
+        return engine.prefetch_from_tier(request_id, self.tier.dir, put)
+
+    def prefetch_seconds(self) -> tuple[float, float]:
+        """(reading on the prefetchers' thread, the onboarding waiting for a read) on this rank so far."""
+        busy, exposed = self._prefetched
+        if isinstance(self.current, TPLeaderEngine) and self.current.prefetcher is not None:
+            busy, exposed = busy + self.current.prefetcher.busy_s, exposed + self.current.prefetcher.exposed_s
+        return busy, exposed
+
     def onboard(self, request_id: str) -> TierEntry:
-        """Bring a request from the tier into the tensor-parallel batch (every rank reads its heads)."""
+        """Bring a request from the tier into the tensor-parallel batch (every rank reads its heads, or takes what
+        `prefetch` read)."""
         engine, t0 = self._tp(), time.perf_counter()
         entry = self.tier.entries.get(request_id)
         if entry is None:
@@ -262,6 +285,7 @@ class ReshardingEngine:
             raise ValueError("the group still holds requests: they go to the host tier before a switch")
         t0 = time.perf_counter()
         if self.current is not None:
+            self._prefetched = self.prefetch_seconds()
             self.current.close()  # the pipeline drains / the followers stop
             self.current = None
             gc.collect()
@@ -329,7 +353,13 @@ def serve_member(
                      stage.swap_out_s)  # fmt: skip
             del stage
         else:
-            TPFollower(Engine(config, model=shard), first_rank, tier=tier).serve()
+            follower = TPFollower(Engine(config, model=shard), first_rank, tier=tier)
+            follower.serve()
+            p = follower.prefetcher
+            assert p is not None
+            log.info("rank %d: %s phase done: read %.3f s from the host tier on the prefetcher, the resumes waited "
+                     "%.3f s for it", rank, label(par), p.busy_s, p.exposed_s)  # fmt: skip
+            del follower
         del shard
         gc.collect()
         timeout = SWITCH_TIMEOUT_S

@@ -21,7 +21,8 @@ from .tier import HostTier
 
 def group_worker(rank: int, world: int, model_dir: str, plan_text: str, script_json: str, work: str) -> dict:
     """Script steps: ["prefill", [rid, ...]], ["switch", "TP2"], ["onboard", rid], ["decode", n], ["park", rid],
-    ["refused", "PP2"] (a switch that must be refused: requests are on the group).
+    ["refused", "PP2"] (a switch that must be refused: requests are on the group), ["prefetch", rid] (the ranks
+    read it from the tier before its onboarding), ["abort", rid].
     Prompts are `prompts[rid]` of the script; greedy, `max_tokens` each."""
     script = json.loads(script_json)
     plan = ReshardPlan.parse(plan_text)
@@ -60,6 +61,10 @@ def group_worker(rank: int, world: int, model_dir: str, plan_text: str, script_j
                 group.onboard(arg)
             elif op == "park":
                 group.park(arg)
+            elif op == "prefetch":
+                group.prefetch(arg).result(60)
+            elif op == "abort":
+                group.abort(arg)
         for o in outs:
             tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
     out = {f"tokens:{rid}": torch.tensor(t) for rid, t in tokens.items()}
@@ -68,6 +73,7 @@ def group_worker(rank: int, world: int, model_dir: str, plan_text: str, script_j
     out["tier"] = torch.tensor([tier.bytes_in, tier.bytes_out, tier.used_tokens, len(tier.entries)])
     out["blocks_used"] = torch.tensor([group.allocator.num_used])
     out["refused"] = torch.tensor([refused])
+    out["prefetch_s"] = torch.tensor(group.prefetch_seconds())
     out["files_left"] = torch.tensor([len([p for p in tier_dir.iterdir() if p.suffix == ".kv"])])
     group.close()
     return out

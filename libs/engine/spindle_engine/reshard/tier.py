@@ -11,10 +11,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -161,3 +164,63 @@ class HostTier:
     def _unlink(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.dir / name)
+
+
+def read_share(store: HostKV, heads: tuple[int, int], tokens: int) -> Tensor:
+    """`pull_kv` as a plain byte copy in numpy (one thread: it runs beside the engine thread's OpenMP team without
+    joining it) -> `[2, layers, tokens, local kv heads, D]`."""
+    capacity = store.shape[3]
+    if tokens > capacity:
+        raise ValueError(f"{tokens} tokens asked of a tier file of {capacity}")
+    part = store.kv[:, :, heads[0] : heads[1], :tokens]  # [L, 2, h, T, D]
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[part.element_size()]
+    arr = np.ascontiguousarray(part.view(as_int).numpy().transpose(1, 0, 3, 2, 4))
+    store.pulled += arr.nbytes
+    return torch.from_numpy(arr).view(part.dtype)
+
+
+class Prefetcher:
+    """Seesaw's swap-in prefetcher (§5.2) for one rank: `start` reads the rank's heads of a request's KV out of its
+    tier file on a background thread while the engine keeps stepping; `take` hands them over at the resume (waiting
+    only for what is not read yet)."""
+
+    def __init__(self, directory: Path, model: ModelConfig, dtype: torch.dtype, heads: tuple[int, int]) -> None:
+        self.dir, self.model, self.dtype, self.heads = directory, model, dtype, heads
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tier-prefetch")
+        self._reads: dict[str, Future[Tensor]] = {}
+        self.busy_s = 0.0  # reading, on the background thread
+        self.exposed_s = 0.0  # the resume waited for a read (or read itself, unprefetched)
+
+    def start(self, request_id: str, put: TierPut) -> Future[Tensor]:
+        store = open_kv(self.dir, put.name, self.model, put.capacity, self.dtype, create=False)
+        future = self._reads[request_id] = self._pool.submit(self._read, store, put.tokens)
+        return future
+
+    def _read(self, store: HostKV, tokens: int) -> Tensor:
+        t0 = time.perf_counter()
+        try:
+            return read_share(store, self.heads, tokens)
+        finally:
+            self.busy_s += time.perf_counter() - t0
+
+    def take(self, request_id: str, put: TierPut, timeout_s: float) -> Tensor:
+        t0 = time.perf_counter()
+        future = self._reads.pop(request_id, None)
+        if future is None:
+            future = self.start(request_id, put)
+            self._reads.pop(request_id)
+        try:
+            return future.result(timeout_s)
+        finally:
+            self.exposed_s += time.perf_counter() - t0
+
+    def drop(self, request_id: str) -> bool:
+        """Forget a read (aborted): it runs to its end unseen, so no one waiting on it is cancelled."""
+        return self._reads.pop(request_id, None) is not None
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._reads
+
+    def close(self) -> None:
+        self._reads.clear()
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -2,7 +2,8 @@
 
 from .control import Control, TPError
 from .direct import DirectReceives, Receiver, from_runs, slice_bytes, to_runs
-from .lockstep import TPFollower, TPLeaderEngine, follower_engine, leader_engine, tp_engine_config
+from .follower import TPFollower, follower_engine
+from .lockstep import TPLeaderEngine, leader_engine, tp_engine_config
 
 __all__ = [
     "Control",

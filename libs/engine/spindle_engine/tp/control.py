@@ -87,7 +87,15 @@ class Park(msgspec.Struct, frozen=True, tag="park"):
     put: TierPut
 
 
-Call = AddRequest | Reserve | CancelReservation | Resume | ReceiveKV | Abort | Park
+class Prefetch(msgspec.Struct, frozen=True, tag="prefetch"):
+    """Start reading this rank's heads of `put.tokens` tokens from the host-tier file `put.name` on the prefetcher's
+    thread; the request's tier `Resume` takes them (Seesaw's swap-in, overlapped with the steps before it)."""
+
+    request_id: str
+    put: TierPut
+
+
+Call = AddRequest | Reserve | CancelReservation | Resume | ReceiveKV | Abort | Park | Prefetch
 
 
 class Control(msgspec.Struct, frozen=True):

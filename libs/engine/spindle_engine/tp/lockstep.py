@@ -8,7 +8,8 @@ KV comes in one of two ways. Whole (every KV head, what one engine would hold: a
 pulled from the kvstore): the leader keeps its heads and sends each follower its own slice with the mirrored
 `resume`. Direct (`receive_direct`, then `resume` with the leader's heads only): each prefill holder sends each
 rank its heads itself, the followers post their receives when the mirrored `ReceiveKV` arrives and put the
-parts in place at the mirrored `Resume` (direct.py). `TPFollower.serve()` applies each message and steps.
+parts in place at the mirrored `Resume` (direct.py). `TPFollower.serve()` (follower.py) applies each message
+and steps.
 
 A peer that dies or stops answering ends the step with `TPError` after `timeout_s` (or at once when its
 connection closes): the leader's engine thread stops and the service fails its requests.
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,8 +32,7 @@ from spindle_model.parallel import TPShard
 from ..config import EngineConfig
 from ..engine import Engine, PreemptedSequence, StepOutput
 from ..kv_cache import KVCache
-from ..reshard.host_kv import HostKV
-from ..reshard.tier import TierPut, open_kv, pull_kv, push_kv
+from ..reshard.tier import Prefetcher, TierPut, open_kv, push_kv
 from ..sampling_params import SamplingParams
 from ..sp.kv_parts import decode_heads, split_for_decode
 from .control import (
@@ -43,17 +43,15 @@ from .control import (
     CancelReservation,
     Control,
     Park,
+    Prefetch,
     ReceiveKV,
     Reserve,
     Resume,
     TPError,
     checksum,
     recv_acks,
-    recv_control,
-    send_ack,
     send_control,
 )
-from .direct import DirectReceives, Receiver
 
 log = logging.getLogger("spindle.engine.tp")
 
@@ -111,6 +109,7 @@ class TPLeaderEngine(Engine):
         self._seq = 0
         self._last_sent = 0.0
         self._closed = False
+        self.prefetcher: Prefetcher | None = None  # Seesaw's onboarding from a host tier
         self._exchange(step=False, timeout_s=startup_timeout_s)  # handshake: followers up and sized like us
 
     @property
@@ -183,11 +182,22 @@ class TPLeaderEngine(Engine):
         put: TierPut,
     ) -> None:
         """`resume` with every rank reading its own heads from the host-tier file `put.name` in directory `tier`
-        (Seesaw's onboarding: the followers read theirs at the next exchange)."""
-        store = open_kv(tier, put.name, self.model_config, put.capacity, self.cache.k.dtype, create=False)
-        kv = pull_kv(store, self.model.shard.kv_heads, len(token_ids) - 1)
+        (Seesaw's onboarding: the followers read theirs at the next exchange), or taking what `prefetch_from_tier`
+        read."""
+        kv = self._prefetcher(tier).take(request_id, put, self.timeout_s)
         super().resume(request_id, token_ids, num_prompt_tokens, kv, params)
         self._calls.append(Resume(request_id, list(token_ids), num_prompt_tokens, params, tier=put))
+
+    def prefetch_from_tier(self, request_id: str, tier: Path, put: TierPut) -> Future[Tensor]:
+        """Start every rank reading its heads of `put.tokens` tokens from the host-tier file on its prefetcher's
+        thread (the followers from the next exchange); the returned future is this rank's read."""
+        self._calls.append(Prefetch(request_id, put))
+        return self._prefetcher(tier).start(request_id, put)
+
+    def _prefetcher(self, tier: Path) -> Prefetcher:
+        if self.prefetcher is None:
+            self.prefetcher = Prefetcher(tier, self.model_config, self.cache.k.dtype, self.model.shard.kv_heads)
+        return self.prefetcher
 
     def park_to_tier(self, request_id: str, tier: Path, put: TierPut) -> PreemptedSequence:
         """Take a decoding request out, every rank writing its heads of the KV to the host-tier file `put.name`
@@ -212,7 +222,8 @@ class TPLeaderEngine(Engine):
     def abort(self, request_id: str) -> bool:
         done = super().abort(request_id)
         self._direct.discard(request_id)
-        if done:
+        prefetched = self.prefetcher is not None and self.prefetcher.drop(request_id)
+        if done or prefetched:
             self._calls.append(Abort(request_id))
         return done
 
@@ -255,112 +266,12 @@ class TPLeaderEngine(Engine):
         if self._closed:
             return
         self._closed = True
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         try:
             send_control(Control(self._seq, [], False, stop=True), [[] for _ in self.followers], self.followers, 5.0)
         except TPError as e:
             log.warning("could not stop the followers: %s", e)
-
-
-class TPFollower:
-    """Replays the leader's calls on this rank's engine and steps with it, until told to stop.
-
-    `receiver` receives the KV parts the holders send this rank directly (`ReceiveKV`); without one, such a call
-    is an error."""
-
-    def __init__(
-        self,
-        engine: Engine,
-        leader: int,
-        *,
-        timeout_s: float = LEADER_SILENCE_S,
-        receiver: Receiver | None = None,
-        direct_timeout_s: float = DIRECT_WAIT_S,
-        tier: Path | None = None,
-    ) -> None:
-        """`tier`: the group's host-tier directory, for `Park` and tier `Resume` calls (Seesaw)."""
-        self.engine = engine
-        self.tier = tier
-        self.leader = leader
-        self.timeout_s = timeout_s
-        self.tp_rank = engine.model.shard.rank
-        self.direct = None if receiver is None else DirectReceives(receiver, engine.kv_shape, engine.cache.k.dtype)
-        self.direct_timeout_s = direct_timeout_s
-
-    def serve(self) -> None:
-        e = self.engine
-        expected_seq = 0
-        while True:
-            timeout = self.timeout_s if expected_seq else STARTUP_TIMEOUT_S
-            control, parts = recv_control(self.leader, e.kv_shape, e.cache.k.dtype, timeout)
-            if control.stop:
-                log.info("the leader stopped the group")
-                return
-            if control.seq != expected_seq:
-                raise TPError(f"control message {control.seq} arrived, expected {expected_seq}")
-            expected_seq += 1
-            self.apply(control.calls, parts)
-            outputs = e.step() if control.step else []
-            direct = 0 if self.direct is None else self.direct.bytes
-            ack = [control.seq, e.allocator.num_used, e.allocator.num_blocks, checksum(outputs), direct]
-            send_ack(ack, self.leader, STEP_TIMEOUT_S)
-
-    def apply(self, calls: list[Call], parts: list[Tensor]) -> None:
-        e, kv = self.engine, iter(parts)
-        for call in calls:
-            match call:
-                case AddRequest():
-                    e.add_request(call.request_id, call.prompt_token_ids, call.params, prefill_only=call.prefill_only)
-                case Reserve():
-                    if not e.reserve(call.request_id, call.num_tokens, call.choices):
-                        raise TPError(f"reserve({call.request_id}) failed here but not on the leader")
-                case CancelReservation():
-                    e.cancel_reservation(call.request_id)
-                    self._drop(call.request_id)
-                case ReceiveKV():
-                    if self.direct is None:
-                        raise TPError("the leader sent a direct KV receive, but this follower cannot receive one")
-                    self.direct.post(call.request_id, call.src, call.tags[self.tp_rank], call.runs)
-                case Resume():
-                    if call.tier is not None:
-                        part = pull_kv(self._tier_file(call.tier), e.model.shard.kv_heads, len(call.token_ids) - 1)
-                    else:
-                        part = self._direct_kv(call) if call.direct else next(kv)
-                    e.resume(call.request_id, call.token_ids, call.num_prompt_tokens, part, call.params)
-                case Park():
-                    out = e.preempt_out(call.request_id)
-                    push_kv(self._tier_file(call.put), out.kv, e.model.shard.kv_heads)
-                case Abort():
-                    e.abort(call.request_id)
-                    self._drop(call.request_id)
-
-    def _tier_file(self, put: TierPut) -> HostKV:
-        if self.tier is None:
-            raise TPError("the leader named a host-tier file, but this follower has no tier")
-        try:
-            return open_kv(self.tier, put.name, self.engine.model_config, put.capacity, self.engine.cache.k.dtype,
-                           create=False)  # fmt: skip
-        except (ValueError, OSError) as e:
-            raise TPError(f"host-tier file {put.name!r}: {e}") from e
-
-    def _direct_kv(self, call: Resume) -> Tensor:
-        if self.direct is None:
-            raise TPError(f"a direct resume of {call.request_id} reached a follower that cannot receive one")
-        try:
-            return self.direct.take(call.request_id, len(call.token_ids) - 1, self.direct_timeout_s)
-        except (FutureTimeout, TimeoutError) as e:
-            raise TPError(f"the KV of {call.request_id} from its holders did not arrive here in time") from e
-        except Exception as e:  # a holder's transfer failed after the leader's own part arrived: we cannot go on
-            raise TPError(f"the KV of {call.request_id} from its holders failed here: {e}") from e
-
-    def _drop(self, request_id: str) -> None:
-        if self.direct is not None:
-            self.direct.drop(request_id)
-
-
-def follower_engine(config: EngineConfig, group: RankGroup) -> Engine:
-    """A follower rank's engine on the real model, sized like its leader's."""
-    model = load_tp_model(config, group)
-    return Engine(tp_engine_config(config, model.config, len(group.ranks)), model=model)
 
 
 def leader_engine(config: EngineConfig, group: RankGroup, **kwargs: float) -> TPLeaderEngine:

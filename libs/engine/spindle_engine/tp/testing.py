@@ -25,7 +25,8 @@ from ..engine import Engine
 from ..sampling_params import SamplingParams
 from ..sp.kv_parts import assemble_kv, split_for_decode
 from .direct import to_runs
-from .lockstep import TPFollower, TPLeaderEngine, tp_engine_config
+from .follower import TPFollower
+from .lockstep import TPLeaderEngine, tp_engine_config
 
 CONFIG = EngineConfig(kv_cache_tokens=1024, block_size=4, max_model_len=256)
 DIRECT_TAG = 1000  # below any tag of the group collectives
