@@ -108,7 +108,7 @@ def _greedy(model_dir: str, prompts: dict[str, list[int]], max_tokens: int) -> d
     return out
 
 
-@pytest.mark.parametrize("plan", ["PP2:TP2", "PP3:TP3"])
+@pytest.mark.parametrize("plan", ["PP2:TP2", "PP3:TP3", "PP2xTP2:TP4"])
 def test_group_prefills_into_the_tier_switches_both_ways_and_decodes_like_the_single_engine(tiny_dir, plan, tmp_path):
     """The stack's re-sharding group (`reshard.group`): prompts through the pipeline into the host tier, a switch to
     TP, onboarding (with and without the prefetcher), a decode parked back into the tier, a switch back to the
@@ -120,15 +120,14 @@ def test_group_prefills_into_the_tier_switches_both_ways_and_decodes_like_the_si
     rng = random.Random(3)
     sizes = [("a", 13), ("b", 7), ("c", 21), ("d", 10), ("e", 5)]  # e: aborted after its prefetch
     prompts = {rid: [rng.randrange(3, 311) for _ in range(n)] for rid, n in sizes}
-    tp = f"TP{plan[2]}"
-    pp = plan.split(":")[0]
+    pp, tp = plan.split(":")
     steps = [["prefill", ["a", "b", "e"]], ["prefill", ["c"]], ["switch", tp], ["onboard", "a"], ["onboard", "b"],
              ["prefetch", "c"], ["prefetch", "e"], ["decode", 1], ["abort", "e"], ["onboard", "c"], ["decode", 2],
              ["refused", pp], ["park", "b"], ["decode", 1], ["park", "a"], ["park", "c"], ["switch", pp],
              ["prefill", ["d"]], ["switch", tp], ["onboard", "b"], ["onboard", "d"], ["onboard", "a"],
              ["onboard", "c"], ["decode", 12]]  # fmt: skip
     script = {"prompts": prompts, "steps": steps, "max_tokens": 9, "tier_tokens": 200}
-    world = int(plan[2])
+    world = ReshardPlan.parse(plan).world
     results = run_gloo(group_worker, world, tmp_path, tiny_dir, plan, json.dumps(script), str(tmp_path))
     r = results[0]
     want = _greedy(tiny_dir, prompts, 9)
