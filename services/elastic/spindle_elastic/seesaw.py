@@ -33,6 +33,7 @@ import msgspec
 from nats.aio.msg import Msg
 
 from spindle_engine import StepOutput
+from spindle_engine.kv_cache import KVCache
 from spindle_engine.reshard import HostWeights, ReshardPlan
 from spindle_engine.reshard.group import ReshardingEngine, group_engine_config, label
 from spindle_engine.reshard.tier import HostTier, tier_dir, weights_path
@@ -85,7 +86,7 @@ class SeesawGroup(Instance):
         )
         log.info("%s: weights published to host memory (%.1f MiB, %.2f s)", self.id, weights.nbytes / (1 << 20),
                  time.perf_counter() - t0)  # fmt: skip
-        per_token = HostTier(directory, model, cfg.torch_dtype, 1).bytes_per_token()
+        per_token = KVCache.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, cfg.torch_dtype)
         tokens = self.host_kv_tokens or int(self.host_kv_gb * (1 << 30)) // per_token
         self.group = ReshardingEngine(engine, model, self.plan, self.config.rank, weights,
                                       HostTier(directory, model, cfg.torch_dtype, tokens))  # fmt: skip
@@ -106,8 +107,9 @@ class SeesawGroup(Instance):
             log.warning("%s: the tier directory stays: %s", self.id, e)
 
     async def serve(self) -> None:
-        # one subscription runs its handler a message at a time; the scheduler sends a group's next command only
-        # after the last one's answer, so iterations, switches and moves never overlap
+        # one subscription runs its handler a message at a time; the strategy sends a group's next iteration or
+        # switch only after the last one's answer; onboardings overlap the decode iterations (their reads run on the
+        # prefetchers) and meet them only on the engine thread, one call at a time
         await self.bus.subscribe(subjects.elastic_iteration(self.id), RunIteration, self._on_iteration)
         await self.bus.subscribe(subjects.elastic_reshard(self.id), ReshardInstance, self._on_reshard)
         await self.bus.subscribe(subjects.elastic_migrate_in(self.id), MigrateKVIn, self._on_onboard)
