@@ -35,7 +35,7 @@ from spindle_engine.config import EngineConfig  # noqa: E402
 from spindle_engine.kv_cache import KVCache  # noqa: E402
 from spindle_engine.reshard import HostWeights, ReshardPlan  # noqa: E402
 from spindle_engine.reshard.group import build_shard, label  # noqa: E402
-from spindle_engine.reshard.tier import TierPut, open_kv, pull_kv, push_cache  # noqa: E402
+from spindle_engine.reshard.tier import TierPut, open_kv, push_cache, read_share  # noqa: E402
 from spindle_model import load_state_dict, resolve_model  # noqa: E402
 from spindle_model.testing import run_gloo  # noqa: E402
 
@@ -128,7 +128,7 @@ def worker(rank: int, world: int, model: str, plan_text: str, weights: str, devi
         out.setdefault("tier_write", []).append(time.perf_counter() - t0)
         t0 = time.perf_counter()  # a decode rank of TP `world` reads its heads of every layer
         heads = (rank * mc.num_kv_heads // world, (rank + 1) * mc.num_kv_heads // world)
-        kv = pull_kv(store, heads, kv_tokens).to(device)
+        kv = read_share(store, heads, kv_tokens).to(device)
         _sync(device)
         out.setdefault("tier_read", []).append(time.perf_counter() - t0)
     out["tier_write:bytes"] = [float(nbytes)]

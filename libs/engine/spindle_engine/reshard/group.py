@@ -36,6 +36,7 @@ from torch import Tensor
 
 from spindle_attention.distributed.comm import RANK_GROUP_TAG, RankGroup
 from spindle_model import LlamaModel, ModelConfig
+from spindle_model.parallel import TPShard
 
 from ..config import EngineConfig
 from ..control_frames import send_ints, wait_all
@@ -77,7 +78,7 @@ def group_engine_config(config: EngineConfig, model: ModelConfig, plan: ReshardP
     tokens = []
     for par in (plan.prefill, plan.decode):
         start, end = stage_layers(model.num_layers, par.pp, 0) if par.pp > 1 else (0, model.num_layers)
-        heads = -(-model.num_kv_heads // par.tp)
+        heads = TPShard.create(model, 0, par.tp).num_kv_heads  # rank 0 holds the most
         tokens.append(config.kv_tokens(KVCache.bytes_per_token(end - start, heads, model.head_dim, config.torch_dtype)))
     return replace(config, kv_cache_tokens=min(tokens))
 

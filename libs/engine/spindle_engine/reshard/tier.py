@@ -78,17 +78,6 @@ def push_kv(store: HostKV, kv: Tensor, heads: tuple[int, int]) -> int:
     return kv.numel() * kv.element_size()
 
 
-def pull_kv(store: HostKV, heads: tuple[int, int], tokens: int) -> Tensor:
-    """Every layer x `heads` of the first `tokens` tokens -> `[2, layers, tokens, local kv heads, D]` (what
-    `Engine.resume` takes)."""
-    capacity = store.shape[3]
-    if tokens > capacity:
-        raise ValueError(f"{tokens} tokens asked of a tier file of {capacity}")
-    part = store.kv[:, :, heads[0] : heads[1], :tokens]  # [L, 2, h, T, D]
-    store.pulled += part.numel() * part.element_size()
-    return part.permute(1, 0, 3, 2, 4).contiguous()
-
-
 @dataclass
 class TierEntry:
     """A request whose KV is in the tier: what it needs to resume decoding."""
@@ -167,8 +156,9 @@ class HostTier:
 
 
 def read_share(store: HostKV, heads: tuple[int, int], tokens: int) -> Tensor:
-    """`pull_kv` as a plain byte copy in numpy (one thread: it runs beside the engine thread's OpenMP team without
-    joining it) -> `[2, layers, tokens, local kv heads, D]`."""
+    """Every layer x `heads` of the first `tokens` tokens -> `[2, layers, tokens, local kv heads, D]` (what
+    `Engine.resume` takes), as a plain byte copy in numpy (one thread: it runs beside the engine thread's OpenMP team
+    without joining it)."""
     capacity = store.shape[3]
     if tokens > capacity:
         raise ValueError(f"{tokens} tokens asked of a tier file of {capacity}")
