@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 
 import httpx
@@ -132,3 +133,27 @@ def write_assumed_profile(tmp_path, batch_prefill: dict, decode: list[dict], ban
     path = tmp_path / "profile.json"
     path.write_text(json.dumps({"model": model}))
     return str(path)
+
+
+def supervise(stack: Stack) -> threading.Thread:
+    """Restart what dies from now on, as `spindle up` does (Stack.wait on a thread of its own until stop())."""
+    thread = threading.Thread(target=stack.wait, name="test-supervisor", daemon=True)
+    thread.start()
+    return thread
+
+
+def back_in_service(stack: Stack, role: str, restarts: int, timeout: float = 90) -> float:
+    """Wait until `role` has been restarted `restarts` times in all and every planned instance is live and answers;
+    the seconds it took."""
+    t0 = time.monotonic()
+
+    def full() -> bool:
+        if stack.restarts.get(role, 0) < restarts:
+            return False
+        try:
+            return set(instance_blocks(stack)) >= set(stack.config.instance_ids())
+        except httpx.HTTPError:
+            return False
+
+    assert wait_until(full, timeout, 0.2), f"{role} not back: restarts {stack.restarts}"
+    return time.monotonic() - t0

@@ -54,7 +54,7 @@ def test_full_decode_instance_parks_kv_in_the_kvstore(tmp_path_factory, referenc
 def test_worker_sigkill_ends_requests_cleanly(tmp_path_factory):
     stack = start_stack(tmp_path_factory, "kill", prefill=2, decode=1)
     try:
-        # -- a prefill instance dies under a long prompt: the request fails cleanly, nothing leaks --
+        # -- a prefill instance dies under a long prompt: its prefill runs again on the other one, nothing leaks --
         result: dict = {}
 
         def long_prefill() -> None:
@@ -75,7 +75,7 @@ def test_worker_sigkill_ends_requests_cleanly(tmp_path_factory):
         stack.processes[holder].send_signal(signal.SIGKILL)
         t.join(30)
         assert not t.is_alive(), "the client hung"
-        assert result["status"] == 503 and "lost" in result["body"]["error"]["message"], result
+        assert result["status"] == 200 and result["body"]["usage"]["completion_tokens"] == 4, result
         assert wait_until(lambda: not any(instance_blocks(stack).values()), 3), instance_blocks(stack)
         # the other prefill instance still serves
         ok = httpx.post(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from .conftest import instance_blocks, start_stack, wait_until
+from .conftest import back_in_service, instance_blocks, start_stack, supervise, wait_until
 from .sse import stream_text
 from .test_failures import kill_mid_stream, read_events_from
 from .test_kvp_decode import (
@@ -104,3 +104,18 @@ def test_a_dead_leader_fails_its_requests_and_takes_the_group_down_cleanly(kvp_s
     assert wait_until(lambda: not any(i.startswith("decode") for i in _instances(kvp_stack)), 10)
     r = httpx.post(kvp_stack.base_url + "/completions", timeout=30, json={**body, "max_tokens": 4, "stream": False})
     assert r.status_code == 503 and "no live prefill or decode instance" in r.json()["error"]["message"], r.text
+
+
+def test_supervised_the_whole_group_comes_back_and_splits_a_request_again(kvp_stack, reference_engine, tokenizer):
+    """As under `spindle up`: the dead leader's group restarts as a unit (leader and both followers, the follower
+    killed earlier too), its members re-form their pairs on the data plane, and a request split over them is exact."""
+    supervise(kvp_stack)
+    back_s = back_in_service(kvp_stack, "decode", 1)
+    assert wait_until(lambda: sum(i.startswith("decode") for i in _instances(kvp_stack)) == len(MEMBERS), 30)
+    ids = _prompts(tokenizer, [600])[0]  # [0, 300) and [300, 600): two members
+    body = {"model": "smollm2", "prompt": ids, "max_tokens": 16, "ignore_eos": True, "temperature": 0}
+    r = httpx.post(kvp_stack.base_url + "/completions", timeout=120, json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == tokenizer.decode(_greedy_ignoring_eos(reference_engine, ids, 16))
+    assert wait_until(lambda: _all_free(kvp_stack), 10), instance_blocks(kvp_stack)
+    print(f"[kvp=3] the group was back {back_s:.1f}s after supervision started")

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from .conftest import engine_greedy, instance_blocks, start_stack, wait_until
+from .conftest import back_in_service, engine_greedy, instance_blocks, start_stack, supervise, wait_until
 from .direct import run_plan
 
 pytestmark = pytest.mark.slow
@@ -110,6 +110,18 @@ def test_fixed_sp_serves_a_passkey_prompt_like_single_and_survives_a_dead_member
 
         assert wait_until(lambda: not any(live_blocks().values()), 10), live_blocks()
         print(f"\nafter SIGKILL of {victim}: {result['status']} {result['body']['error']['message']!r}")
+
+        # -- supervised (as `spindle up` is), the member comes back, rejoins the data plane and the group serves --
+        supervise(stack)
+        back_s = back_in_service(stack, "prefill", 1)
+        r = httpx.post(
+            stack.base_url + "/completions",
+            timeout=300,
+            json={"model": "smollm2", "prompt": ids, "max_tokens": 8, "temperature": 0},
+        )
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == tokenizer.decode(expected), r.text
+        assert wait_until(lambda: not any(instance_blocks(stack).values()), 5), instance_blocks(stack)
+        print(f"{victim} restarted and serving in its SP group again after {back_s:.1f} s")
     finally:
         stack.stop()
 

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from .conftest import engine_greedy, instance_blocks, start_stack, wait_until
+from .conftest import back_in_service, engine_greedy, instance_blocks, start_stack, supervise, wait_until
 from .sampling_check import assert_stream_matches, engine_reference, penalised_body, stream_completion
 from .sse import read_events, stream_text
 from .test_failures import kill_member_mid_stream
@@ -147,6 +147,20 @@ def test_disconnect_frees_blocks_on_every_rank(tp_stack):
 
 
 def test_follower_sigkill_ends_the_stream_with_an_error(tp_stack):
-    """Last in the module: it takes the TP instance down."""
+    """It takes the TP instance down (the next test brings it back)."""
     elapsed = kill_member_mid_stream(tp_stack, "decode-0-tp1", "decode-0")
     print(f"\n[tp=2] error event {elapsed:.1f}s after the follower's SIGKILL")
+
+
+def test_the_tp_instance_restarts_whole_and_decodes_exactly_again(tp_stack, reference_engine, tokenizer):
+    """Supervised (as under `spindle up`), the dead follower's instance restarts as a unit, leader and follower,
+    re-forms its pairs on the data plane and decodes the single engine's tokens again."""
+    supervise(tp_stack)
+    back_s = back_in_service(tp_stack, "decode", 1)
+    ids = tokenizer.encode("Once upon a time", add_special_tokens=False)
+    body = {"model": "smollm2", "prompt": ids, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(tp_stack.base_url + "/completions", timeout=120, json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == tokenizer.decode(engine_greedy(reference_engine, [ids], 16)[0])
+    assert wait_until(lambda: not any(instance_blocks(tp_stack).values()), 3.0), instance_blocks(tp_stack)
+    print(f"[tp=2] the TP instance was back {back_s:.1f}s after supervision started")

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from spindle_attention.distributed import p2p
+
 
 def wait_all(works: list[dist.Work], timeout_s: float, what: str, error: type[Exception]) -> None:
     """Wait for every operation; a failure or timeout raises `error` naming `what`."""
@@ -38,11 +40,11 @@ def recv_frame(
 ) -> Any:
     """The next frame from `src` under `tags` (length tag, payload tag), decoded."""
     length = torch.empty(1, dtype=torch.int64)
-    wait_all([dist.irecv(length, src, tag=tags[0])], timeout_s, f"{what} length from rank {src}", error)
+    wait_all([p2p.irecv(length, src, tag=tags[0])], timeout_s, f"{what} length from rank {src}", error)
     payload = torch.empty(int(length.item()), dtype=torch.uint8)
-    wait_all([dist.irecv(payload, src, tag=tags[1])], timeout_s, f"{what} from rank {src}", error)
+    wait_all([p2p.irecv(payload, src, tag=tags[1])], timeout_s, f"{what} from rank {src}", error)
     return decoder.decode(payload.numpy().tobytes())
 
 
 def send_ints(values: list[int], dst: int, tag: int, timeout_s: float, what: str, error: type[Exception]) -> None:
-    wait_all([dist.isend(torch.tensor(values, dtype=torch.int64), dst, tag=tag)], timeout_s, what, error)
+    wait_all([p2p.isend(torch.tensor(values, dtype=torch.int64), dst, tag=tag)], timeout_s, what, error)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from spindle_attention.distributed import p2p
 from spindle_attention.distributed.comm import RANK_GROUP_TAG, RankGroup, group_rank_size
 
 from .config import ModelConfig
@@ -98,9 +99,9 @@ def all_reduce_(x: Tensor, group: dist.ProcessGroup | RankGroup | None) -> Tenso
 
 def _p2p(pairs: list[tuple[Tensor, int, int]], recvs: list[tuple[Tensor, int, int]]) -> None:
     """Post the sends `(tensor, peer, tag)` and receives together, then wait for all of them."""
-    ops = [dist.P2POp(dist.isend, t, peer, None, RANK_GROUP_TAG + ALL_REDUCE_TAG + tag) for t, peer, tag in pairs]
-    ops += [dist.P2POp(dist.irecv, t, peer, None, RANK_GROUP_TAG + ALL_REDUCE_TAG + tag) for t, peer, tag in recvs]
-    for work in dist.batch_isend_irecv(ops):
+    ops = [p2p.Op(p2p.isend, t, peer, None, RANK_GROUP_TAG + ALL_REDUCE_TAG + tag) for t, peer, tag in pairs]
+    ops += [p2p.Op(p2p.irecv, t, peer, None, RANK_GROUP_TAG + ALL_REDUCE_TAG + tag) for t, peer, tag in recvs]
+    for work in p2p.batch_isend_irecv(ops):
         work.wait(_timeout)
 
 

@@ -35,9 +35,8 @@ class Bus:
     async def connect(
         cls, url: str, name: str, inject: Callable[[dict[str, str]], None] | None = None, **options: Any
     ) -> Bus:
-        nc = await nats.connect(
-            url, name=name, connect_timeout=5, max_reconnect_attempts=-1, reconnect_time_wait=0.5, **options
-        )
+        defaults = {"connect_timeout": 5, "max_reconnect_attempts": -1, "reconnect_time_wait": 0.5}
+        nc = await nats.connect(url, name=name, **(defaults | options))
         return cls(nc, inject)
 
     def _headers(self, headers: dict[str, str] | None) -> dict[str, str] | None:

@@ -137,6 +137,30 @@ class ClusterStatus(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     reshards: dict[str, int] = {}  # re-shards carried out so far, per configuration switched to (Seesaw)
     reshard_seconds: float = 0.0  # their measured time together
+    worker_restarts: dict[str, int] = {}  # processes the launcher restarted so far, per role (StackRestarts)
+
+
+class AddInstances(msgspec.Struct, frozen=True, kw_only=True):
+    """`spindle add` -> the launcher, request-reply: start `count` more instances of `role` (prefill or decode)."""
+
+    role: str
+    count: int = 1
+
+
+class AddedInstances(msgspec.Struct, frozen=True, kw_only=True):
+    """The launcher's answer: the instances it started (they serve once registered), or why it started none."""
+
+    instance_ids: list[str] = []
+    error: str = ""
+
+
+class StackRestarts(msgspec.Struct, frozen=True, kw_only=True):
+    """The launcher -> everyone: how many dead processes it restarted so far, per role (prefill, decode, kvstore,
+    scheduler, gateway, rendezvous, ...). Sent on each restart and every few seconds (a restarted scheduler learns
+    the totals). `gave_up`: units left down after a crash loop."""
+
+    restarts: dict[str, int]
+    gave_up: list[str] = []
 
 
 # ---- scheduler -> workers ----

@@ -19,6 +19,10 @@ STATUS = f"{PREFIX}.scheduler.status"
 EVENTS = f"{PREFIX}.scheduler.events"
 # anyone -> everyone, publish: Abort. Every service frees what it holds for the request.
 ABORT = f"{PREFIX}.abort"
+# launcher -> scheduler, publish: StackRestarts (the totals so far, on each restart and every few seconds)
+RESTARTS = f"{PREFIX}.stack.restarts"
+# spindle add -> launcher, request-reply: AddInstances -> AddedInstances
+ADD_INSTANCES = f"{PREFIX}.stack.add"
 
 # JetStream key-value bucket of live instances (key = instance id, value = InstanceInfo); entries expire.
 REGISTRY_BUCKET = "spindle_instances"

@@ -1,4 +1,7 @@
-"""DataPlane: header-checked point-to-point tensor transfers over one torch.distributed process group.
+"""DataPlane: header-checked point-to-point tensor transfers between the data plane's ranks.
+
+The ranks meet on a mesh (`mesh://`: one gloo group per pair of processes, so members may die, restart and join;
+mesh.py) or in one fixed torch.distributed world (`tcp://` and torch's other init methods: the library tests).
 
 The receiver picks the tag (`new_tag`) and tells the sender over the control plane; both sides then use
 it for the four messages of wire.py. The header exchange, the one wait that may never end (the peer may
@@ -14,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import sys
 import threading
 import time
@@ -28,9 +30,12 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from spindle_attention.distributed import p2p
 from spindle_protocol import TensorHeader, check_header
 
 from .errors import HeaderMismatchError, TransferError
+from .mesh import Mesh
+from .store import serve_store
 from .waits import Pending, block, wait_for
 from .wire import (
     ABORT,
@@ -70,6 +75,7 @@ class DataPlane:
         self._tag_slots = (HANDSHAKE_TAGS_END - 1) // world_size
         self._next_tag = 0
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="spindle-transfer")
+        self.mesh: Mesh | None = None  # set by init() for a mesh:// data plane
 
     @classmethod
     def init(
@@ -81,14 +87,31 @@ class DataPlane:
         timeout_s: float = 60.0,
         max_workers: int = 16,
     ) -> DataPlane:
-        """Join the process group (blocks until all `world_size` ranks have joined or `timeout_s` passes)."""
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        """Join the data plane at `init_method`.
+
+        `mesh://HOST:PORT`: the mesh at that rendezvous (spindle_transfer.rendezvous): one gloo group per pair of
+        processes, formed as members join, so any member may die and come back; returns at once. `tcp://...`
+        and torch's other init methods: one fixed world (blocks until all `world_size` ranks have joined or
+        `timeout_s` passes); rank 0 hosts the store for a loopback `tcp://`.
+        """
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        url = urlparse(init_method)
+        if url.scheme == "mesh":
+            if backend not in (None, "gloo"):
+                raise ValueError(f"the mesh data plane runs on gloo, not {backend!r}")
+            if not url.hostname or not url.port:
+                raise ValueError(f"{init_method!r} is not mesh://HOST:PORT")
+            if sys.platform == "linux" and url.hostname in ("127.0.0.1", "localhost"):
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            plane = cls(rank, world_size, "gloo", max_workers)
+            plane.mesh = Mesh(url.hostname, url.port, rank, timeout_s)
+            p2p.install(plane.mesh)
+            return plane
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         timeout = timedelta(seconds=timeout_s)
-        url = urlparse(init_method)
         if url.scheme == "tcp" and url.hostname in ("127.0.0.1", "localhost") and url.port:
             # Loopback only: torch's own tcp:// store would listen on every interface, and gloo on the
             # hostname's address. Rank 0 hosts the store on a socket bound to 127.0.0.1 instead.
@@ -132,8 +155,8 @@ class DataPlane:
         deadline = time.monotonic() + timeout_s
         payload = tensor.detach().to(self.device).contiguous().reshape(-1).view(torch.uint8)
         verdict_buf = torch.empty(2, dtype=torch.int64, device=self.device)
-        head = self._post(dist.isend, encode_header(header, self.device), dst, tag)
-        verdict = self._post(dist.irecv, verdict_buf, dst, tag)
+        head = self._post(p2p.isend, encode_header(header, self.device), dst, tag)
+        verdict = self._post(p2p.irecv, verdict_buf, dst, tag)
         late = partial(self._finish_abandoned_send, verdict, verdict_buf, payload, dst, tag)
         wait_for(self._watch(head, late), f"{what}: header", deadline, cancel)
         self._complete(verdict, f"{what}: verdict")
@@ -144,9 +167,9 @@ class DataPlane:
             raise TransferError(f"{what}: the receiver cancelled")
         cancelled = cancel is not None and cancel.is_set()
         if header.nbytes:
-            self._complete(self._post(dist.isend, payload, dst, tag), f"{what}: payload")
+            self._complete(self._post(p2p.isend, payload, dst, tag), f"{what}: payload")
         trailer = encode_signal(ABORT if cancelled else COMMIT, self.device)
-        self._complete(self._post(dist.isend, trailer, dst, tag), f"{what}: trailer")
+        self._complete(self._post(p2p.isend, trailer, dst, tag), f"{what}: trailer")
         if cancelled:
             raise TransferError(f"{what} was cancelled")
 
@@ -180,7 +203,7 @@ class DataPlane:
         what = f"receive of {expect.dtype}{expect.shape} from rank {src} (tag {tag})"
         deadline = time.monotonic() + timeout_s
         words = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
-        head = self._post(dist.irecv, words, src, tag)
+        head = self._post(p2p.irecv, words, src, tag)
         refuse_late = partial(self._send_signal, CANCELLED, src, tag, what)
         wait_for(self._watch(head, refuse_late), f"{what}: header", deadline, cancel)
         try:
@@ -193,9 +216,9 @@ class DataPlane:
             raise TransferError(f"{what} was cancelled")
         result = out if out is not None else torch.empty(expect.shape, dtype=dtype, device=self.device)
         # Post payload and trailer before accepting: gloo matches the ops of one tag in posting order.
-        body = self._post(dist.irecv, result.reshape(-1).view(torch.uint8), src, tag) if expect.nbytes else None
+        body = self._post(p2p.irecv, result.reshape(-1).view(torch.uint8), src, tag) if expect.nbytes else None
         trailer_buf = torch.empty(2, dtype=torch.int64, device=self.device)
-        trailer = self._post(dist.irecv, trailer_buf, src, tag)
+        trailer = self._post(p2p.irecv, trailer_buf, src, tag)
         self._send_signal(ACCEPT, src, tag, what)
         if body is not None:
             self._complete(body, f"{what}: payload")
@@ -238,7 +261,11 @@ class DataPlane:
     def close(self) -> None:
         """Leave the process group; waits still pending end with an error."""
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if dist.is_initialized():
+        if self.mesh is not None:
+            self.mesh.close()
+            if p2p.installed() is self.mesh:
+                p2p.install(None)
+        elif dist.is_initialized():
             dist.destroy_process_group()
 
     # ---- internals ----
@@ -279,7 +306,7 @@ class DataPlane:
             raise TransferError(f"{what}: {e}") from e
 
     def _send_signal(self, value: int, peer: int, tag: int, what: str) -> None:
-        self._complete(self._post(dist.isend, encode_signal(value, self.device), peer, tag), f"{what}: signal")
+        self._complete(self._post(p2p.isend, encode_signal(value, self.device), peer, tag), f"{what}: signal")
 
     def _finish_abandoned_send(
         self, verdict: dist.Work, verdict_buf: torch.Tensor, payload: torch.Tensor, dst: int, tag: int
@@ -289,20 +316,11 @@ class DataPlane:
         if decode_signal(verdict_buf, (ACCEPT, REJECT, CANCELLED)) != ACCEPT:
             return
         if payload.numel():
-            block(self._post(dist.isend, payload, dst, tag), self.backend == "nccl")
-        block(self._post(dist.isend, encode_signal(ABORT, self.device), dst, tag), self.backend == "nccl")
+            block(self._post(p2p.isend, payload, dst, tag), self.backend == "nccl")
+        block(self._post(p2p.isend, encode_signal(ABORT, self.device), dst, tag), self.backend == "nccl")
 
 
 def _loopback_store(port: int, rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
     if rank != 0:
         return dist.TCPStore("127.0.0.1", port, world_size, False, timeout)
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(("127.0.0.1", port))
-        sock.listen(128)
-    except OSError:
-        sock.close()
-        raise
-    fd = sock.detach()  # the store owns the listening socket from here on
-    return dist.TCPStore("127.0.0.1", port, world_size, True, timeout, wait_for_workers=False, master_listen_fd=fd)
+    return serve_store("127.0.0.1", port, timeout)

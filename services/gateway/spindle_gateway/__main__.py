@@ -149,8 +149,25 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         batch_max_lines=args.batch_max_lines,
         batch_concurrency=args.batch_concurrency,
     )
-    bus = await Bus.connect(args.nats_url, "spindle-gateway", inject=tracing.inject_hook())
+    states: list[GatewayState] = []
+
+    async def on_disconnect() -> None:
+        if states:
+            states[0].bus_lost()
+
+    async def on_reconnect() -> None:
+        if states:
+            states[0].bus_back()
+
+    bus = await Bus.connect(
+        args.nats_url,
+        "spindle-gateway",
+        inject=tracing.inject_hook(),
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+    )
     state = GatewayState(config, tokenizer, bus)
+    states.append(state)
     server = _server(with_stack_token(create_app(state), os.environ.get(STACK_TOKEN_ENV)), args)
     if state.batch_runner is not None:
         log.info("batch API on %s", config.batch_db)

@@ -229,6 +229,9 @@ def create_app(state: GatewayState) -> FastAPI:
         state.metrics.update_cluster(None if state.cluster.error else state.cluster.cached)
         if not ok:  # answered directly: health polls are not request errors in the metrics
             return GatewayError(503, f"unhealthy: {reason}").response()
+        if reason != "ok":  # still serving, with less capacity: what is missing
+            cached = state.cluster.cached
+            return _json({"status": "degraded", "missing": cached.dead_instances if cached else []})
         return _json({"status": "ok"})
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])

@@ -56,8 +56,9 @@ class ClusterView:
             return status
 
     async def health(self) -> tuple[bool, str]:
-        """Healthy when the scheduler answers and sees at least one live prefill and one live decode instance (an
-        elastic instance is both)."""
+        """Serving when the scheduler answers and sees at least one live prefill and one live decode instance (an
+        elastic instance is both): (True, "ok"), or (True, "degraded: ...") while instances it has seen are dead
+        (restarting, or left down); else (False, what is missing)."""
         status = await self.status()
         if status is None:
             return False, self._error
@@ -67,6 +68,8 @@ class ClusterView:
         missing = [r for r in ("prefill", "decode") if r not in roles]
         if missing:
             return False, f"no live {' or '.join(missing)} instance"
+        if status.dead_instances:
+            return True, f"degraded: {', '.join(status.dead_instances)} down"
         return True, "ok"
 
     async def instance_stats(self) -> list[dict[str, Any]]:

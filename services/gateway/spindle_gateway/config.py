@@ -28,6 +28,7 @@ class GatewayConfig:
     request_timeout: float = 600.0  # seconds from arrival to the request's deadline
     max_stop_strings: int = 32
     admit_timeout: float = 5.0  # seconds to wait for the scheduler's admission reply
+    scheduler_wait: float = 15.0  # with no scheduler running (restarting), admissions wait this long for one
     status_max_age: float = 0.5  # /health and /metrics reuse a ClusterStatus this fresh
     disconnect_poll: float = 0.2  # seconds between client-disconnect checks while no token arrives
     default_max_tokens: int | None = None  # chat requests without max_tokens: at most this (None: fill the context)
@@ -50,6 +51,8 @@ class GatewayConfig:
             raise ValueError(f"max_stop_strings must be >= 0, got {self.max_stop_strings}")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be positive, got {self.default_max_tokens}")
+        if self.scheduler_wait < 0:
+            raise ValueError(f"scheduler_wait must be >= 0, got {self.scheduler_wait}")
         for name in ("admit_timeout", "status_max_age", "disconnect_poll"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

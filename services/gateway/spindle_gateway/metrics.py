@@ -109,6 +109,20 @@ class GatewayMetrics:
         self.reshard_seconds = Counter(
             "spindle:reshard_seconds", "Time the re-sharding groups spent switching.", m, registry=r
         ).labels(model_name)
+        self._failures = Counter(
+            "spindle:request_failures",
+            "Requests that ended in an error, by cause (instance_lost, bus_restart, scheduler_unavailable, deadline, "
+            "overloaded, unavailable, rejected, internal).",
+            ["model_name", "cause"],
+            registry=r,
+        )
+        self._restarts = Counter(
+            "spindle:worker_restarts",
+            "Dead processes the launcher restarted, by role.",
+            ["model_name", "role"],
+            registry=r,
+        )
+        self._restarts_seen: dict[str, int] = {}
         self._reshards_seen: dict[str, int] = {}  # the scheduler's counts at the last status (counters only grow)
         self._reshard_seconds_seen = 0.0
         self._model = model_name
@@ -118,6 +132,9 @@ class GatewayMetrics:
 
     def error(self, status: int) -> None:
         self._errors.labels(self._model, str(status)).inc()
+
+    def failure(self, status: int, message: str) -> None:
+        self._failures.labels(self._model, failure_cause(status, message)).inc()
 
     def update_cluster(self, status: ClusterStatus | None) -> None:
         self.scheduler_up.set(0 if status is None else 1)
@@ -136,8 +153,30 @@ class GatewayMetrics:
         for to, n in status.reshards.items():
             self._reshards.labels(self._model, to).inc(max(0, n - self._reshards_seen.get(to, 0)))
             self._reshards_seen[to] = max(n, self._reshards_seen.get(to, 0))
+        for role, n in status.worker_restarts.items():
+            self._restarts.labels(self._model, role).inc(max(0, n - self._restarts_seen.get(role, 0)))
+            self._restarts_seen[role] = max(n, self._restarts_seen.get(role, 0))
         self.reshard_seconds.inc(max(0.0, status.reshard_seconds - self._reshard_seconds_seen))
         self._reshard_seconds_seen = max(status.reshard_seconds, self._reshard_seconds_seen)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def failure_cause(status: int, message: str) -> str:
+    """Why a request failed, from its error (the cluster's messages name the cause; see the tests)."""
+    if "was lost" in message or "unreachable" in message or "hand-off failed" in message:
+        return "instance_lost"
+    if "message bus" in message:
+        return "bus_restart"
+    if status == 504:
+        return "deadline"
+    if status == 503 and "scheduler" in message:
+        return "scheduler_unavailable"
+    if status == 429:
+        return "overloaded"
+    if status == 503:
+        return "unavailable"
+    if 400 <= status < 500:
+        return "rejected"
+    return "internal"

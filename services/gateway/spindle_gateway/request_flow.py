@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from .state import GatewayState
 
 log = logging.getLogger("spindle.gateway")
+SCHEDULER_POLL_S = 0.25  # how often an admission asks again while no scheduler is running
 
 Disconnected = Callable[[], Awaitable[bool]]
 
@@ -157,9 +158,16 @@ class Generation:
             deadline=self.deadline,
             service_class=self.service_class,
         )
-        timeout = max(0.001, min(state.config.admit_timeout, self._deadline_mono - time.monotonic()))
+        give_up = min(time.monotonic() + state.config.scheduler_wait, self._deadline_mono)
         try:
-            return await bus.request(subjects.ADMIT, AdmitRequest(request=spec), AdmitReply, timeout=timeout)
+            while True:
+                timeout = max(0.001, min(state.config.admit_timeout, self._deadline_mono - time.monotonic()))
+                try:
+                    return await bus.request(subjects.ADMIT, AdmitRequest(request=spec), AdmitReply, timeout=timeout)
+                except NoRespondersError:  # none subscribed: surely not admitted; a restarting one may come
+                    if time.monotonic() + SCHEDULER_POLL_S >= give_up:
+                        raise
+                    await asyncio.sleep(SCHEDULER_POLL_S)
         except NoRespondersError:
             raise GatewayError(503, "no scheduler is running; try again later", retry_after=1.0) from None
         except (NatsError, TimeoutError):  # nats' TimeoutError is also a builtin TimeoutError
@@ -308,6 +316,8 @@ class Generation:
         m.generation_tokens.inc(self.completion_tokens)
         if finish_reason is not None:
             m.success(finish_reason)
+        if error is not None:
+            m.failure(error.status, error.message)
         state.live.pop(self.id, None)
         root = self._root
         root.set_attribute("spindle.terminal", kind)

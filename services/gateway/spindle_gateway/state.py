@@ -52,6 +52,21 @@ class GatewayState:
         self.generation_defaults = generation_defaults(tokenizer)
         self.batches = BatchStore(Path(config.batch_db)) if config.batch_db else None
         self.batch_runner: BatchRunner | None = None  # create_app makes it (it runs lines through the app)
+        self._cut_off: set[str] = set()  # requests in flight while the connection to nats-server was down
+
+    def bus_lost(self) -> None:
+        """The connection to nats-server dropped: what the requests in flight miss meanwhile is lost for good."""
+        log.warning("lost nats-server with %d requests in flight", len(self.live))
+        self._cut_off |= set(self.live)
+
+    def bus_back(self) -> None:
+        """Reconnected: every request that was in flight across the gap ends with a clear error (its events, published
+        while we were away, are gone: it would otherwise wait for them until its deadline) and is aborted everywhere."""
+        cut_off, self._cut_off = self._cut_off | set(self.live), set()
+        for request_id in cut_off:
+            if (gen := self.live.get(request_id)) is not None:
+                gen.interrupt("the cluster's message bus (nats-server) restarted while this request ran; retry it", 503)
+        log.warning("nats-server is back; ended %d requests that were in flight across the gap", len(cut_off))
 
     @property
     def max_model_len(self) -> int:

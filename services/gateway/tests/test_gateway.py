@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 from typing import Any
 
@@ -147,12 +148,28 @@ def test_no_live_workers_is_503(gateway_url: str, peer: ScriptedPeer) -> None:
     assert "no live decode" in assert_error(post(gateway_url, "/v1/completions", COMPLETION), 503)["message"]
 
 
-def test_no_scheduler_is_503(harness: Any, gateway_url: str, peer: ScriptedPeer) -> None:
+def test_no_scheduler_is_503_after_waiting_for_one(harness: Any, peer: ScriptedPeer) -> None:
+    gw = harness.start_gateway(scheduler_wait=0.6)
     harness.call(peer.set_admitting(False))
     for body in (COMPLETION, {**COMPLETION, "stream": True}):
-        resp = post(gateway_url, "/v1/completions", body)
+        t0 = time.monotonic()
+        resp = post(gw.url, "/v1/completions", body)
         assert_error(resp, 503)
-        assert "retry-after" in resp.headers
+        assert "retry-after" in resp.headers and 0.3 < time.monotonic() - t0 < 3
+    assert peer.admits == []
+
+
+def test_a_scheduler_that_comes_back_in_time_admits_the_waiting_request(harness: Any, peer: ScriptedPeer) -> None:
+    gw = harness.start_gateway(scheduler_wait=10.0)
+    harness.call(peer.set_admitting(False))  # the scheduler is restarting
+    timer = threading.Timer(1.0, lambda: harness.call(peer.set_admitting(True)))
+    timer.start()
+    try:
+        resp = post(gw.url, "/v1/completions", COMPLETION)
+    finally:
+        timer.join()
+    assert resp.status_code == 200, resp.text
+    assert len(peer.admits) == 1  # asked until one answered, admitted once
 
 
 def test_admission_timeout_is_503_and_aborts(harness: Any, peer: ScriptedPeer) -> None:
@@ -409,6 +426,14 @@ def test_health_follows_the_cluster(gateway_url: str, peer: ScriptedPeer) -> Non
     time.sleep(0.6)  # past the status cache
     resp = get(gateway_url + "/health")
     assert resp.status_code == 503 and "decode" in resp.json()["error"]["message"]
+    # an instance it has seen is dead (restarting) while the others serve: 200, degraded, naming it
+    fields = {f: getattr(status, f) for f in status.__struct_fields__}
+    peer.status = type(status)(**{**fields, "dead_instances": ["prefill-1"], "worker_restarts": {"prefill": 2}})
+    time.sleep(0.6)
+    resp = get(gateway_url + "/health")
+    assert resp.status_code == 200 and resp.json() == {"status": "degraded", "missing": ["prefill-1"]}
+    restarts = 'spindle:worker_restarts_total{model_name="smollm2",role="prefill"} 2.0'
+    assert restarts in get(gateway_url + "/metrics").text
     peer.status = None  # the scheduler stops answering
     time.sleep(0.6)
     assert get(gateway_url + "/health", timeout=5).status_code == 503
@@ -491,3 +516,30 @@ def test_trace_spans_and_context_over_nats(
     assert spans and {s["trace_id"] for s in spans if s["attributes"].get("spindle.endpoint") == "chat"} == {
         client_trace
     }
+
+
+@pytest.mark.parametrize(
+    ("status", "message", "cause"),
+    [
+        (503, "prefill instance prefill-0 was lost", "instance_lost"),
+        (500, "KV hand-off failed: nats: no responders available for request", "instance_lost"),
+        (503, "the cluster's message bus (nats-server) restarted while this request ran; retry it", "bus_restart"),
+        (503, "no scheduler is running; try again later", "scheduler_unavailable"),
+        (504, "the request did not finish within its deadline (600 s)", "deadline"),
+        (429, "12 requests in flight; try again", "overloaded"),
+        (503, "no live prefill or decode instance", "unavailable"),
+        (400, "prompt too long", "rejected"),
+        (500, "admission failed: KeyError", "internal"),
+    ],
+)
+def test_failure_causes(status: int, message: str, cause: str) -> None:
+    from spindle_gateway.metrics import failure_cause
+
+    assert failure_cause(status, message) == cause
+
+
+def test_a_failed_request_is_counted_by_cause(gateway_url: str, peer: ScriptedPeer) -> None:
+    peer.admit_reply = AdmitReply(accepted=False, status=503, reason="no live decode instance")
+    post(gateway_url, "/v1/completions", COMPLETION)
+    text = get(gateway_url + "/metrics").text
+    assert f'spindle:request_failures_total{{cause="unavailable",model_name="{MODEL}"}}' in text

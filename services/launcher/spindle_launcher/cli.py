@@ -8,6 +8,7 @@ import shlex
 import signal
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 
 from .plan import (
     DEFAULT_CHUNK_TOKENS,
@@ -22,6 +23,7 @@ from .plan import (
     reshards,
     with_option,
 )
+from .restarts import DEFAULT_RESTART
 from .stack import Stack, StackError, StackInterrupted, check_ports
 from .supervisor import describe_exit
 
@@ -46,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
         "cost",
         add_help=False,
         help="predict one prefill / decode step / mixed batch on a GPU cluster, op by op (`spindle cost --help`)",
+    )
+    sub.add_parser(
+        "add",
+        add_help=False,
+        help="start more prefill / decode instances in a running `spindle up` (`spindle add --help`)",
     )
     sub.add_parser(
         "verify",
@@ -201,6 +208,15 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--log-level", default="INFO", help="services' log level (%(default)s)")
     n.add_argument("--log-dir", default=None, help="write each service's output to LOG_DIR/NAME.log")
     n.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for readiness (%(default)s)")
+    n.add_argument(
+        "--max-restarts",
+        type=int,
+        default=DEFAULT_RESTART.max_restarts,
+        help="a dead process is restarted (with its instance's other processes) after a back-off doubling from "
+        f"{DEFAULT_RESTART.backoff_s:g} s to {DEFAULT_RESTART.backoff_max_s:g} s while the rest serve on; this many "
+        f"restarts within {DEFAULT_RESTART.window_s:g} s is a crash loop and it stays down (%(default)s)",
+    )
+    n.add_argument("--no-restart", action="store_true", help="stop the whole stack when any process dies")
     n.add_argument("--dry-run", action="store_true", help="print the service commands and exit")
     return p
 
@@ -276,6 +292,7 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         log_level=args.log_level,
         ready_timeout=args.ready_timeout,
         log_dir=args.log_dir,
+        restart=None if args.no_restart else replace(DEFAULT_RESTART, max_restarts=args.max_restarts),
     )
 
 
@@ -314,6 +331,10 @@ def main(argv: list[str] | None = None) -> None:
         from .profile.cli import main as profile_main
 
         sys.exit(profile_main(argv[1:]))
+    if argv[:1] == ["add"]:
+        from .add import main as add_main
+
+        sys.exit(add_main(argv[1:]))
     if argv[:1] == ["tune"]:
         from spindle_scheduler.sim.tune import main as tune_main
 
@@ -348,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(e))
     if args.dry_run:
         nats_url = f"nats://127.0.0.1:{args.nats_port or 4222}"
-        runtime = Runtime(nats_url=nats_url, dist_init="tcp://127.0.0.1:29500", port=config.port or 8000)
+        runtime = Runtime(nats_url=nats_url, dist_init="mesh://127.0.0.1:29500", port=config.port or 8000)
         for spec in build_plan(config, runtime):
             print(f"{spec.name}: {shlex.join(spec.argv)}")
         return

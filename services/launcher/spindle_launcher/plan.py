@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from urllib.parse import urlparse
 
 from spindle_protocol.service import STACK_TOKEN_ENV
+
+from .restarts import DEFAULT_RESTART, RestartPolicy
 
 DTYPES = ("float32", "bfloat16", "float16")
 ROLES = ("kvstore", "scheduler", "prefill", "decode", "elastic", "gateway")
@@ -149,6 +152,8 @@ class StackConfig:
     ready_timeout: float = 180.0  # seconds
     log_dir: str | None = None  # child output to LOG_DIR/NAME.log instead of the launcher's stderr
     extra_args: dict[str, tuple[str, ...]] = field(default_factory=dict)  # role -> more flags (tests, tuning)
+    spare_ranks: int = 8  # data-plane ranks kept free for instances added at run time (`spindle add`; mesh only)
+    restart: RestartPolicy | None = DEFAULT_RESTART  # restart dead processes (None: stop the stack on any death)
     env: dict[str, str] = field(default_factory=dict)  # added to every child's environment
 
     def __post_init__(self) -> None:
@@ -247,6 +252,8 @@ class StackConfig:
             value = getattr(self, what)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{what} must be a positive integer, got {value!r}")
+        if self.spare_ranks < 0:
+            raise ValueError(f"spare_ranks must be >= 0, got {self.spare_ranks}")
         for what in ("kv_cache_memory_gb", "kvstore_memory_gb", "ready_timeout"):
             _positive(getattr(self, what), what)
         if self.log_level.upper() not in LOG_LEVELS:
@@ -299,7 +306,7 @@ class Runtime:
     """Addresses known only once the stack starts (or, in deploy/, fixed by the compose file)."""
 
     nats_url: str
-    dist_init: str  # torch.distributed rendezvous of rank 0 (the kvstore)
+    dist_init: str  # the data plane's rendezvous: mesh://HOST:PORT (the plan runs it), or tcp://... (rank 0 hosts it)
     port: int  # the gateway's port (StackConfig.port resolved)
     parent_pid: int = 0  # children exit when it dies; 0 = no watch
     stack_token: str = ""  # the gateway returns it on /health (SPINDLE_STACK_TOKEN); "" = none
@@ -314,6 +321,11 @@ class ServiceSpec:
     argv: tuple[str, ...]  # [python, -m, module, flags...]
     env: dict[str, str]  # added to the launcher's environment
     survivable: bool = False  # its exit does not stop the stack (a KVP group goes on without a dead follower)
+    unit: str = ""  # what restarts with it: its instance's leader process (default: itself)
+
+    @property
+    def unit_name(self) -> str:
+        return self.unit or self.name
 
     @property
     def module(self) -> str:
@@ -325,11 +337,28 @@ class ServiceSpec:
 
     @property
     def role(self) -> str:
-        return self.module.removeprefix("spindle_")
+        """prefill, decode, ..., decode.tp_follower, ...; `rendezvous` for the data plane's rendezvous."""
+        return self.module.removeprefix("spindle_").removeprefix("transfer.")
+
+
+def rank_capacity(config: StackConfig, runtime: Runtime) -> int:
+    """The data plane's ranks: the plan's, plus `spare_ranks` for instances added at run time on a mesh (a fixed
+    tcp:// world has exactly the plan's)."""
+    return config.world_size + (config.spare_ranks if runtime.dist_init.startswith("mesh://") else 0)
+
+
+def added_instance(template: ServiceSpec, instance_id: str, rank: int) -> ServiceSpec:
+    """A further instance like `template` (a one-process prefill or decode instance of the plan), with its own id
+    and data-plane rank."""
+    argv = list(template.argv)
+    for flag, value in (("--instance-id", instance_id), ("--rank", str(rank))):
+        argv[argv.index(flag) + 1] = value
+    return replace(template, name=instance_id, argv=tuple(argv), unit="")
 
 
 def build_plan(config: StackConfig, runtime: Runtime, python: str = sys.executable) -> list[ServiceSpec]:
-    """Every service of the stack in start order: kvstore, scheduler, prefill..., decode..., gateway."""
+    """Every service of the stack in start order: (rendezvous,) kvstore, scheduler, prefill..., decode..., gateway."""
+    world = str(rank_capacity(config, runtime))
     common = ["--nats-url", runtime.nats_url, "--log-level", config.log_level.upper()]
     if runtime.parent_pid:
         common += ["--parent-pid", str(runtime.parent_pid)]
@@ -337,7 +366,7 @@ def build_plan(config: StackConfig, runtime: Runtime, python: str = sys.executab
         common += ["--otlp-endpoint", config.otlp_endpoint]
 
     def worker(instance_id: str, rank: int) -> list[str]:
-        rank_flags = ["--rank", str(rank), "--world-size", str(config.world_size)]
+        rank_flags = ["--rank", str(rank), "--world-size", world]
         return ["--instance-id", instance_id, *rank_flags, "--dist-init", runtime.dist_init]
 
     def engine(kv_cache_tokens: int | None) -> list[str]:
@@ -357,6 +386,10 @@ def build_plan(config: StackConfig, runtime: Runtime, python: str = sys.executab
         argv = (python, "-m", f"spindle_{role}", *flags, *common, *config.extra_args.get(role, ()))
         specs.append(ServiceSpec(name, argv, {**env, **(more_env or {})}))
 
+    rendezvous = urlparse(runtime.dist_init)
+    if rendezvous.scheme == "mesh":  # the data plane's meeting point: any instance may restart around it
+        argv = (python, "-m", "spindle_transfer.rendezvous", "--host", rendezvous.hostname or "127.0.0.1")
+        specs.append(ServiceSpec("rendezvous", (*argv, "--port", str(rendezvous.port)), dict(env)))
     kvstore = worker("kvstore-0", 0)
     if config.kvstore_memory_gb is not None:
         kvstore += ["--memory-gb", _num(config.kvstore_memory_gb)]
@@ -378,20 +411,20 @@ def build_plan(config: StackConfig, runtime: Runtime, python: str = sys.executab
         add(f"decode-{i}", "decode", worker(f"decode-{i}", rank) + tp + engine(decode_tokens))
         for j in range(1, config.decode_kvp):
             flags = ["--instance-id", f"decode-{i}", "--rank", str(rank + j), "--leader-rank", str(rank)]
-            flags += ["--kvp-size", str(config.decode_kvp), "--world-size", str(config.world_size)]
+            flags += ["--kvp-size", str(config.decode_kvp), "--world-size", world]
             flags += ["--dist-init", runtime.dist_init, *engine(decode_tokens), "--log-level", config.log_level.upper()]
             if runtime.parent_pid:
                 flags += ["--parent-pid", str(runtime.parent_pid)]
             argv = (python, "-m", "spindle_decode.kvp_follower", *flags)
-            specs.append(ServiceSpec(f"decode-{i}-kvp{j}", argv, dict(env), survivable=True))
+            specs.append(ServiceSpec(f"decode-{i}-kvp{j}", argv, dict(env), survivable=True, unit=f"decode-{i}"))
         for j in range(1, config.decode_tp):
             flags = ["--instance-id", f"decode-{i}", "--rank", str(rank + j), "--leader-rank", str(rank)]
-            flags += ["--tp-size", str(config.decode_tp), "--world-size", str(config.world_size)]
+            flags += ["--tp-size", str(config.decode_tp), "--world-size", world]
             flags += ["--dist-init", runtime.dist_init, *engine(decode_tokens), "--log-level", config.log_level.upper()]
             if runtime.parent_pid:
                 flags += ["--parent-pid", str(runtime.parent_pid)]
             argv = (python, "-m", "spindle_decode.tp_follower", *flags)
-            specs.append(ServiceSpec(f"decode-{i}-tp{j}", argv, dict(env)))
+            specs.append(ServiceSpec(f"decode-{i}-tp{j}", argv, dict(env), unit=f"decode-{i}"))
     for i in range(config.elastic):
         rank = 1 + config.prefill + config.decode * config.decode_ranks + i * config.elastic_ranks
         budget = ["--max-num-batched-tokens", str(config.chunk_tokens)]
@@ -413,15 +446,14 @@ def build_plan(config: StackConfig, runtime: Runtime, python: str = sys.executab
             + (spp if not config.elastic_reshard else []))  # fmt: skip
         for j in range(1, config.elastic_ranks):
             flags = ["--instance-id", f"elastic-{i}", "--rank", str(rank + j), "--leader-rank", str(rank)]
-            flags += [*spp, "--world-size", str(config.world_size)]
+            flags += [*spp, "--world-size", world]
             flags += ["--dist-init", runtime.dist_init, *engine(config.kv_cache_tokens)]
             flags += ["--log-level", config.log_level.upper()]
             if runtime.parent_pid:
                 flags += ["--parent-pid", str(runtime.parent_pid)]
             argv = (python, "-m", member, *flags)
-            specs.append(
-                ServiceSpec(f"elastic-{i}-{'member' if config.elastic_reshard else 'spp'}{j}", argv, dict(env))
-            )
+            name = f"elastic-{i}-{'member' if config.elastic_reshard else 'spp'}{j}"
+            specs.append(ServiceSpec(name, argv, dict(env), unit=f"elastic-{i}"))
     token = {STACK_TOKEN_ENV: runtime.stack_token} if runtime.stack_token else {}
     gateway = ["--host", config.host, "--port", str(runtime.port), "--model", config.model]
     if config.default_max_tokens is not None:

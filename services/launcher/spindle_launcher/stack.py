@@ -33,7 +33,8 @@ from spindle_protocol import Bus, ClusterStatus, StatusQuery, subjects
 from spindle_protocol.nats_server import NatsServer, start_nats_server
 from spindle_protocol.service import STACK_TOKEN_HEADER
 
-from .plan import Runtime, ServiceSpec, StackConfig, build_plan, check_decode_tp
+from .plan import Runtime, ServiceSpec, StackConfig, added_instance, build_plan, check_decode_tp, rank_capacity
+from .recovery import Restarter, StackLink
 from .supervisor import Supervisor, describe_exit
 
 log = logging.getLogger("spindle.launcher")
@@ -130,6 +131,10 @@ class Stack:
         self._reported: set[str] = set()
         self.runtime: Runtime | None = None
         self.specs: list[ServiceSpec] = []
+        self._restarter: Restarter | None = None
+        self._round_lock = threading.Lock()
+        self._link: StackLink | None = None
+        self._next_rank = 0  # the data-plane rank of the next instance added at run time
 
     # ---- what tests and the CLI read ----
 
@@ -171,7 +176,7 @@ class Stack:
             self._echo(f"nats-server (JetStream) at {self._nats.url}")
             self.runtime = Runtime(
                 nats_url=self._nats.url,
-                dist_init=f"tcp://127.0.0.1:{free_port()}",
+                dist_init=f"mesh://127.0.0.1:{free_port()}",
                 port=self.config.port or free_port(),
                 parent_pid=os.getpid(),
                 stack_token=secrets.token_hex(16),
@@ -182,6 +187,18 @@ class Stack:
             names = ", ".join(s.name for s in self.specs)
             self._echo(f"started {names}; waiting for them (up to {self.config.ready_timeout:g} s)")
             self._run_async(self._wait_ready())
+            if self.runtime.dist_init.startswith("mesh://"):
+                self._link = StackLink(self.runtime.nats_url)
+                self._next_rank = self.config.world_size
+                if self.config.restart is not None:
+                    self._restarter = Restarter(
+                        self._supervisor,
+                        self.specs,
+                        self.config.restart,
+                        self._echo,
+                        self._link.update,
+                        self._restart_nats,
+                    )
         except BaseException:
             self.stop()
             raise
@@ -190,6 +207,54 @@ class Stack:
     def request_stop(self) -> None:
         """Make start() give up and wait() return; safe from a signal handler."""
         self._stop_requested.set()
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        """Processes restarted so far, per role."""
+        return dict(self._restarter.restarts) if self._restarter is not None else {}
+
+    def add_instances(self, role: str, count: int = 1) -> list[str]:
+        """Start `count` more one-process instances of `role` (prefill or decode) on the running stack: new ranks of
+        the mesh (from the plan's spare ones); they serve once registered. Call it from the thread that supervises
+        (`wait`), or before it runs; `spindle add` asks the launcher over NATS. ValueError: what cannot be added."""
+        assert self.runtime is not None, "stack not started"
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"only prefill and decode instances can be added, not {role!r}")
+        if not 1 <= count <= 64:
+            raise ValueError(f"count must be in [1, 64], got {count}")
+        if not self.runtime.dist_init.startswith("mesh://"):
+            raise ValueError("instances can be added only on a mesh data plane (mesh://)")
+        template = next((s for s in self.specs if s.name == f"{role}-0"), None)
+        if template is None or any(s.unit == template.name for s in self.specs):
+            raise ValueError(f"the stack has no one-process {role} instance to add more of")
+        capacity = rank_capacity(self.config, self.runtime)
+        if self._next_rank + count > capacity:
+            left = capacity - self._next_rank
+            raise ValueError(f"only {left} spare data-plane rank(s) left (StackConfig.spare_ranks); cannot add {count}")
+        taken = {s.name for s in self.specs}
+        added = []
+        for _ in range(count):
+            index = next(i for i in range(len(taken) + 1) if f"{role}-{i}" not in taken)
+            spec = added_instance(template, f"{role}-{index}", self._next_rank)
+            self._next_rank += 1
+            taken.add(spec.name)
+            self.specs.append(spec)
+            self._supervisor.spawn(spec)
+            if self._restarter is not None:
+                self._restarter.add(spec)
+            added.append(spec.name)
+        self._echo(f"added {', '.join(added)}")
+        return added
+
+    def _restart_nats(self) -> None:
+        """nats-server again on the same port with the same JetStream store (the registry and prompt buckets
+        survive); every client reconnects by itself."""
+        assert self._nats is not None
+        old = self._nats
+        new = start_nats_server("127.0.0.1", old.port, store_dir=old.store_dir, preexec_fn=self._supervisor.preexec())
+        new._owns_store = old._owns_store  # the stack's store: removed at stop as before
+        self._nats = new
+        self._supervisor.adopt("nats", new.process)
 
     def dead(self) -> tuple[str, int] | None:
         """The first child that exited and whose exit stops the stack (a KVP follower's does not: its group
@@ -204,9 +269,21 @@ class Stack:
         return None
 
     def wait(self, poll_s: float = 0.2) -> tuple[str, int] | None:
-        """Block until a child exits, (name, return code), or request_stop() was called (None)."""
+        """Supervise until request_stop() was called (None) or a death stops the stack: (name, return code).
+
+        With a restart policy (the default, on a mesh data plane) a dead process's instance is restarted after a
+        back-off while the rest serve on; only nats-server's death, or a crash loop of a service nothing works
+        without, stops the stack. Without one, the first death does."""
         while not self._stop_requested.is_set():
-            dead = self.dead()
+            with self._round_lock:  # stop() never runs beside a round that may be starting processes
+                if self._stopped:
+                    return None
+                dead = self._restarter.round() if self._restarter is not None else self.dead()
+                for request, done in self._link.take_adds() if self._link is not None else []:
+                    try:
+                        done.set_result(self.add_instances(request.role, request.count))
+                    except ValueError as e:
+                        done.set_exception(e)
             if dead is not None:
                 return dead
             self._stop_requested.wait(poll_s)
@@ -214,12 +291,17 @@ class Stack:
 
     def stop(self) -> None:
         """Gateway first, then the instances, the scheduler and nats-server last; SIGKILL after ~10 s."""
-        if self._stopped:
-            return
-        self._stopped = True
+        self._stop_requested.set()
+        with self._round_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        if self._link is not None:
+            self._link.close()
         names = [s.name for s in self.specs]
-        workers = [n for n in names if n not in ("gateway", "scheduler")]
-        self._supervisor.stop([["gateway"], workers, ["scheduler"], ["nats"]], timeout=STOP_TIMEOUT_S)
+        workers = [n for n in names if n not in ("gateway", "scheduler", "rendezvous")]
+        order = [["gateway"], workers, ["scheduler"], ["rendezvous"], ["nats"]]
+        self._supervisor.stop(order, timeout=STOP_TIMEOUT_S)
         if self._nats is not None:
             self._nats.stop()  # already exited; removes its JetStream store
 

@@ -63,8 +63,8 @@ class Supervisor:
         return self.log_dir / f"{name}.log" if self.log_dir else None
 
     def spawn(self, spec: ServiceSpec) -> subprocess.Popen:
-        if spec.name in self.processes:
-            raise ValueError(f"duplicate process name {spec.name!r}")
+        if spec.name in self.processes and self.processes[spec.name].poll() is None:
+            raise ValueError(f"process {spec.name!r} is already running")
         out = None
         path = self.log_path(spec.name)
         if path is not None:
@@ -89,6 +89,21 @@ class Supervisor:
     def exited(self) -> list[tuple[str, int]]:
         """(name, return code) of every child that has exited."""
         return [(name, p.returncode) for name, p in self.processes.items() if p.poll() is not None]
+
+    def end(self, names: Sequence[str], timeout: float) -> None:
+        """SIGTERM the named children, SIGKILL those still there after `timeout`; wait for all of them."""
+        self.stop_group([self.processes[n] for n in names if n in self.processes], time.monotonic() + timeout)
+
+    def stop_group(self, procs: Sequence[subprocess.Popen], deadline: float) -> None:
+        for p in procs:
+            if p.poll() is None:
+                _signal(p, signal.SIGTERM)
+        for p in procs:
+            _wait_until(p, deadline)
+        for p in procs:
+            if p.poll() is None:
+                _signal(p, signal.SIGKILL)
+                p.wait()
 
     def stop(self, order: Sequence[Sequence[str]] = (), timeout: float = 10.0) -> None:
         """SIGTERM the groups of `order` one after the other (then everyone else), waiting for each group

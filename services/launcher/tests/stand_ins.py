@@ -42,6 +42,16 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def until(cond, timeout: float = 10.0) -> bool:
+    """Poll `cond()` until true (True) or `timeout` seconds (False)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def wait_gone(pids: list[int], timeout: float) -> list[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

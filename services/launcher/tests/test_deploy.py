@@ -2,6 +2,7 @@
 
 import argparse
 import importlib
+import importlib.util
 import re
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from spindle_launcher.plan import Runtime, ServiceSpec, StackConfig, build_plan
 ROOT = Path(__file__).resolve().parents[3]
 DEPLOY = ROOT / "deploy"
 # `spindle up` defaults with the compose network's addresses; the gateway binds 0.0.0.0 inside its container.
-COMPOSE_RUNTIME = Runtime(nats_url="nats://nats:4222", dist_init="tcp://kvstore-0:29500", port=8000)
+COMPOSE_RUNTIME = Runtime(nats_url="nats://nats:4222", dist_init="mesh://rendezvous:29500", port=8000)
 COMPOSE_PLAN = build_plan(StackConfig(host="0.0.0.0"), COMPOSE_RUNTIME, python="python")
 LOCAL_PLAN = build_plan(
     StackConfig(otlp_endpoint="http://127.0.0.1:4317", kv_cache_tokens=4096, max_model_len=2048, kvstore_memory_gb=1),
@@ -30,7 +31,10 @@ def compose() -> dict:
 
 
 def service_parser(module: str) -> argparse.ArgumentParser:
-    return importlib.import_module(f"{module}.__main__").build_parser()
+    """The parser of `python -m module` (a package's __main__, or the module itself)."""
+    spec = importlib.util.find_spec(module)
+    main = f"{module}.__main__" if spec is not None and spec.submodule_search_locations else module
+    return importlib.import_module(main).build_parser()
 
 
 def test_every_planned_service_is_in_compose(compose: dict) -> None:
@@ -53,9 +57,10 @@ def test_ranks_and_world_size(compose: dict) -> None:
         if "--rank" in cmd:
             ranks[name] = int(cmd[cmd.index("--rank") + 1])
             worlds.add(int(cmd[cmd.index("--world-size") + 1]))
-            assert cmd[cmd.index("--dist-init") + 1] == "tcp://kvstore-0:29500"
+            assert cmd[cmd.index("--dist-init") + 1] == "mesh://rendezvous:29500"
             assert cmd[cmd.index("--instance-id") + 1] == name
-    assert worlds == {len(ranks)} and sorted(ranks.values()) == list(range(len(ranks)))
+    spare = StackConfig().spare_ranks  # ranks kept for instances added later
+    assert worlds == {len(ranks) + spare} and sorted(ranks.values()) == list(range(len(ranks)))
     assert ranks["kvstore-0"] == 0
 
 
@@ -96,6 +101,9 @@ def test_commands_parse_with_the_service_parser(spec: ServiceSpec) -> None:
     except SystemExit as e:
         raise AssertionError(f"{spec.module} rejects {list(spec.args)}") from e
     flags = dict(zip(spec.args[::2], spec.args[1::2], strict=True))
+    if spec.role == "rendezvous":  # the data plane's meeting point: no NATS
+        assert (args.host, args.port) == (flags["--host"], int(flags["--port"]))
+        return
     assert args.nats_url == flags["--nats-url"]
     if "--rank" in flags:
         assert args.instance_id == flags["--instance-id"]

@@ -309,3 +309,15 @@ def test_seesaw_runs_re_sharding_groups_of_its_plan() -> None:
     ]:
         with pytest.raises(ValueError, match=match):
             StackConfig(prefill=0, decode=0, elastic=1, **kwargs)
+
+
+def test_a_mesh_data_plane_runs_its_rendezvous_first_and_instances_restart_as_units() -> None:
+    rt = Runtime(nats_url="nats://127.0.0.1:4333", dist_init="mesh://127.0.0.1:29777", port=8123)
+    specs = build_plan(StackConfig(prefill=1, decode=1, decode_tp=2, elastic=0), rt, python="/py")
+    first = specs[0]
+    assert first.name == "rendezvous" and first.role == "rendezvous"
+    assert first.argv == ("/py", "-m", "spindle_transfer.rendezvous", "--host", "127.0.0.1", "--port", "29777")
+    assert all(flags(s.args)["--dist-init"] == "mesh://127.0.0.1:29777" for s in specs if "--dist-init" in s.args)
+    units = {s.name: s.unit_name for s in specs}
+    assert units["decode-0-tp1"] == "decode-0" and units["decode-0"] == "decode-0" and units["prefill-0"] == "prefill-0"
+    assert "rendezvous" not in {s.name for s in build_plan(StackConfig(), RT)}  # tcp://: rank 0 hosts the store

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import urllib.request
 from pathlib import Path
 from types import ModuleType
@@ -21,7 +22,7 @@ STAND_INS = str(Path(__file__).with_name("stand_ins.py"))
 def test_stack_ready_then_child_death(stand_ins: ModuleType) -> None:
     lines: list[str] = []
     stack = Stack(
-        StackConfig(prefill=2, decode=1, port=0, ready_timeout=30),
+        StackConfig(prefill=2, decode=1, port=0, ready_timeout=30, restart=None),  # any death stops it
         echo=lines.append,
         plan=stand_ins.stand_in_plan,
         prepare_model=False,
@@ -86,7 +87,7 @@ def start_launcher(*flags: str) -> tuple[subprocess.Popen, dict[str, int], list[
 
 @pytest.mark.parametrize("how", ["child dies", "SIGTERM", "SIGINT", "SIGKILL"])
 def test_launcher_process(how: str, stand_ins: ModuleType) -> None:
-    proc, pids, out = start_launcher()
+    proc, pids, out = start_launcher(*(["--no-restart"] if how == "child dies" else []))
     try:
         assert set(pids) == {"nats", "kvstore-0", "scheduler", "prefill-0", "decode-0", "gateway"}
         if how == "child dies":
@@ -118,8 +119,10 @@ def test_dry_run_and_bad_flags() -> None:
     r = run([sys.executable, "-m", "spindle_launcher", "up", "--dry-run", "--prefill", "1", "--nats-port", "4999"])
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert [line.split(":")[0] for line in lines] == ["kvstore-0", "scheduler", "prefill-0", "decode-0", "gateway"]
-    assert "--world-size 3" in lines[0] and "nats://127.0.0.1:4999" in lines[-1]
+    names = ["rendezvous", "kvstore-0", "scheduler", "prefill-0", "decode-0", "gateway"]
+    assert [line.split(":")[0] for line in lines] == names
+    assert "--world-size 11" in lines[1] and "mesh://127.0.0.1:29500" in lines[1]  # 3 ranks + 8 spare
+    assert "nats://127.0.0.1:4999" in lines[-1]
     r = run([sys.executable, "-m", "spindle_launcher", "up", "--decode", "0"])
     assert r.returncode == 2 and "need at least one decode instance" in r.stderr
 
@@ -130,7 +133,7 @@ def test_a_kvp_followers_exit_does_not_stop_the_stack(stand_ins: ModuleType) -> 
         return [*specs, ServiceSpec("decode-0-kvp1", stand_ins.SLEEPER, {}, survivable=True)]
 
     lines: list[str] = []
-    config = StackConfig(prefill=1, decode=1, port=0, ready_timeout=30)
+    config = StackConfig(prefill=1, decode=1, port=0, ready_timeout=30, restart=None)
     stack = Stack(config, echo=lines.append, plan=plan, prepare_model=False)
     with stack:
         stack.processes["decode-0-kvp1"].kill()
@@ -139,3 +142,25 @@ def test_a_kvp_followers_exit_does_not_stop_the_stack(stand_ins: ModuleType) -> 
         assert sum("decode-0-kvp1 exited" in line for line in lines) == 1
         stack.processes["decode-0"].kill()
         assert stack.wait() == ("decode-0", -signal.SIGKILL)
+
+
+def test_dead_children_restart_and_nats_comes_back_on_its_port(stand_ins: ModuleType) -> None:
+    lines: list[str] = []
+    stack = Stack(StackConfig(prefill=1, decode=1, port=0, ready_timeout=30), echo=lines.append,
+                  plan=stand_ins.stand_in_plan, prepare_model=False)  # fmt: skip
+    with stack:
+        supervisor = threading.Thread(target=stack.wait, daemon=True)
+        supervisor.start()
+        first = stack.processes["decode-0"]
+        first.kill()
+        assert stand_ins.until(lambda: stack.processes["decode-0"] is not first and first.poll() is not None)
+        assert stack.processes["decode-0"].poll() is None and sum(stack.restarts.values()) == 1
+        nats_url, nats = stack.nats_url, stack.processes["nats"]
+        nats.kill()
+        assert stand_ins.until(lambda: stack.processes["nats"] is not nats, 20)
+        assert stack.nats_url == nats_url and stack.restarts["nats"] == 1
+        with urllib.request.urlopen(stack.url + "/health", timeout=5) as r:
+            assert r.status == 200  # the stand-in scheduler reconnected to the new nats-server
+    supervisor.join(10)
+    assert not supervisor.is_alive() and all(p.poll() is not None for p in stack.processes.values())
+    assert any("restarting decode-0 in 0.5 s" in line for line in lines), lines

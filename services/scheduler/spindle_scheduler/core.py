@@ -225,11 +225,44 @@ class SchedulerCore:
         if group == instance_id:  # a dead leader takes its members' parts with it
             lost |= {i.id for i in self.state.instances.values() if i.info.kvp_group == group}
         actions: list[Action] = []
+        rerun: list[RequestSpec] = []
         for req in list(self.state.requests.values()):
             if lost & req.holders():
                 self._forget(req.request_id)
-                actions.append(FailRequest(req.request_id, 503, f"{inst.role} instance {instance_id} was lost"))
-        return actions + self._track(self.strategy.on_instance_lost(instance_id, self.state, now))
+                if self._rerunnable(req, lost):
+                    rerun.append(req.spec)
+                else:
+                    actions.append(FailRequest(req.request_id, 503, f"{inst.role} instance {instance_id} was lost"))
+        actions += self._track(self.strategy.on_instance_lost(instance_id, self.state, now))
+        for spec in rerun:
+            actions += self._rerun(spec, now, f"{inst.role} instance {instance_id} was lost")
+        return actions
+
+    def _rerunnable(self, req: RequestState, lost: set[str]) -> bool:
+        """A prefill that ran on one lost instance alone (no SP group, no other instance holding a part of it) and
+        had not reached its hand-off: nothing of it survives anywhere, so it can simply run again elsewhere."""
+        return (
+            req.phase is Phase.PREFILL
+            and len(req.prefill_instances) == 1
+            and req.prefill_instances[0] in lost
+            and len(req.chunks) <= 1
+            and not req.decode_shards
+            and req.decode_instance not in lost
+        )
+
+    def _rerun(self, spec: RequestSpec, now: float, why: str) -> list[Action]:
+        """Admit `spec` again (a new plan on the live instances): request migration, as Dynamo does for a prefill."""
+        actions = []
+        for a in self.admit(spec, now):
+            if isinstance(a, Reject):
+                actions.append(FailRequest(spec.request_id, a.status, f"{why}; running it again failed: {a.reason}"))
+            elif isinstance(a, Admit) and a.request_id == spec.request_id:
+                log.warning("%s: running the prefill of %s again on %s", why, spec.request_id,
+                            ", ".join(a.prefill_instances))  # fmt: skip
+                self.state.requests[spec.request_id].reruns += 1
+            elif not isinstance(a, Admit):
+                actions.append(a)
+        return actions
 
     # ---- requests ----
 

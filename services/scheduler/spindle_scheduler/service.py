@@ -34,6 +34,7 @@ from spindle_protocol.messages import (
     ScaleDownKVP,
     ScaleDownReply,
     SPChunkSpec,
+    StackRestarts,
     StatusQuery,
     StreamEvent,
     WorkerEvent,
@@ -89,6 +90,7 @@ class SchedulerService:
         self._plan_lock = asyncio.Lock()
         self.reshards: dict[str, int] = {}  # Resharded events so far, per configuration switched to
         self.reshard_seconds = 0.0
+        self.worker_restarts: dict[str, int] = {}  # the launcher's totals (StackRestarts)
 
     async def run(self, stop: asyncio.Event) -> None:
         setup("spindle-scheduler", self.config.otlp_endpoint)
@@ -97,6 +99,7 @@ class SchedulerService:
         await bus.subscribe(subjects.STATUS, StatusQuery, self._on_status)
         await bus.subscribe(subjects.EVENTS, WorkerEvent, self._on_event)
         await bus.subscribe(subjects.ABORT, Abort, self._on_abort)
+        await bus.subscribe(subjects.RESTARTS, StackRestarts, self._on_restarts)
         tasks = [
             asyncio.create_task(watch_registry(bus, self._on_registry)),
             asyncio.create_task(self._tick_loop()),
@@ -156,6 +159,7 @@ class SchedulerService:
             model=self.config.model,
             reshards=dict(self.reshards),
             reshard_seconds=self.reshard_seconds,
+            worker_restarts=dict(self.worker_restarts),
         )
 
     async def _on_event(self, event: WorkerEvent, raw: Msg) -> None:
@@ -164,6 +168,10 @@ class SchedulerService:
             self.reshards[event.config] = self.reshards.get(event.config, 0) + 1
             self.reshard_seconds += event.seconds
         await self._execute(self.core.on_event(event, time.time()))
+
+    async def _on_restarts(self, msg: StackRestarts, raw: Msg) -> None:
+        for role, n in msg.restarts.items():  # totals only grow: an older message never lowers one
+            self.worker_restarts[role] = max(n, self.worker_restarts.get(role, 0))
 
     async def _on_abort(self, msg: Abort, raw: Msg) -> None:
         self.core.on_abort(msg.request_id)

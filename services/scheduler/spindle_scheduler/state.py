@@ -84,6 +84,7 @@ class RequestState:
     merging: bool = False  # a ScaleDownKVP was sent and not answered yet
     merge_refused_at: float | None = None  # when the last ScaleDownKVP was refused (no retry for a while)
     num_preemptions: int = 0
+    reruns: int = 0  # times its prefill ran again after the instance running it was lost
 
     def kv_location(self) -> list[tuple[int, int, tuple[str, ...]]]:
         """Where the KV of each computed token range lives now: `(start, end, instances)` (a parked request's

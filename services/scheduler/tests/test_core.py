@@ -127,3 +127,26 @@ def test_dead_instance_fails_its_requests_and_is_not_planned_onto():
     assert core.admit(spec("b"), 103.5)[0].decode_instance == "decode-0"
     core.on_heartbeat(info("decode-1", "decode", 4, 104.0))  # it came back
     assert core.state.dead == {"kvstore-0"}  # it did not beat either
+
+
+def test_a_prefill_lost_before_its_hand_off_runs_again_elsewhere():
+    core = create_scheduler()
+    core.admit(spec("a"), 100.0)  # prefill-1 (prefill-0 is busy) -> decode-1
+    core.admit(spec("b"), 100.0)
+    assert core.state.requests["a"].prefill_instances == ("prefill-1",)
+    core.on_event(PrefillDone(request_id="b", instance_id="prefill-1", seconds=0.1, finished=False), 100.5)
+    for iid, role, rank in [("prefill-0", "prefill", 1), ("decode-0", "decode", 3), ("decode-1", "decode", 4)]:
+        core.on_heartbeat(info(iid, role, rank, 103.0))
+    actions = core.tick(103.5)  # prefill-1's heartbeat stopped
+    rerun = [a for a in actions if isinstance(a, RunPrefill)]
+    assert [a.spec.request_id for a in rerun] == ["a"] and rerun[0].prefill_instances == ("prefill-0",)
+    assert core.state.requests["a"].phase is Phase.PREFILL and core.state.requests["a"].reruns == 1
+    # b's KV was on its way from the lost instance (its first token streamed): it fails, it does not run again
+    assert FailRequest("b", 503, "prefill instance prefill-1 was lost") in actions and "b" not in core.state.requests
+    # no prefill instance left: the lost prefill cannot run again, so it fails, once
+    core.on_heartbeat(info("decode-0", "decode", 3, 106.0))
+    core.on_heartbeat(info("decode-1", "decode", 4, 106.0))
+    actions = core.tick(106.5)
+    why = "prefill instance prefill-0 was lost; running it again failed: no live prefill or decode instance"
+    assert [a for a in actions if isinstance(a, FailRequest)] == [FailRequest("a", 503, why)]
+    assert "a" not in core.state.requests

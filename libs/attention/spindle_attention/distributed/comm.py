@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import p2p
+
 
 @dataclass(frozen=True)
 class RankGroup:
@@ -108,7 +110,7 @@ class Timer:
 
 def group_rank_size(group: Group) -> tuple[int, int]:
     if isinstance(group, RankGroup):
-        me = dist.get_rank()
+        me = p2p.rank()
         if me not in group.ranks:
             raise ValueError(f"rank {me} is not a member of {group}")
         return group.ranks.index(me), len(group.ranks)
@@ -139,9 +141,9 @@ def exchange(sends: list[Tensor], recvs: list[Tensor], group: Group, tag: int) -
     for p in range(size):
         if p != rank:
             peer = global_rank(group, p)
-            ops += [dist.P2POp(dist.isend, sends[p], peer, pg, t), dist.P2POp(dist.irecv, recvs[p], peer, pg, t)]
+            ops += [p2p.Op(p2p.isend, sends[p], peer, pg, t), p2p.Op(p2p.irecv, recvs[p], peer, pg, t)]
     if ops:
-        for work in dist.batch_isend_irecv(ops):
+        for work in p2p.batch_isend_irecv(ops):
             wait(work)
 
 

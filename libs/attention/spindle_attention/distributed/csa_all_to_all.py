@@ -37,6 +37,7 @@ from torch import Tensor
 
 from ..csa import CSALevels, key_importance, masked_attention
 from ..merge import merge_attn_states_many
+from . import p2p
 from .comm import CommStats, Group, Timer, global_rank, group_rank_size, p2p_args, pack, unpack, wait
 from .csa_level import LevelAttention, kept, sends_keys, sends_queries
 from .ulysses import head_split, ulysses_attention
@@ -162,11 +163,11 @@ def csa_all_to_all_attention(
             continue
         for level, rows in forward_rows(levels, me, other, hq, hkv, dense).items():
             buf = pack([own[r.kind](r.head)[r.start : r.end] for r in rows])
-            fwd_sends.setdefault(level, []).append(_post(dist.isend, buf, group, other, FORWARD_TAG + level))
+            fwd_sends.setdefault(level, []).append(_post(p2p.isend, buf, group, other, FORWARD_TAG + level))
             _record(stats, level, sent=buf.numel())
         for level, rows in forward_rows(levels, other, me, hq, hkv, dense).items():
             buf = torch.empty(nbytes(rows), dtype=torch.uint8, device=dev)
-            recv_of[level, other] = (_post(dist.irecv, buf, group, other, FORWARD_TAG + level), rows, buf)
+            recv_of[level, other] = (_post(p2p.irecv, buf, group, other, FORWARD_TAG + level), rows, buf)
     back_recv: list[tuple[int, int, range, Tensor]] = []
     back_works: list = []
     for other in range(size):
@@ -176,7 +177,7 @@ def csa_all_to_all_attention(
                 continue
             rows = kept(levels, level, me, dense)
             buf = torch.empty(len(heads) * rows * (4 + d * q.element_size()), dtype=torch.uint8, device=dev)
-            back_works.append(_post(dist.irecv, buf, group, other, BACK_TAG + level))
+            back_works.append(_post(p2p.irecv, buf, group, other, BACK_TAG + level))
             back_recv.append((other, level, heads, buf))
 
     # 2. level 1 while the rest travels
@@ -227,7 +228,7 @@ def csa_all_to_all_attention(
                     states[h].append(_scatter(o, lse, order[h // g], n))
                 continue
             buf = pack([lse for _, lse in parts] + [o.contiguous() for o, _ in parts])
-            back_works.append(_post(dist.isend, buf, group, m, BACK_TAG + level))
+            back_works.append(_post(p2p.isend, buf, group, m, BACK_TAG + level))
             _record(stats, level, sent=buf.numel(), back=True)
 
     # 4. the levels' states of this member's queries, merged

@@ -30,10 +30,10 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from ..merge import merge_attn_states
+from . import p2p
 from .comm import (
     CommStats,
     Group,
@@ -189,8 +189,8 @@ def ring_attention(
             send = cur if n_cur else torch.zeros(block_bytes, dtype=torch.uint8, device=dev)
             recv = torch.empty(max(n_next, 1) * block_bytes, dtype=torch.uint8, device=dev)
             pg, tag = p2p_args(group)
-            ops = [dist.P2POp(dist.isend, send, nxt, pg, tag), dist.P2POp(dist.irecv, recv, prv, pg, tag)]
-            reqs = dist.batch_isend_irecv(ops)
+            ops = [p2p.Op(p2p.isend, send, nxt, pg, tag), p2p.Op(p2p.irecv, recv, prv, pg, tag)]
+            reqs = p2p.batch_isend_irecv(ops)
             if stats is not None:
                 stats.record(send.numel(), recv.numel(), n_cur * block_bytes)
         with Timer(stats, "compute_s"):

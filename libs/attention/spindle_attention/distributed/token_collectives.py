@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import p2p
 from .comm import (
     RANK_GROUP_TAG,
     CommStats,
@@ -110,7 +111,7 @@ def _group_ranks(group: Group) -> list[int]:
 
 
 def _subgroups(group: Group, gpus_per_node: int) -> tuple[RankGroup, RankGroup]:
-    across, within = node_layout(_group_ranks(group), dist.get_rank(), gpus_per_node)
+    across, within = node_layout(_group_ranks(group), p2p.rank(), gpus_per_node)
     # a pair of members is in one of the two at most, so both may share the parent's tags
     tag = group.tag_base if isinstance(group, RankGroup) else RANK_GROUP_TAG
     return RankGroup(tuple(across), tag), RankGroup(tuple(within), tag)

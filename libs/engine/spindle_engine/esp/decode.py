@@ -19,10 +19,10 @@ the command and that table alone.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from spindle_attention import attention_fwd, merge_attn_states_many
+from spindle_attention.distributed import p2p
 from spindle_attention.distributed.comm import pack, unpack
 
 from ..engine import Engine
@@ -114,8 +114,8 @@ class MultiMasterContext:
         q_in = {m: torch.empty(sum(w.tokens for w in ws), self.hq, self.d, dtype=self.dtype)
                 for m, ws in self.served.items()}  # fmt: skip
         r_in = {h: torch.empty(self._state_bytes(r.numel()), dtype=torch.uint8) for h, r in self.rows.items()}
-        recv_q = [dist.irecv(buf, self.ranks[m], tag=self.tags.query(layer)) for m, buf in q_in.items()]
-        recv_r = [dist.irecv(buf, self.ranks[h], tag=self.tags.result(layer)) for h, buf in r_in.items()]
+        recv_q = [p2p.irecv(buf, self.ranks[m], tag=self.tags.query(layer)) for m, buf in q_in.items()]
+        recv_r = [p2p.irecv(buf, self.ranks[h], tag=self.tags.result(layer)) for h, buf in r_in.items()]
         sends, keep = [], []
         own = None
         if self.mine:
@@ -123,13 +123,13 @@ class MultiMasterContext:
             parts.write(self.cache, li, self.new_slots, k, v)
             for h, r in self.rows.items():
                 keep.append(q.index_select(0, r).contiguous())
-                sends.append(dist.isend(keep[-1], self.ranks[h], tag=self.tags.query(layer)))
+                sends.append(p2p.isend(keep[-1], self.ranks[h], tag=self.tags.query(layer)))
             own = self._attend(li, self.mine, q)
         self.waiter.wait_all(recv_q, f"layer {layer} queries")
         for m, buf in q_in.items():
             out, lse = self._attend(li, self.served[m], buf)
             keep.append(pack([lse.contiguous(), out.contiguous()]))
-            sends.append(dist.isend(keep[-1], self.ranks[m], tag=self.tags.result(layer)))
+            sends.append(p2p.isend(keep[-1], self.ranks[m], tag=self.tags.result(layer)))
         if not self.mine:
             self.waiter.wait_all(sends, f"layer {layer} states")
             return None

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from spindle_attention.distributed import p2p
 from spindle_attention.distributed.comm import RANK_GROUP_TAG
 
 MAX_HANDOVER_BYTES = 1 << 20  # a request's encoded spec
@@ -108,8 +109,8 @@ def all_gather(mine: Tensor, me: int, ranks: list[int], tag: int, waiter: Waiter
     out[me] = mine
     if mine.numel() == 0 or len(ranks) == 1:
         return out
-    works = [dist.irecv(out[m], ranks[m], tag=tag) for m in range(len(ranks)) if m != me]
-    works += [dist.isend(mine.contiguous(), ranks[m], tag=tag) for m in range(len(ranks)) if m != me]
+    works = [p2p.irecv(out[m], ranks[m], tag=tag) for m in range(len(ranks)) if m != me]
+    works += [p2p.isend(mine.contiguous(), ranks[m], tag=tag) for m in range(len(ranks)) if m != me]
     waiter.wait_all(works, what)
     return out
 
@@ -130,20 +131,20 @@ _decoder = msgspec.msgpack.Decoder(Handover)
 def send_handover(h: Handover, dst: int, tags: Tags, waiter: Waiter) -> None:
     payload = torch.frombuffer(bytearray(_encoder.encode(h)), dtype=torch.uint8)
     length = torch.tensor([payload.numel()], dtype=torch.int64)
-    works = [dist.isend(length, dst, tag=tags.handover), dist.isend(payload, dst, tag=tags.handover + 1)]
+    works = [p2p.isend(length, dst, tag=tags.handover), p2p.isend(payload, dst, tag=tags.handover + 1)]
     waiter.wait_all(works, f"hand-over to rank {dst}")
 
 
 def recv_handover(src: int, max_tokens: int, tags: Tags, waiter: Waiter) -> Handover:
     """The next hand-over from `src`; ESPError for a malformed or oversized one (never executed: msgspec)."""
     length = torch.empty(1, dtype=torch.int64)
-    waiter.wait(dist.irecv(length, src, tag=tags.handover), f"hand-over length from rank {src}")
+    waiter.wait(p2p.irecv(length, src, tag=tags.handover), f"hand-over length from rank {src}")
     n = int(length.item())
     limit = MAX_HANDOVER_BYTES + 9 * (max_tokens + 8)
     if not 0 < n <= limit:
         raise ESPError(f"a hand-over of {n} bytes from rank {src} (at most {limit})")
     payload = torch.empty(n, dtype=torch.uint8)
-    waiter.wait(dist.irecv(payload, src, tag=tags.handover + 1), f"hand-over from rank {src}")
+    waiter.wait(p2p.irecv(payload, src, tag=tags.handover + 1), f"hand-over from rank {src}")
     try:
         h = _decoder.decode(payload.numpy().tobytes())
     except msgspec.DecodeError as e:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from spindle_attention import merge_attn_states_many
+from spindle_attention.distributed import p2p
 from spindle_attention.distributed.comm import RANK_GROUP_TAG, pack, unpack
 
 from .plan import KVPPlan, KVPRequest
@@ -134,8 +135,8 @@ class KVPAttentionContext:
         out_q = {h: rs for h, rs in self.out_q.items() if h not in lost}
         q_in = {m: torch.empty(self._query_numel(rs, self.me), dtype=self.dtype) for m, rs in in_q.items()}
         r_in = {h: torch.empty(self._result_nbytes(len(rs)), dtype=torch.uint8) for h, rs in out_q.items()}
-        q_works = [self._post(dist.irecv, buf, m, query_tag(layer)) for m, buf in q_in.items()]
-        r_works = [self._post(dist.irecv, buf, h, result_tag(layer)) for h, buf in r_in.items()]
+        q_works = [self._post(p2p.irecv, buf, m, query_tag(layer)) for m, buf in q_in.items()]
+        r_works = [self._post(p2p.irecv, buf, h, result_tag(layer)) for h, buf in r_in.items()]
         sends = []
         row = {r.request_id: i for i, r in enumerate(self.batch)}
         if self.batch:
@@ -150,7 +151,7 @@ class KVPAttentionContext:
                         parts += [k[i].reshape(-1), v[i].reshape(-1)]
                         self.stats.kv_bytes += 2 * k[i].numel() * k.element_size()
                 self._keep.append(torch.cat(parts))
-                sends.append(self._post(dist.isend, self._keep[-1], h, query_tag(layer)))
+                sends.append(self._post(p2p.isend, self._keep[-1], h, query_tag(layer)))
             for i, r in enumerate(self.batch):
                 if r.tail == self.me:
                     self.shard.write(li, self.tail_slots[r.request_id], k[i : i + 1], v[i : i + 1])
@@ -224,7 +225,7 @@ class KVPAttentionContext:
             msg = pack([lse[:, first : first + n].contiguous(), out[first : first + n]])
             self.stats.result_bytes += msg.numel()
             self._keep.append(msg)
-            sends.append(self._post(dist.isend, msg, m, result_tag(layer)))
+            sends.append(self._post(p2p.isend, msg, m, result_tag(layer)))
             first += n
         return sends
 

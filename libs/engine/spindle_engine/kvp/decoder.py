@@ -23,9 +23,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
+from spindle_attention.distributed import p2p
 from spindle_model import LlamaModel
 
 from ..grammar import GrammarCompiler
@@ -254,14 +254,14 @@ class KVPMember:
             if mv.leaver == self.me:
                 assert mv.kv is not None
                 rank, kv = self.ranks[mv.receiver], mv.kv
-                works.append(post(lambda kv=kv, rank=rank, i=i: dist.isend(kv, rank, tag=move_tag(i)), mv.receiver,
+                works.append(post(lambda kv=kv, rank=rank, i=i: p2p.isend(kv, rank, tag=move_tag(i)), mv.receiver,
                                   self._lost))  # fmt: skip
                 self.stats.scale_down_bytes += kv.numel() * kv.element_size()
                 self.stats.scale_down_tokens += mv.num_tokens
             elif mv.receiver == self.me:
                 buf = torch.empty(2, layers, mv.num_tokens, hkv, d, dtype=self.shard.cache.k.dtype)
                 rank = self.ranks[mv.leaver]
-                works.append(post(lambda buf=buf, rank=rank, i=i: dist.irecv(buf, rank, tag=move_tag(i)), mv.leaver,
+                works.append(post(lambda buf=buf, rank=rank, i=i: p2p.irecv(buf, rank, tag=move_tag(i)), mv.leaver,
                                   self._lost))  # fmt: skip
                 inbox.append((mv, buf))
         wait_peers(works, self.timeout_s, self._lost)
@@ -282,9 +282,9 @@ class KVPMember:
             n = len(self.plan.mastered_by(m))
             if n:
                 buf = bufs[m] = torch.empty(n, 2, dtype=torch.int64)
-                works.append(post(lambda m=m, buf=buf: dist.irecv(buf, self.ranks[m], tag=KVP_TAG), m, self._lost))
+                works.append(post(lambda m=m, buf=buf: p2p.irecv(buf, self.ranks[m], tag=KVP_TAG), m, self._lost))
             if len(outputs):
-                works.append(post(lambda m=m: dist.isend(mine, self.ranks[m], tag=KVP_TAG), m, self._lost))
+                works.append(post(lambda m=m: p2p.isend(mine, self.ranks[m], tag=KVP_TAG), m, self._lost))
                 self.stats.control_bytes += mine.numel() * 8
         wait_peers(works, self.timeout_s, self._lost)
         self._gather_logprobs(outputs)
@@ -305,7 +305,7 @@ class KVPMember:
             rows = [_pack_logprobs(o.logprobs) for o in outputs if o.logprobs is not None]
             if rows and LEADER_MEMBER not in self.lost:
                 buf = torch.stack(rows)  # [k, LOGPROB_ROW]
-                work = post(lambda: dist.isend(buf, self.ranks[LEADER_MEMBER], tag=KVP_TAG), LEADER_MEMBER, self._lost)
+                work = post(lambda: p2p.isend(buf, self.ranks[LEADER_MEMBER], tag=KVP_TAG), LEADER_MEMBER, self._lost)
                 wait_peers([work], self.timeout_s, self._lost)
                 self.stats.control_bytes += buf.numel() * 8
             return
@@ -316,7 +316,7 @@ class KVPMember:
             wanted[m] = [r.request_id for r in self.plan.mastered_by(m) if r.request_id in self.logprob_requests]
             if wanted[m]:
                 buf = bufs[m] = torch.empty(len(wanted[m]), LOGPROB_ROW, dtype=torch.float64)
-                works.append(post(lambda m=m, buf=buf: dist.irecv(buf, self.ranks[m], tag=KVP_TAG), m, self._lost))
+                works.append(post(lambda m=m, buf=buf: p2p.irecv(buf, self.ranks[m], tag=KVP_TAG), m, self._lost))
         wait_peers(works, self.timeout_s, self._lost)
         for m, buf in bufs.items():
             if m not in self.lost:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from spindle_attention.distributed import p2p
 from spindle_attention.distributed.comm import RANK_GROUP_TAG
 
 from .. import control_frames
@@ -154,9 +155,9 @@ def send_control(
     length, payload = control_frames.encode_frame(_encoder, control)
     works, lost = [], set()
     for m, peer in followers.items():
-        works.append(post(lambda peer=peer: dist.isend(length, peer, tag=_LENGTH), m, lost))
-        works.append(post(lambda peer=peer: dist.isend(payload, peer, tag=_PAYLOAD), m, lost))
-        works += [post(lambda t=t, peer=peer: dist.isend(t, peer, tag=_KV), m, lost) for t in kv_parts.get(m, [])]
+        works.append(post(lambda peer=peer: p2p.isend(length, peer, tag=_LENGTH), m, lost))
+        works.append(post(lambda peer=peer: p2p.isend(payload, peer, tag=_PAYLOAD), m, lost))
+        works += [post(lambda t=t, peer=peer: p2p.isend(t, peer, tag=_KV), m, lost) for t in kv_parts.get(m, [])]
     try:
         wait_peers(works, timeout_s, lost)
     except KVPError as e:
@@ -174,7 +175,7 @@ def recv_control(
     for call in control.calls:
         if isinstance(call, Place) and (mine := call.request().range_of(member)) is not None and mine.num_tokens:
             t = torch.empty(kv_shape(mine.num_tokens), dtype=kv_dtype)
-            wait_all([dist.irecv(t, leader, tag=_KV)], timeout_s, f"KV of {call.request_id} from rank {leader}")
+            wait_all([p2p.irecv(t, leader, tag=_KV)], timeout_s, f"KV of {call.request_id} from rank {leader}")
             parts.append(t)
     return control, parts
 
@@ -191,7 +192,7 @@ def send_ack(ack: list[int], leader: int, timeout_s: float) -> None:
 def recv_acks(followers: dict[int, int], timeout_s: float, lost: set[int]) -> dict[int, list[int]]:
     """The acks of the followers not in `lost`; those found dead meanwhile join `lost` (and have none)."""
     bufs = {m: torch.empty(ACK_WORDS, dtype=torch.int64) for m in followers if m not in lost}
-    works = [post(lambda m=m, peer=peer: dist.irecv(bufs[m], peer, tag=_ACK), m, lost) for m, peer in followers.items()
+    works = [post(lambda m=m, peer=peer: p2p.irecv(bufs[m], peer, tag=_ACK), m, lost) for m, peer in followers.items()
              if m in bufs]  # fmt: skip
     try:
         wait_peers(works, timeout_s, lost)

@@ -31,9 +31,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
+from spindle_attention.distributed import p2p
 from spindle_attention.distributed.comm import RANK_GROUP_TAG, RankGroup
 from spindle_model import LlamaModel, ModelConfig
 from spindle_model.parallel import TPShard
@@ -107,7 +107,7 @@ def _bytes(model: LlamaModel) -> int:
 
 def _recv_ints(n: int, src: int, tag: int, timeout_s: float, what: str) -> list[int]:
     buf = torch.empty(n, dtype=torch.int64)
-    wait_all([dist.irecv(buf, src, tag=tag)], timeout_s, what, ReshardError)
+    wait_all([p2p.irecv(buf, src, tag=tag)], timeout_s, what, ReshardError)
     return buf.tolist()
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from spindle_attention.distributed import p2p
 from spindle_attention.distributed.comm import RANK_GROUP_TAG
 
 from .held_kv import HeldKV
@@ -48,12 +49,12 @@ class Rebalance:
             for mv in mine_out:
                 k, v = held.read(layer, mv.lo, mv.hi)
                 buf = torch.stack([k, v])  # [2, n, Hkv, D]
-                self._sends.append(dist.isend(buf, ranks[mv.dst], tag=tag))
+                self._sends.append(p2p.isend(buf, ranks[mv.dst], tag=tag))
                 self.bytes_sent += buf.numel() * buf.element_size()
             offset = 0
             for mv in mine_in:
                 buf = torch.empty(2, mv.count, hkv, d, dtype=dtype)
-                work = dist.irecv(buf, ranks[mv.src], tag=tag)
+                work = p2p.irecv(buf, ranks[mv.src], tag=tag)
                 self._recvs[layer].append((work, buf, in_slots[offset : offset + mv.count]))
                 self.bytes_received += buf.numel() * buf.element_size()
                 offset += mv.count

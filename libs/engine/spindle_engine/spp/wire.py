@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from spindle_attention.distributed import p2p
 from spindle_attention.distributed.comm import RANK_GROUP_TAG
 
 from ..control_frames import encode_frame, recv_frame, wait_all
@@ -85,10 +86,10 @@ _decoder = msgspec.msgpack.Decoder(StageStep)
 def post_step(step: StageStep, hidden: Tensor | None, dst: int) -> list[tuple[dist.Work, Tensor]]:
     """Post `step` and its hidden states `[T, H]` to rank `dst`; the works and the tensors they must keep alive."""
     length, payload = encode_frame(_encoder, step)
-    posted = [(dist.isend(length, dst, tag=_LENGTH), length), (dist.isend(payload, dst, tag=_PAYLOAD), payload)]
+    posted = [(p2p.isend(length, dst, tag=_LENGTH), length), (p2p.isend(payload, dst, tag=_PAYLOAD), payload)]
     if hidden is not None and step.num_tokens:
         hidden = hidden.contiguous()
-        posted.append((dist.isend(hidden, dst, tag=_HIDDEN), hidden))
+        posted.append((p2p.isend(hidden, dst, tag=_HIDDEN), hidden))
     return posted
 
 
@@ -98,18 +99,18 @@ def recv_step(src: int, timeout_s: float) -> StageStep:
 
 def recv_hidden(src: int, num_tokens: int, hidden_size: int, dtype: torch.dtype, timeout_s: float) -> Tensor:
     hidden = torch.empty(num_tokens, hidden_size, dtype=dtype)  # [T, H]
-    wait_all([dist.irecv(hidden, src, tag=_HIDDEN)], timeout_s, f"hidden states from rank {src}", SPPError)
+    wait_all([p2p.irecv(hidden, src, tag=_HIDDEN)], timeout_s, f"hidden states from rank {src}", SPPError)
     return hidden
 
 
 def post_return(rows: Tensor, leader: int) -> tuple[dist.Work, Tensor]:
     rows = rows.contiguous()
-    return dist.isend(rows, leader, tag=_RETURN), rows
+    return p2p.isend(rows, leader, tag=_RETURN), rows
 
 
 def recv_return(src: int, num_rows: int, hidden_size: int, dtype: torch.dtype, timeout_s: float) -> Tensor:
     rows = torch.empty(num_rows, hidden_size, dtype=dtype)  # [rows, H]
-    wait_all([dist.irecv(rows, src, tag=_RETURN)], timeout_s, f"final hidden rows from rank {src}", SPPError)
+    wait_all([p2p.irecv(rows, src, tag=_RETURN)], timeout_s, f"final hidden rows from rank {src}", SPPError)
     return rows
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from spindle_attention.distributed import p2p
 from spindle_attention.distributed.comm import RANK_GROUP_TAG
 
 from ..control_frames import encode_frame, recv_frame, send_ints, wait_all
@@ -122,8 +123,8 @@ def send_control(control: Control, kv_parts: list[list[Tensor]], followers: tupl
     length, payload = encode_frame(_encoder, control)
     works = []
     for f, peer in enumerate(followers):
-        works += [dist.isend(length, peer, tag=_LENGTH), dist.isend(payload, peer, tag=_PAYLOAD)]
-        works += [dist.isend(t, peer, tag=_KV) for t in kv_parts[f]]
+        works += [p2p.isend(length, peer, tag=_LENGTH), p2p.isend(payload, peer, tag=_PAYLOAD)]
+        works += [p2p.isend(t, peer, tag=_KV) for t in kv_parts[f]]
     _wait(works, timeout_s, f"control message {control.seq} to ranks {followers}")
 
 
@@ -136,7 +137,7 @@ def recv_control(
     for call in control.calls:
         if isinstance(call, Resume) and not call.direct and call.tier is None:
             t = torch.empty(kv_shape(len(call.token_ids) - 1), dtype=kv_dtype)
-            _wait([dist.irecv(t, leader, tag=_KV)], timeout_s, f"KV of {call.request_id} from rank {leader}")
+            _wait([p2p.irecv(t, leader, tag=_KV)], timeout_s, f"KV of {call.request_id} from rank {leader}")
             parts.append(t)
     return control, parts
 
@@ -152,6 +153,6 @@ def send_ack(ack: list[int], leader: int, timeout_s: float) -> None:
 
 def recv_acks(followers: tuple[int, ...], timeout_s: float) -> list[list[int]]:
     bufs = [torch.empty(ACK_WORDS, dtype=torch.int64) for _ in followers]
-    works = [dist.irecv(b, peer, tag=_ACK) for b, peer in zip(bufs, followers, strict=True)]
+    works = [p2p.irecv(b, peer, tag=_ACK) for b, peer in zip(bufs, followers, strict=True)]
     _wait(works, timeout_s, f"acks from ranks {followers}")
     return [b.tolist() for b in bufs]
