@@ -12,23 +12,25 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 
-from spindle_launcher.plan import Runtime, StackConfig, build_plan
 from spindle_protocol.nats_server import nats_server_binary
 
 from .conftest import engine_greedy
 
 pytestmark = pytest.mark.slow
 
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "multi-host"
 A, B = "spx-a", "spx-b"
 IP_A, IP_B = "10.77.0.1", "10.77.0.2"
-NATS_PORT, RDV_PORT, HTTP_PORT = 4222, 29500, 8000
+HTTP_PORT = 8000  # the gateway's in deploy/multi-host/control.yml
 
 CLIENT = """
 import json, sys, urllib.request
@@ -38,9 +40,9 @@ req = urllib.request.Request(sys.argv[1] + "/v1/completions", body, {"content-ty
 print(json.dumps(json.load(urllib.request.urlopen(req, timeout=120))["choices"][0]["text"]))
 """
 HEALTH = """
-import sys, urllib.request
+import json, sys, urllib.request
 try:
-    print(urllib.request.urlopen(sys.argv[1] + "/health", timeout=2).status)
+    print(json.load(urllib.request.urlopen(sys.argv[1] + "/health", timeout=2))["status"])
 except Exception as e:
     print(type(e).__name__)
 """
@@ -90,8 +92,9 @@ class TwoHosts:
         log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 (the child holds it)
         self.procs[name] = subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=env, stdout=log, stderr=log)
 
-    def healthy(self) -> bool:
-        return _in(A, sys.executable, "-c", HEALTH, self.url).stdout.strip() == "200"
+    def health(self) -> str:
+        """/health's status ("ok", "degraded"), or the error asking it raised (HTTPError for a 503)."""
+        return _in(A, sys.executable, "-c", HEALTH, self.url).stdout.strip()
 
     def complete(self, ids: list[int]) -> str:
         out = _in(A, sys.executable, "-c", CLIENT, self.url, json.dumps(ids), timeout=180)
@@ -117,18 +120,29 @@ def _wait(cond, timeout: float, what: str) -> None:
         time.sleep(0.3)
 
 
+def _commands(host_file: str) -> dict[str, list[str]]:
+    """Each service's command in deploy/multi-host/HOST_FILE.yml with CONTROL_IP set, run by this Python (and
+    nats-server from the wheel, its JetStream store under NATS_STORE)."""
+    text = (DEPLOY / f"{host_file}.yml").read_text().replace("${CONTROL_IP}", IP_A)
+    out = {}
+    for name, svc in yaml.safe_load(text)["services"].items():
+        cmd = [str(a) for a in svc["command"]]
+        if name == "nats":
+            store = cmd.index("-sd") + 1
+            out[name] = [nats_server_binary(), *cmd[:store], "NATS_STORE", *cmd[store + 1 :]]
+        else:
+            out[name] = [sys.executable, *cmd[1:]] if cmd[0] == "python" else cmd
+    return out
+
+
 def test_a_stack_split_over_two_hosts_serves_and_heals(hosts, tmp_path, reference_engine, tokenizer):
     cluster = TwoHosts(tmp_path)
-    config = StackConfig(prefill=1, decode=1, host=IP_A, max_model_len=1024, kv_cache_tokens=4096)
-    runtime = Runtime(nats_url=f"nats://{IP_A}:{NATS_PORT}", dist_init=f"mesh://{IP_A}:{RDV_PORT}", port=HTTP_PORT)
-    specs = {s.name: s for s in build_plan(config, runtime)}
+    control, workers = _commands("control"), _commands("workers")
     try:
-        nats = [nats_server_binary(), "-a", IP_A, "-p", str(NATS_PORT), "-js", "-sd", str(tmp_path / "js")]
-        cluster.spawn("nats", A, nats, "vA")
-        for name, spec in specs.items():
-            host, dev = (B, "vB") if name.startswith("prefill") else (A, "vA")
-            cluster.spawn(name, host, list(spec.argv), dev)
-        _wait(cluster.healthy, 180, "the two-host stack never became healthy")
+        for commands, host, dev in ((control, A, "vA"), (workers, B, "vB")):
+            for name, argv in commands.items():
+                cluster.spawn(name, host, [str(tmp_path / "js") if a == "NATS_STORE" else a for a in argv], dev)
+        _wait(lambda: cluster.health() == "ok", 180, "the two-host stack never became healthy")
         words = tokenizer.encode("The lighthouse keeper climbed the stairs again, " * 12, add_special_tokens=False)
         (want,) = engine_greedy(reference_engine, [words], 8)
         sent = _tx_bytes(B, "vB")
@@ -136,11 +150,17 @@ def test_a_stack_split_over_two_hosts_serves_and_heals(hosts, tmp_path, referenc
         kv_bytes = len(words) * 30 * 2 * 3 * 64 * 4  # SmolLM2: 30 layers, K and V, 3 KV heads of 64, fp32
         assert _tx_bytes(B, "vB") - sent >= kv_bytes  # the KV went from host B to host A over the veth
 
-        cluster.procs["prefill-0"].kill()  # host B's instance dies; a new one (same rank) rejoins across hosts
+        cluster.procs["prefill-0"].kill()  # one of host B's instances dies; a new one (same rank) rejoins
         cluster.procs["prefill-0"].wait()
-        cluster.spawn("prefill-0", B, list(specs["prefill-0"].argv), "vB")
+        cluster.spawn("prefill-0", B, workers["prefill-0"], "vB")
         time.sleep(3.0)  # the scheduler notices the loss (no heartbeat for 2.5 s) before the new one registers
-        _wait(cluster.healthy, 120, "the restarted prefill instance never rejoined")
-        assert cluster.complete(words) == tokenizer.decode(want)
+        _wait(lambda: cluster.health() == "ok", 120, "the restarted prefill instance never rejoined")
+        other = cluster.procs["prefill-1"]
+        other.send_signal(signal.SIGSTOP)  # so the restarted one serves: its new pairs cross the hosts
+        try:
+            _wait(lambda: cluster.health() == "degraded", 15, "prefill-1 never left the plan")
+            assert cluster.complete(words) == tokenizer.decode(want)
+        finally:
+            other.send_signal(signal.SIGCONT)
     finally:
         cluster.stop()

@@ -290,7 +290,7 @@ class Stack:
         return None
 
     def stop(self) -> None:
-        """Gateway first, then the instances, the scheduler and nats-server last; SIGKILL after ~10 s."""
+        """Gateway first, then the instances, the scheduler, the rendezvous, nats-server; SIGKILL after ~10 s."""
         self._stop_requested.set()
         with self._round_lock:
             if self._stopped:

@@ -108,3 +108,25 @@ def test_commands_parse_with_the_service_parser(spec: ServiceSpec) -> None:
     if "--rank" in flags:
         assert args.instance_id == flags["--instance-id"]
         assert (args.rank, args.world_size) == (int(flags["--rank"]), int(flags["--world-size"]))
+
+
+def _multi_host(name: str, control_ip: str) -> dict:
+    """deploy/multi-host/NAME.yml with ${CONTROL_IP} set (what compose does with the variable)."""
+    text = (DEPLOY / "multi-host" / f"{name}.yml").read_text().replace("${CONTROL_IP}", control_ip)
+    return yaml.safe_load(text)["services"]
+
+
+def test_the_multi_host_files_split_spindle_ups_plan_over_two_hosts() -> None:
+    ip = "10.0.0.1"
+    runtime = Runtime(nats_url=f"nats://{ip}:4222", dist_init=f"mesh://{ip}:29500", port=8000)
+    plan = {s.name: s for s in build_plan(StackConfig(host="0.0.0.0"), runtime, python="python")}
+    control, workers = _multi_host("control", ip), _multi_host("workers", ip)
+    assert set(control) & set(workers) == set() and set(control) | set(workers) == {"nats", *plan}
+    assert set(workers) == {"prefill-0", "prefill-1"}
+    for name, svc in {**control, **workers}.items():
+        if name == "nats":
+            assert svc["command"][:5] == ["-js", "-a", ip, "-p", "4222"]
+            continue
+        assert svc["command"] == list(plan[name].argv), f"{name}: differs from `spindle up`'s command"
+        assert svc["network_mode"] == "host" and svc["restart"] == "unless-stopped"
+        assert svc["environment"]["GLOO_SOCKET_IFNAME"] == "${SPINDLE_IFNAME:-eth0}"
