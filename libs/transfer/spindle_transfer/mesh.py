@@ -22,7 +22,7 @@ import logging
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -43,7 +43,6 @@ class Peer:
     token: str
     group: dist.ProcessGroup | None = None
     error: str | None = None  # its group could not be formed (it died before meeting us)
-    formed_s: float = 0.0  # how long forming the group took
 
     @property
     def state(self) -> str:
@@ -57,9 +56,7 @@ class Peer:
 @dataclass
 class MeshStats:
     formed: int = 0  # groups formed by this process
-    failed: int = 0  # formations that timed out or failed
     replaced: int = 0  # groups dropped for a peer's new start
-    formation_s: list[float] = field(default_factory=list)  # each formation's seconds (the last 64)
 
 
 def parse_joins(log_text: str) -> dict[int, str]:
@@ -219,12 +216,10 @@ class Mesh:
             if current is None or current.token != token or self._closed.is_set():
                 return  # superseded by a newer start of the peer (or we left): drop it
             if group is not None:
-                current.group, current.formed_s = group, seconds
+                current.group = group
                 self.stats.formed += 1
-                self.stats.formation_s = [*self.stats.formation_s[-63:], seconds]
                 log.info("rank %d: group with rank %d formed in %.1f ms", self._rank, peer, seconds * 1e3)
             else:
                 current.error = error
-                self.stats.failed += 1
                 log.warning("rank %d: no group with rank %d (%s)", self._rank, peer, error)
             self._cond.notify_all()

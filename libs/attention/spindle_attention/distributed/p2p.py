@@ -71,14 +71,6 @@ def irecv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None
     return pg.recv([tensor], peer, tag)
 
 
-def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, tag: int = 0) -> None:
-    isend(tensor, dst, group, tag).wait()
-
-
-def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, tag: int = 0) -> None:
-    irecv(tensor, src, group, tag).wait()
-
-
 @dataclass(frozen=True)
 class Op:
     """One op of a batch: `dist.P2POp`'s fields (which needs the default group even to be built)."""
