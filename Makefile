@@ -11,9 +11,17 @@ PKGS := $(LIBS) $(SERVICES)
 # `make serve SERVE_ARGS="--prefill 2 --decode 1 --port 8080"`
 SERVE_ARGS ?= --model smollm2 --port 8000
 
-.PHONY: install serve test test-fast lint bench-engine bench-serve bench-peer clean
+.PHONY: install chromium serve test test-fast lint bench-engine bench-serve bench-peer clean
 
-install: $(STAMP)
+install: $(STAMP) chromium
+
+# The dashboard tests drive headless Chromium, from the Debian package: installed quietly where apt-get is (as
+# root); where it is not, or apt fails, the install goes on and those tests fail naming the package.
+chromium:
+	@test -x /usr/bin/chromium || ! command -v apt-get >/dev/null || \
+		{ export DEBIAN_FRONTEND=noninteractive; apt-get install -y -qq chromium >/dev/null 2>&1 || \
+		{ apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1; }; } || \
+		echo "note: apt-get install chromium failed: the dashboard tests will fail until it is installed" >&2
 
 # torch first (the CPU wheel), so that nothing that depends on torch pulls a CUDA build.
 $(STAMP): $(foreach p,$(PKGS),$(p)/pyproject.toml) requirements-dev.txt

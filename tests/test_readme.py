@@ -444,7 +444,9 @@ def gateway_routes() -> list:
     config = SimpleNamespace(body_limit=1 << 22, served_model_name="smollm2", model="smollm2",
                              batch_max_file_bytes=1 << 20, batch_max_lines=10, batch_concurrency=1)  # fmt: skip
     store = BatchStore(Path(tempfile.mkdtemp(prefix="spindle-readme-")) / "batches.sqlite")
-    state = SimpleNamespace(metrics=SimpleNamespace(error=lambda *a, **k: None), config=config, batches=store)
+    state = SimpleNamespace(
+        metrics=SimpleNamespace(error=lambda *a, **k: None), config=config, batches=store, dashboard=None
+    )
     return list(create_app(state).routes)
 
 

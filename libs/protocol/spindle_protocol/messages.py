@@ -594,6 +594,33 @@ WorkerEvent = (
 )
 
 
+class Decision(msgspec.Struct, frozen=True, kw_only=True):
+    """The scheduler -> watchers (the gateway's /dashboard), on `subjects.DECISIONS`: one action the strategy took.
+
+    `kind`: "plan" (a request's prefill chunks and decode instance), "iteration" (a per-iteration strategy's batch
+    on a group), "reject", "fail", "preempt", "move" (parked KV to another decode instance), "migrate" (KV between
+    elastic instances), "scale_down" (a KV-parallel member leaves a request), "reshard"."""
+
+    t: float  # Unix time of the decision
+    strategy: str
+    kind: str
+    request_id: str = ""
+    text: str = ""  # for people: "SP 4 on prefill-0..3, chunks 0-8192@1, 8192-20000@4, decode decode-1"
+    instances: list[str] = []  # a plan's prefill instances, an iteration's group, an action's instance(s)
+    chunks: list[SPChunkSpec] = []  # a plan's chunks and their SP groups
+    decode_instance: str = ""
+    batch_id: int = -1  # an iteration's (IterationDone names it when the iteration ends)
+    prefill_requests: list[str] = []  # an iteration's prefill parts, in order
+    new_requests: list[str] = []  # ... those whose prompt starts in it (the request's admission, in effect)
+    decode_masters: dict[str, int] = {}  # an iteration's decodes per master instance
+
+    @property
+    def listed(self) -> bool:
+        """Whether it belongs in the list people read: all but iterations that start no prompt (a per-iteration
+        strategy sends one every few milliseconds)."""
+        return self.kind != "iteration" or bool(self.new_requests)
+
+
 class StatsQuery(msgspec.Struct, frozen=True, kw_only=True):
     pass
 

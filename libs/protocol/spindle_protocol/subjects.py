@@ -17,6 +17,8 @@ ADMIT = f"{PREFIX}.scheduler.admit"
 STATUS = f"{PREFIX}.scheduler.status"
 # workers -> scheduler, publish: WorkerEvent (PrefillProgress, PrefillDone, TransferDone, RequestFinished, ...)
 EVENTS = f"{PREFIX}.scheduler.events"
+# scheduler -> watchers (the gateway's /dashboard), publish: Decision (each plan, iteration, rejection, ...)
+DECISIONS = f"{PREFIX}.scheduler.decisions"
 # anyone -> everyone, publish: Abort. Every service frees what it holds for the request.
 ABORT = f"{PREFIX}.abort"
 # launcher -> scheduler, publish: StackRestarts (the totals so far, on each restart and every few seconds)

@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="max_tokens of a chat request that sends none (default: the model's generation_config max_new_tokens, "
         "else all the room the context leaves, as vLLM; completions default to 16 as OpenAI's)",
     )
+    g.add_argument(
+        "--no-dashboard",
+        action="store_true",
+        help="serve no /dashboard (the cluster live) and /v1/spindle/timeline: the gateway then does not follow the "
+        "workers' events, heartbeats and the scheduler's decisions",
+    )
     b = parser.add_argument_group("batch API (/v1/files, /v1/batches)")
     b.add_argument(
         "--batch-db",
@@ -148,6 +154,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         batch_max_file_bytes=args.batch_max_file_bytes,
         batch_max_lines=args.batch_max_lines,
         batch_concurrency=args.batch_concurrency,
+        dashboard=not args.no_dashboard,
     )
     states: list[GatewayState] = []
 
@@ -168,6 +175,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     )
     state = GatewayState(config, tokenizer, bus)
     states.append(state)
+    if state.dashboard is not None:
+        await state.dashboard.start()
     server = _server(with_stack_token(create_app(state), os.environ.get(STACK_TOKEN_ENV)), args)
     if state.batch_runner is not None:
         log.info("batch API on %s", config.batch_db)

@@ -1,5 +1,6 @@
 """The gateway's HTTP routes: OpenAI-compatible completions (stream and not), models, (de)tokenize, health,
-metrics. Every GET route answers HEAD too; every request body passes the size limit (body_limit.py) first."""
+metrics, the live dashboard (dashboard.py). Every GET route answers HEAD too; every request body passes the size
+limit (body_limit.py) first."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from starlette.types import Receive, Scope, Send
 
 from spindle_protocol.messages import ServiceClass
 
-from . import openapi, tokenize_api, tracing
+from . import dashboard, openapi, tokenize_api, tracing
 from .batch import routes as batch_routes
 from .batch.runner import BatchRunner
 from .body_limit import BodySizeLimit
@@ -248,6 +249,9 @@ def create_app(state: GatewayState) -> FastAPI:
             return GatewayError(503, str(e)).response()
         return _json({"instances": stats})
 
+    if state.dashboard is not None:
+        dashboard.install(app, state.dashboard)
+
     if state.batches is not None:
         state.batch_runner = BatchRunner(state.batches, run_line, state.config.batch_concurrency)
         batch_routes.install(app, state.batch_runner, state.config.batch_max_file_bytes, state.config.batch_max_lines)
@@ -260,6 +264,7 @@ def create_app(state: GatewayState) -> FastAPI:
         bodies[prefix + "/detokenize"] = tokenize_api.DetokenizeRequest
         errors[prefix + "/tokenize"] = errors[prefix + "/detokenize"] = openapi.SIMPLE_ERRORS
     errors |= {"/v1/models/{model_id}": (404, 500), "/health": (500, 503), "/v1/spindle/instances": (500, 503)}
+    errors |= {dashboard.TIMELINE: (400, 500), dashboard.PAGE: (500,)}
     if state.batches is not None:
         bodies["/v1/batches"] = batch_routes.CreateBatch
         errors |= dict.fromkeys(batch_routes.PATHS, (400, 404, 409, 413, 500))

@@ -37,6 +37,7 @@ class GatewayConfig:
     batch_max_file_bytes: int = 200 << 20  # the largest upload to /v1/files
     batch_max_lines: int = 50_000  # requests per batch
     batch_concurrency: int = 16  # batch lines in flight at once, over all batches
+    dashboard: bool = True  # /dashboard and /v1/spindle/timeline: the gateway follows the cluster's events too
 
     def __post_init__(self) -> None:
         if not self.served_model_name:

@@ -17,6 +17,7 @@ from .batch.runner import BatchRunner
 from .batch.store import BatchStore
 from .cluster import ClusterView
 from .config import GatewayConfig
+from .dashboard import Dashboard
 from .inputs import Limits
 from .metrics import GatewayMetrics
 
@@ -53,6 +54,7 @@ class GatewayState:
         self.batches = BatchStore(Path(config.batch_db)) if config.batch_db else None
         self.batch_runner: BatchRunner | None = None  # create_app makes it (it runs lines through the app)
         self._cut_off: set[str] = set()  # requests in flight while the connection to nats-server was down
+        self.dashboard = Dashboard(bus) if config.dashboard else None  # started by the server (it subscribes)
 
     def bus_lost(self) -> None:
         """The connection to nats-server dropped: what the requests in flight miss meanwhile is lost for good."""
@@ -119,3 +121,5 @@ class GatewayState:
             await asyncio.wait(list(self._tasks), timeout=timeout)
         if self.batches is not None:
             self.batches.close()
+        if self.dashboard is not None:
+            await self.dashboard.stop()

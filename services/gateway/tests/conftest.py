@@ -52,6 +52,8 @@ class RunningGateway:
         settings.update(overrides)
         bus = await Bus.connect(nats_url, "test-gateway", inject=tracing.inject_hook())
         state = GatewayState(GatewayConfig(**settings), tokenizer, bus)
+        if state.dashboard is not None:
+            await state.dashboard.start()
         port = free_port()
         server = _Server(
             uvicorn.Config(

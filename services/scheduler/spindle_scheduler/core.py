@@ -126,11 +126,25 @@ class SchedulerCore:
                 req.merging = True
             elif isinstance(a, RunBatch):
                 self._batch_planned(a)
+            elif isinstance(a, RunPrefill):
+                self._prefill_planned(a)
             elif isinstance(a, MigrateKV):
                 req = self.state.requests.get(a.request_id)
                 assert req is not None and a.src in req.decode_instances(), f"migrating KV the request lacks: {a}"
                 req.moving = True
         return actions
+
+    def _prefill_planned(self, plan: RunPrefill) -> None:
+        """A strategy placed a request it admitted earlier without a plan (`Admit` with no instances: it queued the
+        request itself, e.g. batch work deferred to interactive traffic): the request is now held by the plan's
+        instances, and its decode blocks count as virtual usage."""
+        req = self.state.requests.get(plan.spec.request_id)
+        assert req is not None and not req.chunks, f"a second plan for a request: {plan.spec.request_id}"
+        req.prefill_instances, req.chunks = plan.prefill_instances, plan.chunks
+        req.decode_instance, req.decode_shards = plan.decode_instance, plan.decode_shards
+        self._expect(req)
+        if (master := self.state.instances.get(plan.decode_instance)) is not None:
+            master.mastering.add(req.request_id)
 
     def _batch_planned(self, batch: RunBatch) -> None:
         """A per-iteration strategy sent an iteration: its prefill parts' requests are held by the group until

@@ -58,6 +58,7 @@ from .actions import (
 )
 from .actions import ScaleDownKVP as ScaleDownAction
 from .core import SchedulerConfig, SchedulerCore
+from .decisions import decision
 from .latency import LatencyModel
 from .strategy import create_strategy
 
@@ -85,6 +86,7 @@ class SchedulerService:
                 f"strategy {strategy.describe()!r} cannot run on the services yet: {gap}; use it in `spindle sim`"
             )
         self.core = SchedulerCore(strategy, config.core)
+        self.strategy_name = strategy.describe()
         self.bus: Bus | None = None
         self._tasks: set[asyncio.Task] = set()
         self._plan_lock = asyncio.Lock()
@@ -144,6 +146,7 @@ class SchedulerService:
                     reply = AdmitReply(
                         accepted=True, prefill_instance=a.prefill_instance, decode_instance=a.decode_instance
                     )
+            await self._publish_decisions([a for a in actions if isinstance(a, Reject)])
             await self._execute([a for a in actions if not isinstance(a, Admit | Reject)])
         return reply
 
@@ -300,10 +303,19 @@ class SchedulerService:
         else:
             self.core.scale_down_refused(a.request_id, reply.reason, time.time())
 
+    async def _publish_decisions(self, actions: list[Action]) -> None:
+        """What the strategy decided, for watchers (the gateway's /dashboard): one small message per action."""
+        assert self.bus is not None
+        now = time.time()
+        for a in actions:
+            if (d := decision(a, self.strategy_name, now)) is not None:
+                await self.bus.publish(subjects.DECISIONS, d)
+
     async def _execute(self, actions: list[Action]) -> None:
         assert self.bus is not None
         if actions and log.isEnabledFor(logging.DEBUG):
             log.debug("actions: %s", "; ".join(map(repr, actions)))
+        await self._publish_decisions(actions)
         for a in actions:
             if isinstance(a, RunPrefill):
                 await self._run_prefill(a)

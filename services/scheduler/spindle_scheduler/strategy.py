@@ -45,6 +45,8 @@ class Strategy(ABC):
     # True: each colocated instance is a re-sharding group (Seesaw): a named cluster in the simulator gives the latency
     # model its `ReshardModel` and the kvstore a host tier (`named_cluster.with_reshard`)
     reshards: bool = False
+    # On a prefill/decode split: the share of a named cluster's GPUs `spindle sim` gives its prefill instances
+    prefill_share: float = 0.5
     # How its SP prefill groups exchange (a `spindle_costmodel` SP kind): a named cluster in the simulator prices
     # its groups so (ring for the ring layouts, ulysses for all-to-all)
     sp_kind: str = "ring"

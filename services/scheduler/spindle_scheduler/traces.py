@@ -4,14 +4,18 @@ JSONL: ``vllm bench serve --dataset-name custom --dataset-path F.jsonl`` reads o
 tokenizes itself) and the optional ``"output_tokens"`` (used when ``--custom-output-len`` is -1 or unset); it
 has no token-id field, so a trace cannot carry exact token ids. Each line therefore holds a filler ``"prompt"``
 of about ``num_prefill_tokens`` tokens (one ``" hello"`` word each, ~1 token in common BPE vocabularies; vLLM
-adds the chat template unless ``--skip-chat-template``), ``"output_tokens"``, and two extra keys vLLM ignores
-but Spindle's load generator and simulator read back exactly: ``"num_prefill_tokens"`` and ``"arrived_at"``.
+adds the chat template unless ``--skip-chat-template``), ``"output_tokens"``, and three extra keys vLLM ignores
+but Spindle's load generator and simulator read back exactly: ``"num_prefill_tokens"``, ``"arrived_at"`` and
+``"service_class"`` (``"interactive"`` or ``"batch"``).
 vLLM shuffles custom datasets (seed 0) unless ``--disable-shuffle`` and applies its own ``--request-rate``;
 replay with ``--disable-shuffle`` to keep the file order. Files without ``num_prefill_tokens`` (plain vLLM
-datasets) need ``count_tokens``; lines without ``arrived_at`` get 0.0.
+datasets) need ``count_tokens``; lines without ``arrived_at`` get 0.0, without ``service_class``
+``"interactive"``.
 
-CSV: header ``arrived_at,num_prefill_tokens,num_decode_tokens`` (Vidur's request-trace columns); times are
-written with ``repr`` so floats round-trip exactly.
+CSV: header ``arrived_at,num_prefill_tokens,num_decode_tokens,service_class``: Vidur's request-trace columns
+(readers that pick columns by name, as Vidur does, skip the fourth) and the service class; times are written with
+``repr`` so floats round-trip exactly. Files without the ``service_class`` column (older traces, plain Vidur
+ones) read as interactive.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from pathlib import Path
 
 from .workloads import TraceRequest
 
-CSV_COLUMNS = ("arrived_at", "num_prefill_tokens", "num_decode_tokens")
+CSV_COLUMNS = ("arrived_at", "num_prefill_tokens", "num_decode_tokens", "service_class")
+REQUIRED_CSV_COLUMNS = CSV_COLUMNS[:3]
 
 
 def filler_prompt(num_tokens: int) -> str:
@@ -35,18 +40,23 @@ def write_csv(path: str | Path, requests: Iterable[TraceRequest]) -> None:
         writer = csv.writer(f)
         writer.writerow(CSV_COLUMNS)
         for r in requests:
-            writer.writerow([repr(r.arrived_at), r.num_prefill_tokens, r.num_decode_tokens])
+            writer.writerow([repr(r.arrived_at), r.num_prefill_tokens, r.num_decode_tokens, r.service_class])
 
 
 def read_csv(path: str | Path) -> list[TraceRequest]:
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
-        missing = set(CSV_COLUMNS) - set(reader.fieldnames or ())
+        missing = set(REQUIRED_CSV_COLUMNS) - set(reader.fieldnames or ())
         if missing:
             raise ValueError(f"{path}: CSV lacks columns {sorted(missing)}")
         try:
             return [
-                TraceRequest(float(row["arrived_at"]), int(row["num_prefill_tokens"]), int(row["num_decode_tokens"]))
+                TraceRequest(
+                    float(row["arrived_at"]),
+                    int(row["num_prefill_tokens"]),
+                    int(row["num_decode_tokens"]),
+                    row.get("service_class") or "interactive",
+                )
                 for row in reader
             ]
         except (TypeError, ValueError) as e:
@@ -63,6 +73,7 @@ def write_jsonl(
                 "output_tokens": r.num_decode_tokens,
                 "num_prefill_tokens": r.num_prefill_tokens,
                 "arrived_at": r.arrived_at,
+                "service_class": r.service_class,
             }
             f.write(json.dumps(line) + "\n")
 
@@ -84,7 +95,8 @@ def read_jsonl(path: str | Path, count_tokens: Callable[[str], int] | None = Non
                     prefill = count_tokens(prompt)
                 else:
                     raise ValueError("no 'num_prefill_tokens' and no count_tokens given")
-                out.append(TraceRequest(float(item.get("arrived_at", 0.0)), prefill, int(item["output_tokens"])))
+                arrived_at, service_class = float(item.get("arrived_at", 0.0)), item.get("service_class", "interactive")
+                out.append(TraceRequest(arrived_at, prefill, int(item["output_tokens"]), service_class))
             except (KeyError, TypeError, ValueError) as e:
                 raise ValueError(f"{path}:{lineno}: {e!r}") from e
     return out

@@ -37,10 +37,41 @@ redrawn) or *clipped* (out-of-range draws are moved to the bound). How each work
   has no workload of its own here (``loongserve-sharegpt`` / ``medha-sharegpt4`` are the ShareGPT fits).
 - ``constant:PREFILL:DECODE`` (e.g. Seesaw's 3000-token inputs, §6.5): fixed lengths.
 
+Mixed workloads: production-like traffic, not a paper's; for stress and strategy comparisons. Every one mixes a
+chat body with a few long documents, because that mix is where the strategies differ (one long prompt holds up
+the chat requests queued behind it).
+
+- ``mixed-chat`` / ``mixed-chat:SHARE``: ``medha-sharegpt4`` chat (prompt median 1K / P99 6K, output median
+  256 / P99 1.5K, <= 8K in all) with SHARE (default 0.02) long documents: prompts lognormal over 16K–256K
+  (``LogNormal.from_range``: median 64K, 16K/256K at the 0.1 %/99.9 % quantiles, truncated), outputs
+  ``LONG_CONTEXT_DECODE``. The chat body is Medha's ShareGPT4 fit rather than LoongServe's ShareGPT range because
+  Medha uses it for exactly this chat + long-document mix, its prompts (median 1K) look like today's multi-turn
+  chat with system prompts and history, where the LoongServe fit (the geometric midpoint of 4–2300: median ~100)
+  is a shape read off min/max only, and its 8K cap leaves a clean gap below the 16K documents, so every request
+  is plainly one or the other. Bursty traffic needs no workload of its own: ``--arrival gamma --cv 4`` with
+  ``mixed-chat`` is the bursty scenario (arrivals are independent of the lengths).
+- ``mixed-diurnal`` / ``mixed-diurnal:LO:HI``: the same two parts, with the long share drifting over the trace
+  from LO (default 0.01) to HI (default 0.20) on a raised cosine over the request index i of n (arrival order,
+  which is time order): share(i) = LO + (HI - LO) (1 - cos(pi i / (n - 1))) / 2, flat at both ends like the
+  ramp from a night trough to a day peak. Request i is long with probability share(i) (``DriftingMixture``). It
+  drifts over requests, not seconds: with a constant-rate process the two agree up to arrival noise. HI < LO
+  drifts down.
+- ``mixed-batch`` / ``mixed-batch:SHARE``: online ``mixed-chat`` traffic plus one batch job (``BatchJob``) of
+  round(SHARE n) of the n requests (default SHARE 0.1), ``service_class="batch"``, all submitted at once at the
+  midpoint of the online requests' arrival span (between the first and the last online arrival), as an offline
+  job (a Batch API file) lands in the middle of live traffic. Batch requests are document-style: prompts
+  lognormal over 8K–64K (``from_range``, median 23K), outputs lognormal with median 256 and P99 1024, clipped to
+  1..2048 (summaries and extractions are short). The online requests are exactly ``mixed-chat``'s trace of
+  n - round(SHARE n) requests for the same seed and arrivals (times and lengths).
+
 Arrivals: Poisson (exponential gaps, mean 1/rate) or Gamma gaps with the given coefficient of variation
 (shape 1/cv^2, mean 1/rate; cv=1 is Poisson, cv>1 burstier). The first request arrives after one gap.
-``rate=inf`` puts every arrival at t=0. Arrival times and lengths use independent child seeds, so changing the
-arrival process does not change the lengths.
+``rate=inf`` puts every arrival at t=0 (a batch job too). Arrival times and lengths use independent child seeds,
+so changing the arrival process does not change the lengths.
+
+Service classes: every request is ``"interactive"`` (latency SLOs apply) unless a workload says ``"batch"``
+(throughput work with no latency SLO: only ``mixed-batch``'s job); the simulator passes it to the scheduler as
+``RequestSpec.service_class``.
 """
 
 from __future__ import annotations
@@ -56,17 +87,23 @@ _N = NormalDist()
 _Z999 = _N.inv_cdf(0.999)
 
 
+SERVICE_CLASSES = ("interactive", "batch")  # spindle_protocol's ServiceClass
+
+
 @dataclass(frozen=True)
 class TraceRequest:
     arrived_at: float
     num_prefill_tokens: int
     num_decode_tokens: int
+    service_class: str = "interactive"  # "batch": throughput work without a latency SLO
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.arrived_at) and self.arrived_at >= 0):
             raise ValueError(f"arrived_at must be finite and >= 0, got {self.arrived_at}")
         if self.num_prefill_tokens < 1 or self.num_decode_tokens < 1:
             raise ValueError(f"token counts must be >= 1, got {self.num_prefill_tokens}, {self.num_decode_tokens}")
+        if self.service_class not in SERVICE_CLASSES:
+            raise ValueError(f"service_class must be one of {SERVICE_CLASSES}, got {self.service_class!r}")
 
 
 @dataclass(frozen=True)
@@ -322,6 +359,54 @@ class Mixture:
         return p, d
 
 
+@dataclass(frozen=True)
+class DriftingMixture:
+    """``short`` or ``long`` per request, request i of n long with probability share(i): a raised cosine from
+    ``lo`` (i = 0) to ``hi`` (i = n - 1). The index is the arrival order, so the mix drifts over the trace."""
+
+    short: Workload
+    long: Workload
+    lo: float
+    hi: float
+
+    def __post_init__(self) -> None:
+        for name in ("lo", "hi"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"long share {name} must be in [0, 1], got {getattr(self, name)}")
+
+    def shares(self, n: int) -> np.ndarray:
+        if n < 2:
+            return np.full(n, self.lo)
+        return self.lo + (self.hi - self.lo) * (1 - np.cos(np.pi * np.arange(n) / (n - 1))) / 2
+
+    def sample(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        is_long = rng.random(n) < self.shares(n)
+        p, d = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        for part, mask in ((self.short, ~is_long), (self.long, is_long)):
+            p[mask], d[mask] = part.sample(int(mask.sum()), rng)
+        return p, d
+
+
+@dataclass(frozen=True)
+class BatchJob:
+    """Online traffic plus one batch job: round(``share`` x n) of a trace's n requests are ``batch``'s, all
+    submitted at the midpoint of the online requests' arrival span with ``service_class="batch"``. It needs the
+    arrival times, so ``make_workload`` builds it (its ``sample`` has no times to give)."""
+
+    online: Workload
+    batch: Workload
+    share: float
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.share <= 1:
+            raise ValueError(f"batch share must be in [0, 1], got {self.share}")
+
+    def split(self, n: int) -> tuple[int, int]:
+        """(online, batch) request counts of an n-request trace."""
+        batch = round(self.share * n)
+        return n - batch, batch
+
+
 # Output-length assumptions where a paper reports none (documented above).
 LONG_CONTEXT_DECODE = LogNormal.from_quantiles(348, 0.5, 572, 0.99, 1, 4096, clip=True)  # CSPS NeedleBench output
 SHORT_DECODE = LogNormal.from_quantiles(128, 0.5, 1024, 0.99, 1, 2048, clip=True)
@@ -348,6 +433,30 @@ def medha_2m(long_share: float = 0.05) -> Mixture:
     if not 0 <= long_share <= 1:
         raise ValueError(f"long_share must be in [0, 1], got {long_share}")
     return Mixture((MEDHA_SHAREGPT4, Independent(Fixed(2_000_000), MEDHA_LONG.decode)), (1 - long_share, long_share))
+
+
+# Mixed workloads (see the module docstring): a chat body plus long documents, and a batch job's documents.
+MIXED_LONG = Independent(LogNormal.from_range(16_000, 256_000), LONG_CONTEXT_DECODE)
+MIXED_BATCH_JOB = Independent(
+    LogNormal.from_range(8_000, 64_000), LogNormal.from_quantiles(256, 0.5, 1024, 0.99, 1, 2048, clip=True)
+)
+
+
+def mixed_chat(long_share: float = 0.02) -> Mixture:
+    """Medha's ShareGPT4 chat with `long_share` of 16K–256K-token documents."""
+    if not 0 <= long_share <= 1:
+        raise ValueError(f"long share must be in [0, 1], got {long_share}")
+    return Mixture((MEDHA_SHAREGPT4, MIXED_LONG), (1 - long_share, long_share))
+
+
+def mixed_diurnal(lo: float = 0.01, hi: float = 0.20) -> DriftingMixture:
+    """``mixed-chat`` whose long share drifts from `lo` to `hi` over the trace (a raised cosine)."""
+    return DriftingMixture(MEDHA_SHAREGPT4, MIXED_LONG, lo, hi)
+
+
+def mixed_batch(batch_share: float = 0.1) -> BatchJob:
+    """``mixed-chat`` online traffic plus a batch job of `batch_share` of the requests."""
+    return BatchJob(mixed_chat(), MIXED_BATCH_JOB, batch_share)
 
 
 def _tetris(lo: int, hi: int, mean: float) -> TotalSplit:
@@ -377,7 +486,7 @@ _SHAREGPT = Independent(LogNormal.from_range(4, 2300), SHORT_DECODE)
 _L_EVAL = Independent(LogNormal.from_range(2700, 210_500), LONG_CONTEXT_DECODE)
 _LV_EVAL = Independent(LogNormal.from_range(15_100, 497_300), LONG_CONTEXT_DECODE)
 
-WORKLOADS: dict[str, Workload] = {
+WORKLOADS: dict[str, Workload | BatchJob] = {
     "tetris-short": _tetris(4000, 95_000, 23_600),
     "tetris-medium": _tetris(8000, 142_000, 32_800),
     "tetris-long": _tetris(16_000, 190_000, 50_100),
@@ -394,11 +503,32 @@ WORKLOADS: dict[str, Workload] = {
     "csps-needlebench": _csps(113_000, 995_000, 348, 572),
     "csps-bookcorpus": _csps(97_000, 406_000, 375, 631),
     "seesaw-arxiv": SEESAW_ARXIV,
+    "mixed-chat": mixed_chat(),
+    "mixed-diurnal": mixed_diurnal(),
+    "mixed-batch": mixed_batch(),
 }
 
 
-def resolve_workload(name: str) -> Workload:
-    """A registered name, or ``constant:P:D``, ``loongserve-zipf:ALPHA``, ``medha-mix:SHARE``, ``medha-2m:SHARE``."""
+def _shares(args: str, count: int) -> list[float]:
+    """`count` ':'-separated shares, each in [0, 1] (ValueError naming the bad one)."""
+    parts = args.split(":")
+    if len(parts) != count:
+        raise ValueError(f"expected {count} share(s) separated by ':', got {args!r}")
+    out = []
+    for part in parts:
+        try:
+            share = float(part)
+        except ValueError:
+            raise ValueError(f"share {part!r} is not a number") from None
+        if not 0 <= share <= 1:
+            raise ValueError(f"share {part} is not in [0, 1]")
+        out.append(share)
+    return out
+
+
+def resolve_workload(name: str) -> Workload | BatchJob:
+    """A registered name, or ``constant:P:D``, ``loongserve-zipf:ALPHA``, ``medha-mix:SHARE``, ``medha-2m:SHARE``,
+    ``mixed-chat:SHARE``, ``mixed-diurnal:LO:HI``, ``mixed-batch:SHARE``."""
     if name in WORKLOADS:
         return WORKLOADS[name]
     head, _, args = name.partition(":")
@@ -414,28 +544,47 @@ def resolve_workload(name: str) -> Workload:
             return medha_mix(float(args))
         if head == "medha-2m":
             return medha_2m(float(args))
+        if head == "mixed-chat":
+            return mixed_chat(*_shares(args, 1))
+        if head == "mixed-diurnal":
+            return mixed_diurnal(*_shares(args, 2))
+        if head == "mixed-batch":
+            return mixed_batch(*_shares(args, 1))
     except ValueError as e:
         raise ValueError(f"bad workload arguments in {name!r}: {e}") from e
     raise ValueError(
         f"unknown workload {name!r}; known: {sorted(WORKLOADS)} or constant:P:D, loongserve-zipf:ALPHA, "
-        "medha-mix:SHARE, medha-2m:SHARE"
+        "medha-mix:SHARE, medha-2m:SHARE, mixed-chat:SHARE, mixed-diurnal:LO:HI, mixed-batch:SHARE"
     )
 
 
 def make_workload(
-    name: str | Workload,
+    name: str | Workload | BatchJob,
     num_requests: int,
     rate: float,
     seed: int,
     arrival: str = "poisson",
     cv: float = 1.0,
 ) -> list[TraceRequest]:
-    """``num_requests`` requests of workload ``name`` arriving at ``rate`` req/s; deterministic for ``seed``."""
+    """``num_requests`` requests of workload ``name`` arriving at ``rate`` req/s, in arrival order; deterministic
+    for ``seed``. A ``BatchJob``'s online requests take the arrival process and its batch requests all arrive at
+    the midpoint of their span (sorted in after the online requests arriving at or before it)."""
     if num_requests < 0:
         raise ValueError(f"num_requests must be >= 0, got {num_requests}")
     workload = resolve_workload(name) if isinstance(name, str) else name
     process = Arrival(arrival, rate, cv)
-    arrival_rng, length_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
-    times = process.times(num_requests, arrival_rng)
-    prefill, decode = workload.sample(num_requests, length_rng)
-    return [TraceRequest(float(t), int(p), int(d)) for t, p, d in zip(times, prefill, decode, strict=True)]
+    # the batch job's lengths get a third child seed, so the online part is the plain workload's trace
+    arrival_rng, length_rng, batch_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3))
+    job = workload if isinstance(workload, BatchJob) else None
+    num_online, num_batch = job.split(num_requests) if job is not None else (num_requests, 0)
+    online = job.online if job is not None else workload
+    assert not isinstance(online, BatchJob)
+    times = process.times(num_online, arrival_rng)
+    prefill, decode = online.sample(num_online, length_rng)
+    out = [TraceRequest(float(t), int(p), int(d)) for t, p, d in zip(times, prefill, decode, strict=True)]
+    if job is None or num_batch == 0:
+        return out
+    at = float((times[0] + times[-1]) / 2) if num_online else 0.0
+    prefill, decode = job.batch.sample(num_batch, batch_rng)
+    out += [TraceRequest(at, int(p), int(d), "batch") for p, d in zip(prefill, decode, strict=True)]
+    return sorted(out, key=lambda r: r.arrived_at)  # stable: online requests first at a tie

@@ -12,7 +12,8 @@ from spindle_scheduler.strategy import available_strategies, parse_strategy_spec
 
 SMALL = ["--workload", "tetris-short", "--num-requests", "40", "--seed", "1"]
 GIVEN = ["--instances", "4", "--decode-instances", "2"]
-KEYS = {"completed", "ttft_s", "tpot_s", "e2e_s", "throughput_tok_s", "goodput_rps", "max_load_rps", "plan_us"}
+KEYS = {"completed", "ttft_s", "tpot_s", "e2e_s", "interactive_ttft_s", "interactive_tpot_s", "throughput_tok_s"}
+KEYS |= {"goodput_rps", "slo_attainment", "batch_jct_s", "max_load_rps", "plan_us"}
 STATS = {"mean", "p50", "p90", "p99"}
 
 
@@ -34,6 +35,8 @@ def test_json_schema_same_keys_for_every_strategy_nulls_where_not_asked(tmp_path
         assert s["completed"] == 40 and s["throughput_tok_s"] > 0
         assert all(set(s[k]) == STATS and s[k]["p50"] <= s[k]["p99"] for k in ("ttft_s", "tpot_s", "e2e_s"))
         assert s["goodput_rps"] is None and s["max_load_rps"] is None  # no SLO, no --max-load
+        assert s["slo_attainment"] is None and s["batch_jct_s"] is None  # no SLO, no batch job
+        assert s["interactive_ttft_s"] == s["ttft_s"] and s["interactive_tpot_s"] == s["tpot_s"]  # all interactive
         assert set(s["plan_us"]) == {"mean", "p99", "max"} and 0 < s["plan_us"]["mean"] <= s["plan_us"]["max"]
     w = d["workload"]
     assert (w["name"], w["num_requests"], w["rate"], w["seed"], w["slo"], w["max_load"]) == (
@@ -42,7 +45,11 @@ def test_json_schema_same_keys_for_every_strategy_nulls_where_not_asked(tmp_path
     assert set(d["cluster"]["by_strategy"]) == set(d["strategies"]) and d["cluster"]["skipped"] == {}
 
     d = _compare(tmp_path, "--strategies", "single", *GIVEN, *SMALL, "--rate", "2", "--slo-ttft", "5")
-    assert d["strategies"]["single"]["goodput_rps"] > 0 and d["workload"]["slo"] == {"ttft_s": 5.0, "tpot_s": None}
+    assert d["strategies"]["single"]["goodput_rps"] > 0 and d["workload"]["slo"] == {
+        "ttft_s": 5.0,
+        "tpot_s": None,
+        "ttft_per_ktok_s": 0.0,
+    }
 
 
 def test_default_is_every_strategy_each_shaped_as_it_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -79,10 +86,44 @@ def test_max_load_on_a_small_trace(tmp_path: Path, capsys: pytest.CaptureFixture
     argv = ["--strategies", "single,request-sp", *GIVEN, *SMALL, "--max-load", "--max-rate", "32"]
     d = _compare(tmp_path, *argv)
     assert "max sustainable load" in capsys.readouterr().out
-    assert d["workload"]["max_load"] == {"metric": "ttft_p50", "slo_scale": 25.0, "slo_s": None}
+    assert d["workload"]["max_load"] == {
+        "metric": "ttft_p50", "slo_scale": 25.0, "slo_s": None, "attainment": None, "window_s": 0.0,
+    }  # fmt: skip
     for s in d["strategies"].values():
         assert set(s) == KEYS and 0 < s["max_load_rps"] <= 32
         assert s["completed"] is None and s["ttft_s"] is None and s["plan_us"] is None  # no --rate: no run
+        assert s["slo_attainment"] is None and s["batch_jct_s"] is None and s["interactive_ttft_s"] is None
+
+
+def test_a_batch_job_and_the_attainment_rule(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    mixed = ["--workload", "mixed-batch:0.25", "--num-requests", "40", "--seed", "1"]
+    argv = ["--strategies", "single,chunked", *GIVEN, *mixed, "--rate", "2", "--slo-ttft", "5", "--slo-tpot", "0.1"]
+    png = tmp_path / "compare.png"
+    rule = ["--max-load", "--max-load-attainment", "0.5", "--start-rate", "0.5", "--max-rate", "16",
+            "--max-load-window", "4"]  # fmt: skip
+    d = _compare(tmp_path, *argv, *rule, "--plot", str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = capsys.readouterr().out
+    assert "batch JCT s" in table and "SLO att." in table and "SLO attainment >= 50 %" in table
+    assert d["workload"]["max_load"] == {
+        "metric": "slo_attainment",
+        "slo_scale": None,
+        "slo_s": None,
+        "attainment": 0.5,
+        "window_s": 4.0,
+    }
+    for spec, s in d["strategies"].items():
+        assert set(s) == KEYS and s["completed"] == 40, spec
+        assert s["batch_jct_s"] > 0 and 0 <= s["slo_attainment"] <= 1 and s["max_load_rps"] > 0
+        assert set(s["interactive_ttft_s"]) == STATS and set(s["interactive_tpot_s"]) == STATS
+        assert s["interactive_ttft_s"] != s["ttft_s"]  # the 10 batch requests' long prompts are in ttft_s only
+    # no batch job and no SLO: neither column
+    _compare(tmp_path, "--strategies", "single", *GIVEN, *SMALL, "--rate", "2")
+    head = capsys.readouterr().out.splitlines()[1]
+    assert "batch JCT" not in head and "SLO att." not in head and "goodput" in head
+    no_slo = ["compare", "--strategies", "single", *GIVEN, *SMALL, "--max-load", "--max-load-attainment", "0.9"]
+    assert main(no_slo) == 2
+    assert "give --slo-ttft and/or --slo-tpot" in capsys.readouterr().err
 
 
 def test_the_png_is_written(tmp_path: Path) -> None:

@@ -9,10 +9,17 @@ from spindle_scheduler.calibration import load_paper_calibration
 from spindle_scheduler.core import SchedulerConfig
 from spindle_scheduler.sim import SimConfig
 from spindle_scheduler.sim.cli import main, split_specs
-from spindle_scheduler.sim.loadsearch import find_light_load, max_sustainable_load, search_max_load
+from spindle_scheduler.sim.executor import simulate
+from spindle_scheduler.sim.loadsearch import (
+    find_light_load,
+    max_sustainable_load,
+    search_max_attainment,
+    search_max_load,
+)
 from spindle_scheduler.sim.metrics import RequestRecord, Slo, summarize
 from spindle_scheduler.sim.plot import plot_sweep, sweep_title
 from spindle_scheduler.sim.sweep import format_table, metric_value, sweep
+from spindle_scheduler.workloads import make_workload
 
 SMALL = ["--workload", "tetris-short", "--instances", "4", "--decode-instances", "2", "--num-requests", "60"]
 
@@ -26,12 +33,20 @@ def _config(prefill: int = 4, decode: int = 2) -> SimConfig:
     return SimConfig(num_prefill=prefill, num_decode=decode, scheduler=SchedulerConfig(max_num_requests=1000))
 
 
-def _rec(rid: str, arrived: float, prompt: int, times: list[float], state: str = "finished") -> RequestRecord:
+def _rec(
+    rid: str,
+    arrived: float,
+    prompt: int,
+    times: list[float],
+    state: str = "finished",
+    service_class: str = "interactive",
+) -> RequestRecord:
     return RequestRecord(
         request_id=rid,
         arrived_at=arrived,
         num_prefill_tokens=prompt,
         num_decode_tokens=max(len(times), 1),
+        service_class=service_class,
         state=state,
         finished_at=times[-1] if state == "finished" else None,
         token_times=list(times),
@@ -68,7 +83,7 @@ def test_goodput_under_an_slo():
         _rec("d", 3.0, 100, [5.0]),  # TTFT 2, a single token: no TPOT
         _rec("e", 4.0, 100, [], state="rejected"),
     ]
-    duration = 5.0 - 0.0
+    duration = 4.0 - 0.0  # per second of offered load: the first to the last arrival
     both = summarize(recs, slo=Slo(ttft_s=2.0, tpot_s=0.2))
     assert both.goodput_req_s == pytest.approx(2 / duration)  # a and d
     assert both.goodput_tok_s == pytest.approx((4 + 1) / duration)
@@ -80,10 +95,22 @@ def test_goodput_under_an_slo():
     none = summarize(recs)
     assert none.goodput_req_s is None and none.slo is None
     data = json.loads(both.to_json())
-    assert data["slo"] == {"ttft_s": 2.0, "tpot_s": 0.2} and data["goodput_req_s"] == pytest.approx(0.4)
+    assert data["slo"] == {"ttft_s": 2.0, "tpot_s": 0.2, "ttft_per_ktok_s": 0.0}
+    assert data["goodput_req_s"] == pytest.approx(0.5)
     assert json.loads(none.to_json())["goodput_tok_s"] is None
     with pytest.raises(ValueError):
         Slo(ttft_s=0.0)
+
+
+def test_a_length_scaled_ttft_slo_gives_longer_prompts_longer():
+    recs = [_rec("short", 0.0, 1_000, [1.5, 1.6]), _rec("long", 0.0, 40_000, [2.5, 2.6])]  # TTFT 1.5 and 2.5 s
+    slo = Slo(ttft_s=1.0, ttft_per_ktok_s=0.05)  # 1.05 s for 1K tokens, 3 s for 40K
+    assert slo.ttft_limit(40_000) == pytest.approx(3.0)
+    assert [slo.met_by(r) for r in recs] == [False, True]
+    assert summarize(recs, slo=slo).slo_attainment == pytest.approx(0.5)
+    for bad in ({"ttft_s": 1.0, "ttft_per_ktok_s": -1.0}, {"tpot_s": 0.1, "ttft_per_ktok_s": 0.05}):
+        with pytest.raises(ValueError):
+            Slo(**bad)
 
 
 def test_loongserve_normalised_latencies():
@@ -164,7 +191,7 @@ def test_sweep_cli_end_to_end(tmp_path, capsys):
     d = json.loads(out.read_text())  # strict JSON: json.loads would accept NaN, so check the text too
     assert "NaN" not in out.read_text() and "Infinity" not in out.read_text()
     assert [(r["strategy"], r["rate"]) for r in d["rows"]] == [("single", 1.0), ("single", 4.0)]
-    assert d["slo"] == {"ttft_s": 5.0, "tpot_s": 0.05} and d["cluster"]["num_prefill"] == 4
+    assert d["slo"] == {"ttft_s": 5.0, "tpot_s": 0.05, "ttft_per_ktok_s": 0.0} and d["cluster"]["num_prefill"] == 4
     assert all(r["completed"] == 60 and r["goodput_req_s"] is not None for r in d["rows"])
     assert all(set(r["plan_us"]) == {"mean", "p99", "max"} and r["plan_us"]["mean"] > 0 for r in d["rows"])
     (load,) = d["max_load"]
@@ -204,3 +231,133 @@ def test_single_run_prints_goodput(tmp_path, capsys):
     d = json.loads(out.read_text())
     assert d["strategy"] == "single" and d["slo"]["ttft_s"] == 5.0 and 0 < d["slo_attainment"] <= 1
     assert "goodput" in capsys.readouterr().out
+
+
+def test_batch_requests_have_no_slo_and_a_job_completion_time():
+    interactive = [
+        _rec("a", 0.0, 100, [1.0, 1.1, 1.2, 1.3]),  # meets TTFT 2 / TPOT 0.2
+        _rec("b", 1.0, 100, [4.0, 4.1]),  # TTFT 3: misses
+        _rec("e", 2.0, 100, [], state="rejected"),  # misses
+    ]
+    batch = [
+        _rec("x", 2.0, 5000, [30.0, 30.5, 31.0], service_class="batch"),  # TTFT 28: no SLO to miss
+        _rec("y", 2.0, 5000, [40.0, 42.0], service_class="batch"),
+    ]
+    slo = Slo(ttft_s=2.0, tpot_s=0.2)
+    alone = summarize(interactive, slo=slo)
+    assert alone.num_batch == 0 and alone.batch_jct_s is None
+    assert alone.interactive_ttft_s == alone.ttft_s and alone.interactive_tpot_s == alone.tpot_s
+    s = summarize(interactive + batch, slo=slo)
+    assert s.num_batch == 2 and s.batch_jct_s == pytest.approx(42.0 - 2.0)  # first batch arrival -> last finish
+    # goodput and attainment: interactive requests only (over their arrival window, 0 -> 2), as without batch
+    assert s.slo_attainment == pytest.approx(1 / 3) == alone.slo_attainment
+    assert s.goodput_req_s == pytest.approx(1 / 2) == alone.goodput_req_s
+    # latency stats cover every completed request; interactive_* only the interactive ones
+    assert s.ttft_s.count == 4 and s.ttft_s.p99 > 20 and s.interactive_ttft_s == alone.ttft_s
+    assert s.interactive_tpot_s.count == 2 and s.tpot_s.count == 4
+    assert s.duration_s == pytest.approx(42.0) and s.completed == 4
+    unfinished = summarize([*interactive, batch[0], _rec("z", 2.0, 5000, [], "failed", "batch")], slo=slo)
+    assert unfinished.batch_jct_s == math.inf
+    d = json.loads(unfinished.to_json())
+    assert d["batch_jct_s"] is None and d["num_batch"] == 2 and set(d["interactive_ttft_s"]) >= {"p50", "p99"}
+    only_batch = summarize(batch, slo=slo)
+    assert math.isnan(only_batch.slo_attainment) and only_batch.goodput_req_s == 0.0
+
+
+def test_the_simulator_passes_the_service_class_to_the_scheduler(latency):
+    trace = make_workload("mixed-batch:0.25", 40, 2.0, 0)  # 10 batch requests at once
+    # at most 2 batch requests in flight: the core refuses the rest of the job (it reads RequestSpec.service_class)
+    config = SimConfig(num_prefill=2, num_decode=1, scheduler=SchedulerConfig(max_num_requests=40, batch_share=0.05))
+    records = simulate(trace, "single", latency, config).records
+    assert [r.service_class for r in records] == [r.service_class for r in trace]
+    refused = [r for r in records if r.state == "rejected"]
+    assert refused and all(r.service_class == "batch" and "batch requests in flight" in r.reason for r in refused)
+    roomy = simulate(trace, "single", latency, _config(prefill=2, decode=1)).summary("mixed-batch:0.25", 2.0)
+    assert roomy.completed == 40 and roomy.num_batch == 10 and 0 < roomy.batch_jct_s < math.inf
+
+
+def test_max_load_by_slo_attainment_on_a_toy():
+    calls: list[float] = []
+
+    def attained(rate: float) -> float:
+        calls.append(rate)
+        return 1.0 - rate / 100  # 0.9 at rate 10
+
+    m = search_max_attainment(attained, 0.9, "toy", Slo(1.0), start_rate=1.0, rel_tol=0.02)
+    assert len(calls) == len(set(calls)) and m.metric == "slo_attainment" and m.attainment == 0.9
+    assert m.saturated and m.rate <= 10 < m.next_rate and m.next_rate - m.rate <= 0.02 * m.rate
+    assert (m.light_rate, m.light_value, m.slo) == (1.0, 0.99, Slo(1.0)) and math.isnan(m.slo_s)
+    assert all(p.ok == (p.value >= 0.9) for p in m.points)
+    high = search_max_attainment(attained, 0.9, start_rate=64.0)  # the start violates: halve until a rate holds
+    rates = [p.rate for p in high.points]  # 64, 32, 16 violate, 8 holds, then bisection between 8 and 16
+    assert rates[0] == 8.0 and {16.0, 32.0, 64.0} <= set(rates) and 8.0 <= high.rate <= 10 < high.next_rate
+    never = search_max_attainment(lambda r: 0.5, 0.9, start_rate=1.0)
+    assert never.rate is None and never.next_rate == 1 / 256 and len(never.points) == 9
+    dropped = search_max_attainment(lambda r: 1.0 if r < 3 else -math.inf, 0.9, start_rate=1.0)  # -inf: rejected
+    assert dropped.rate < 3 <= dropped.next_rate and dropped.next_rate - dropped.rate <= 0.05 * dropped.rate
+    always = search_max_attainment(lambda r: 1.0, 1.0, max_rate=8.0)
+    assert always.rate == 8.0 and not always.saturated
+    for bad in (0.0, 1.5, math.nan):
+        with pytest.raises(ValueError, match="attainment"):
+            search_max_attainment(attained, bad)
+
+
+def test_max_load_by_slo_attainment_in_the_simulator(latency):
+    config = _config(prefill=1, decode=1)
+    kw = {"num_requests": 40, "seed": 0, "max_rate": 8.0, "attainment": 0.9, "slo": Slo(ttft_s=5.0)}
+    m = max_sustainable_load("single", "tetris-short", latency, config, start_rate=0.0625, **kw)
+    assert m.metric == "slo_attainment" and m.saturated and m.light_rate == 0.0625
+    by_rate = {p.rate: p for p in m.points}
+    assert by_rate[m.rate].value >= 0.9 > by_rate[m.next_rate].value and by_rate[m.rate].ok
+    assert m == max_sustainable_load("single", "tetris-short", latency, config, start_rate=0.0625, **kw)
+    # a looser rule holds at higher rates
+    loose = max_sustainable_load(
+        "single", "tetris-short", latency, config, start_rate=0.0625, **kw | {"attainment": 0.5}
+    )
+    assert loose.rate > m.rate
+    # rejected requests make a rate violate whatever the attainment: 2 in flight at most, an SLO nothing misses
+    tight = SimConfig(num_prefill=1, num_decode=1, scheduler=SchedulerConfig(max_num_requests=2))
+    dropped = max_sustainable_load(
+        "single", "tetris-short", latency, tight, start_rate=0.0625, **kw | {"slo": Slo(1e6)}
+    )
+    assert dropped.saturated and dropped.rate is not None
+    assert all(p.value == 1.0 if p.ok else p.value == -math.inf for p in dropped.points)
+    assert any(not p.ok for p in dropped.points)
+    for slo in (None, Slo()):
+        with pytest.raises(ValueError, match="TTFT and/or TPOT"):
+            max_sustainable_load("single", "tetris-short", latency, config, **kw | {"slo": slo})
+
+
+def test_a_minimum_window_keeps_a_short_traces_burst_from_passing_for_sustained_load(latency):
+    config = _config(prefill=1, decode=1)
+    kw = {"num_requests": 40, "seed": 0, "max_rate": 8.0, "attainment": 0.5, "slo": Slo(ttft_s=5.0)}
+    burst = max_sustainable_load("single", "tetris-short", latency, config, start_rate=0.0625, **kw)
+    windowed = max_sustainable_load(
+        "single", "tetris-short", latency, config, start_rate=0.0625, **kw | {"min_window_s": 200.0}
+    )
+    assert windowed.rate is not None and burst.rate is not None and windowed.rate < burst.rate
+    with pytest.raises(ValueError, match="min_window_s"):
+        max_sustainable_load("single", "tetris-short", latency, config, **kw | {"min_window_s": -1.0})
+
+
+def test_max_load_attainment_flags(tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    args = ["sweep", "--strategies", "single", *SMALL, "--max-load", "--max-rate", "8", "--start-rate", "0.25"]
+    assert main([*args, "--max-load-attainment", "0.9", "--slo-ttft", "10", "--json", str(out)]) == 0
+    assert "SLO attainment >= 90 % (TTFT <= 10 s)" in capsys.readouterr().out
+    (load,) = json.loads(out.read_text())["max_load"]
+    assert load["metric"] == "slo_attainment" and load["attainment"] == 0.9 and load["slo"]["ttft_s"] == 10.0
+    assert load["slo_s"] is None and load["rate"] > 0
+    for extra, says in [
+        ([], "give --slo-ttft and/or --slo-tpot"),
+        (["--slo-ttft", "5", "--max-load-attainment", "1.5"], "must be in (0, 1]"),
+        (["--slo-ttft", "5", "--light-rate", "1"], "--light-rate belong"),
+    ]:
+        assert main([*args, "--max-load-attainment", "0.9", *extra]) == 2
+        assert says in capsys.readouterr().err
+    no_max_load = ["sweep", "--strategies", "single", *SMALL, "--rates", "1", "--slo-ttft", "5"]
+    assert main([*no_max_load, "--max-load-attainment", "0.9"]) == 2
+    assert "give --max-load too" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["sweep", "--help"])
+    assert "--max-load-attainment A" in capsys.readouterr().out

@@ -8,6 +8,7 @@ means is > 6 SE. A sample median's SE is ~1.25 sigma/sqrt(n) in log space (< 1 %
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from spindle_scheduler.workloads import (
     TraceRequest,
     lognormal_with_tail,
     make_workload,
+    mixed_diurnal,
 )
 
 N = 20_000
@@ -186,7 +188,7 @@ def test_csv_round_trip(tmp_path) -> None:
     reqs = make_workload("medha-mix", 300, 1.3, 5, arrival="gamma", cv=2.0)
     path = tmp_path / "trace.csv"
     write_csv(path, reqs)
-    assert path.read_text().splitlines()[0] == "arrived_at,num_prefill_tokens,num_decode_tokens"
+    assert path.read_text().splitlines()[0] == "arrived_at,num_prefill_tokens,num_decode_tokens,service_class"
     assert read_csv(path) == reqs
 
 
@@ -220,3 +222,97 @@ def test_bad_csv(tmp_path) -> None:
     path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0.0,0,3\n")
     with pytest.raises(ValueError):
         read_csv(path)
+
+
+def _long_share(reqs: list[TraceRequest]) -> float:
+    return float(np.mean([r.num_prefill_tokens >= 16_000 for r in reqs]))
+
+
+def test_mixed_chat_share_and_parts() -> None:
+    reqs = make_workload("mixed-chat", N, 1.0, 0)
+    _, p, d = _arrays(reqs)
+    assert {r.service_class for r in reqs} == {"interactive"}
+    long = p >= 16_000  # the chat body is capped at 8K: a clean gap
+    assert not np.any((p > 8192) & ~long)
+    _close(float(long.mean()), 0.02, 0.15)  # SE of a 2 % share over 20K draws: 5 % of it
+    assert p[long].min() >= 16_000 and p[long].max() <= 256_000
+    _close(float(np.median(p[long])), 64_000, 0.15)  # ~400 draws: the geometric midpoint of 16K-256K
+    assert np.all(p[~long] + d[~long] <= 8192)
+    _close(_long_share(make_workload("mixed-chat:0.2", N, 1.0, 0)), 0.2, 0.05)
+    assert _long_share(make_workload("mixed-chat:0", 2000, 1.0, 0)) == 0.0
+
+
+def test_mixed_diurnal_drifts_up_over_the_trace() -> None:
+    reqs = make_workload("mixed-diurnal", N, 1.0, 0)
+    assert reqs == make_workload("mixed-diurnal", N, 1.0, 0) and reqs != make_workload("mixed-diurnal", N, 1.0, 1)
+    fifth = N // 5
+    first, last = _long_share(reqs[:fifth]), _long_share(reqs[-fifth:])
+    # the raised cosine averages 0.016 over its first fifth and 0.194 over its last (SE ~0.002 and ~0.006)
+    assert 0.008 < first < 0.025 and 0.175 < last < 0.215
+    _close(_long_share(reqs), (0.01 + 0.20) / 2, 0.1)  # symmetric about the middle: the mean share
+    down = make_workload("mixed-diurnal:0.3:0.0", N, 1.0, 0)  # HI < LO drifts down
+    assert _long_share(down[:fifth]) > 0.25 and _long_share(down[-fifth:]) < 0.02
+    shares = mixed_diurnal(0.01, 0.2).shares(5)
+    assert shares[0] == pytest.approx(0.01) and shares[-1] == pytest.approx(0.2)
+    assert shares[2] == pytest.approx(0.105) and np.all(np.diff(shares) > 0)
+    assert mixed_diurnal().shares(1).tolist() == [0.01]
+
+
+def test_mixed_batch_job() -> None:
+    n = 2000
+    reqs = make_workload("mixed-batch", n, 2.0, 3)
+    assert len(reqs) == n and reqs == make_workload("mixed-batch", n, 2.0, 3)
+    t, p, d = _arrays(reqs)
+    assert np.all(np.diff(t) >= 0)
+    batch = np.array([r.service_class == "batch" for r in reqs])
+    assert batch.sum() == 200 and {r.service_class for r in reqs} == {"interactive", "batch"}
+    online = [r for r in reqs if r.service_class == "interactive"]
+    # all submitted at the midpoint of the online arrival span
+    assert set(t[batch]) == {(online[0].arrived_at + online[-1].arrived_at) / 2}
+    assert p[batch].min() >= 8000 and p[batch].max() <= 64_000 and d[batch].min() >= 1 and d[batch].max() <= 2048
+    _close(float(np.median(p[batch])), math.sqrt(8000 * 64_000), 0.15)
+    _close(float(np.median(d[batch])), 256, 0.15)
+    # the online requests are mixed-chat's trace of the same seed
+    assert online == make_workload("mixed-chat", n - 200, 2.0, 3)
+    assert sum(r.service_class == "batch" for r in make_workload("mixed-batch:0.25", 40, 2.0, 0)) == 10
+    assert {r.service_class for r in make_workload("mixed-batch:0", 40, 2.0, 0)} == {"interactive"}
+    assert {r.arrived_at for r in make_workload("mixed-batch", 50, math.inf, 0)} == {0.0}  # everything at t=0
+    all_batch = make_workload("mixed-batch:1", 10, 2.0, 0)
+    assert {(r.arrived_at, r.service_class) for r in all_batch} == {(0.0, "batch")}
+    bursty = make_workload("mixed-batch", 500, 2.0, 3, arrival="gamma", cv=4.0)
+    assert sum(r.service_class == "batch" for r in bursty) == 50 and all(r.arrived_at >= 0 for r in bursty)
+
+
+@pytest.mark.parametrize(
+    "name,says",
+    [
+        ("mixed-chat:1.5", "not in [0, 1]"),
+        ("mixed-chat:x", "'x' is not a number"),
+        ("mixed-diurnal:0.1", "expected 2 share(s)"),
+        ("mixed-diurnal:0.1:2", "share 2 is not in [0, 1]"),
+        ("mixed-batch:-0.1", "not in [0, 1]"),
+        ("mixed-batch:0.1:0.2", "expected 1 share(s)"),
+    ],
+)
+def test_bad_mixed_workload_arguments(name: str, says: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(says)) as e:
+        make_workload(name, 10, 1.0, 0)
+    assert name in str(e.value)
+
+
+def test_service_class_is_checked_and_round_trips(tmp_path) -> None:
+    with pytest.raises(ValueError, match="service_class"):
+        TraceRequest(0.0, 10, 5, "bulk")
+    reqs = make_workload("mixed-batch:0.25", 40, 2.0, 0)
+    csv_path, jsonl_path = tmp_path / "trace.csv", tmp_path / "trace.jsonl"
+    write_csv(csv_path, reqs)
+    write_jsonl(jsonl_path, reqs)
+    assert read_csv(csv_path) == reqs and read_jsonl(jsonl_path) == reqs
+    assert sum(json.loads(line)["service_class"] == "batch" for line in jsonl_path.read_text().splitlines()) == 10
+    # older files, without the column or key, read as interactive
+    csv_path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0.5,10,3\n")
+    jsonl_path.write_text('{"prompt": "a", "output_tokens": 3, "num_prefill_tokens": 10, "arrived_at": 0.5}\n')
+    assert read_csv(csv_path) == read_jsonl(jsonl_path) == [TraceRequest(0.5, 10, 3, "interactive")]
+    jsonl_path.write_text('{"prompt": "a", "output_tokens": 3, "num_prefill_tokens": 10, "service_class": "x"}\n')
+    with pytest.raises(ValueError, match="service_class"):
+        read_jsonl(jsonl_path)

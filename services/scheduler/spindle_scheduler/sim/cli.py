@@ -108,8 +108,19 @@ def _add_run_args(p: argparse.ArgumentParser, num_requests: int) -> None:
         "leaving >= 30 %% of a GPU's memory for KV)",
     )
     p.add_argument("--decode-step-s", type=float, default=0.02, help="decode step time when the model has none")
-    p.add_argument("--slo-ttft", type=float, help="SLO on TTFT (s) for goodput and SLO attainment")
-    p.add_argument("--slo-tpot", type=float, help="SLO on TPOT (s/token) for goodput and SLO attainment")
+    p.add_argument(
+        "--slo-ttft", type=float, help="SLO on TTFT (s) for goodput and SLO attainment (interactive requests only)"
+    )
+    p.add_argument(
+        "--slo-tpot", type=float, help="SLO on TPOT (s/token) for goodput and SLO attainment (interactive requests)"
+    )
+    p.add_argument(
+        "--slo-ttft-per-ktok",
+        type=float,
+        default=0.0,
+        help="with --slo-ttft: seconds added to the TTFT limit per 1,000 prompt tokens (a length-scaled TTFT SLO; "
+        "default 0)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", type=float, default=1.0, help="mean arrival rate, requests/s (inf: all at once)")
     _add_run_args(p, num_requests=1000)
     p.add_argument("--json", type=Path, help="write the summary (with the cluster's shape) here")
+    p.add_argument(
+        "--timeline",
+        type=Path,
+        metavar="PATH",
+        help="write the run's timeline here as one HTML page (the gateway's /dashboard view): each instance's prefill "
+        "chunks with their SP groups, decode batches, KV use and queues, and the strategy's decisions",
+    )
     return p
 
 
@@ -140,7 +158,9 @@ def build_sweep_parser() -> argparse.ArgumentParser:
         description="Run strategies over request rates on one workload (one trace per rate, the same requests "
         "for every rate and strategy), print a strategy x rate table, and optionally plot P50/P99 TTFT and TBT "
         "vs rate (--plot) and search each strategy's max sustainable load (--max-load): the highest rate whose "
-        "latency metric stays under an SLO, by default 25x its light-load value (Tetris, LoongServe).",
+        "latency metric stays under an SLO, by default 25x its light-load value (Tetris, LoongServe), or, with "
+        "--max-load-attainment A, at which a share >= A of the interactive requests meet --slo-ttft/--slo-tpot "
+        "(DistServe).",
         epilog=f"{SPEC_HELP} --strategies takes one spec per argument; an argument without ':' may also list "
         "several option-less names separated by commas. So `--strategies single,request-sp` and "
         "`--strategies fixed-sp:sp=16 fixed-sp:sp=8 request-sp` are both valid; a spec with options always "
@@ -175,11 +195,47 @@ def _add_max_load_args(p: argparse.ArgumentParser) -> None:
         type=float,
         help="light-load rate (default: halve from --start-rate until the metric stops falling by > 5%%)",
     )
-    g.add_argument("--start-rate", type=float, default=1.0, help="where the light-load search starts (req/s)")
+    g.add_argument(
+        "--start-rate", type=float, default=1.0, help="where the light-load (or attainment) search starts (req/s)"
+    )
     g.add_argument("--slo-scale", type=float, default=25.0, help="SLO = this x the light-load metric (default 25)")
     g.add_argument("--max-load-slo", type=float, help="an absolute SLO in seconds instead, the same for every strategy")
     g.add_argument("--rel-tol", type=float, default=0.05, help="bisection stops at this relative rate gap")
     g.add_argument("--max-rate", type=float, default=1e4, help="highest rate probed (req/s)")
+    g.add_argument(
+        "--max-load-window",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="each probed rate R replays at least R x S requests (default 0: --num-requests at every rate), so that "
+        "the load is offered for S seconds and a short trace's burst does not pass for a sustainable load",
+    )
+    g.add_argument(
+        "--max-load-attainment",
+        type=float,
+        metavar="A",
+        help="DistServe's goodput rule instead of the latency one: a rate is under the SLO when a share >= A "
+        "(0 < A <= 1) of the interactive requests meet --slo-ttft/--slo-tpot (one or both required; batch requests "
+        "have no latency SLO) and none was rejected or failed. No light-load search: it starts at --start-rate "
+        "(halving, at most 8 times, while that rate violates), then grows and bisects; --metric, --percentile "
+        "and --slo-scale do not apply, --light-rate and --max-load-slo may not be given",
+    )
+
+
+def check_max_load_args(args: argparse.Namespace) -> None:
+    """The max-load flags that cannot go together (ValueError)."""
+    a = args.max_load_attainment
+    if a is None:
+        return
+    if not args.max_load:
+        raise ValueError("--max-load-attainment sets the rule of --max-load: give --max-load too")
+    if not 0 < a <= 1:
+        raise ValueError(f"--max-load-attainment must be in (0, 1], got {a}")
+    if args.slo_ttft is None and args.slo_tpot is None:
+        raise ValueError("--max-load-attainment needs the per-request SLO: give --slo-ttft and/or --slo-tpot")
+    flags = (("--light-rate", args.light_rate), ("--max-load-slo", args.max_load_slo))
+    if given := [flag for flag, value in flags if value is not None]:
+        raise ValueError(f"{' and '.join(given)} belong to the latency rule, not to --max-load-attainment")
 
 
 def _trace_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -202,6 +258,9 @@ def _max_load(spec: str, setup: SimSetup, args: argparse.Namespace) -> MaxLoad:
         start_rate=args.start_rate,
         rel_tol=args.rel_tol,
         max_rate=args.max_rate,
+        attainment=args.max_load_attainment,
+        slo=_slo(args),
+        min_window_s=args.max_load_window,
         **_trace_args(args),
     )
 
@@ -272,21 +331,28 @@ def setups(args: argparse.Namespace, specs: list[str]) -> dict[str, SimSetup]:
             spec: reshaped(setup, strategy_class(spec).colocated, strategy_class(spec).keeps_kv_in_place)
             for spec in specs
         }
-    built: dict[tuple[bool, bool, bool, str, bool], SimSetup] = {}
+    built: dict[tuple[bool, bool, bool, str, bool, float], SimSetup] = {}
     out = {}
     for spec in specs:
         cls = strategy_class(spec)
         sp_kind = args.sp_kind or cls.sp_kind
-        kind = (cls.colocated, cls.elastic, cls.keeps_kv_in_place, sp_kind, cls.reshards)
+        kind = (cls.colocated, cls.elastic, cls.keeps_kv_in_place, sp_kind, cls.reshards, cls.prefill_share)
         if kind not in built:  # a pipeline (--spp) only for the strategies that can run on one
-            shaped = replace(cluster, spp=cluster.spp if cls.keeps_kv_in_place else None, sp_kind=sp_kind)
+            shaped = replace(
+                cluster, spp=cluster.spp if cls.keeps_kv_in_place else None, sp_kind=sp_kind,
+                prefill_share=cls.prefill_share,
+            )  # fmt: skip
             built[kind] = named_cluster(shaped, cls.colocated, cls.elastic, cls.reshards, **_sim_options(args))
         out[spec] = built[kind]
     return out
 
 
 def _slo(args: argparse.Namespace) -> Slo | None:
-    return None if args.slo_ttft is None and args.slo_tpot is None else Slo(args.slo_ttft, args.slo_tpot)
+    if args.slo_ttft is None and args.slo_tpot is None:
+        if args.slo_ttft_per_ktok:
+            raise ValueError("--slo-ttft-per-ktok needs --slo-ttft (the base TTFT limit)")
+        return None
+    return Slo(args.slo_ttft, args.slo_tpot, args.slo_ttft_per_ktok)
 
 
 def _strategy_spec(args: argparse.Namespace) -> str:
@@ -359,7 +425,13 @@ def main(argv: list[str] | None = None) -> int:
         spec = _strategy_spec(args)
         setup = setups(args, [spec])[spec]
         trace = make_workload(args.workload, args.num_requests, args.rate, args.seed, args.arrival, args.cv)
-        result = simulate(trace, spec, setup.latency, setup.config)
+        if args.timeline is None:
+            result = simulate(trace, spec, setup.latency, setup.config)
+        else:
+            from .timeline import run_recorded
+
+            title = f"spindle sim: {spec} on {args.workload} at {args.rate:g} req/s ({setup.shape.text})"
+            result = run_recorded(trace, spec, setup.latency, setup.config, args.timeline, title)
         summary = result.summary(args.workload, args.rate, _slo(args))
     except ValueError as e:
         print(f"spindle sim: {e}", file=sys.stderr)
@@ -380,11 +452,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  plan() per request: {format_plan_us(d['plan_us'])} ({len(result.plan_ns)} calls)")
     if t := result.tier:
         print(f"  {tier_text(t)}")
+    if args.timeline is not None:
+        print(f"  timeline: {args.timeline}")
     if summary.slo is not None:
         print(
             f"  goodput {d['goodput_req_s']:.3f} req/s, {d['goodput_tok_s']:.1f} tok/s; "
-            f"SLO attainment {100 * d['slo_attainment']:.1f} %"
+            f"SLO attainment {100 * d['slo_attainment']:.1f} % (interactive requests)"
         )
+    if summary.num_batch:
+        jct = "did not finish" if d["batch_jct_s"] is None else f"completed in {d['batch_jct_s']:.1f} s"
+        print(f"  batch job: {summary.num_batch} requests, {jct}")
     return 0
 
 
@@ -396,6 +473,10 @@ def _describe_max_load(m: MaxLoad) -> str:
     metric = m.metric.replace("_", " ").upper()
     head = f"{m.strategy}: "
     slo = f"{metric} SLO {m.slo_s:.3g} s (light load {m.light_value:.3g} s at {m.light_rate:.3g} req/s)"
+    if m.attainment is not None:
+        slo = f"SLO attainment >= {100 * m.attainment:g} % ({(m.slo or Slo()).describe()})"
+        if m.rate is None:
+            return head + f"violates the SLO even at {m.next_rate:.3g} req/s; {slo}"
     if m.rate is None:
         return head + f"violates the SLO even at light load; {slo}"
     if m.next_rate is None:
@@ -413,6 +494,7 @@ def sweep_main(argv: list[str]) -> int:
     rows: list[SweepRow] = []
     loads: list[MaxLoad] = []
     try:
+        check_max_load_args(args)
         specs = split_specs(args.strategies)
         by_spec = setups(args, specs)
         _print_shapes(by_spec)

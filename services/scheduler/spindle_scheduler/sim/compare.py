@@ -13,10 +13,19 @@ one PNG put them side by side.
   cannot be shaped for, or one that rejects every request of the trace. An unknown name or option, or a malformed
   spec, is an error (exit 2).
 - JSON: {"workload": {...}, "cluster": {...}, "strategies": {SPEC: {"completed", "ttft_s", "tpot_s", "e2e_s",
-  "throughput_tok_s", "goodput_rps", "max_load_rps", "plan_us"}}}: the same keys for every strategy, null where
-  not asked for (the run's fields without --rate, goodput without an SLO, the max load without --max-load; it is
-  0 when even the light load violates the SLO). "cluster" is the shape most strategies ran on, with `by_strategy`
-  (each one's) and `skipped` (spec -> reason).
+  "interactive_ttft_s", "interactive_tpot_s", "throughput_tok_s", "goodput_rps", "slo_attainment",
+  "batch_jct_s", "max_load_rps", "plan_us"}}}: the same keys for every strategy, null where not asked for or
+  not applicable (the run's fields without --rate, goodput and SLO attainment without an SLO, the batch job's
+  completion time on a trace without batch requests, the max load without --max-load; it is 0 when even the
+  light load, or under --max-load-attainment the lowest rate probed, violates the SLO). Latency stats ({mean,
+  p50, p90, p99}) cover every completed request; the interactive_* ones only interactive requests, which goodput
+  and SLO attainment count too (batch requests have no latency SLO). batch_jct_s is from the batch job's first
+  arrival to its last finish, and also null when a batch request did not finish (the table then says so).
+  "workload.max_load" is the rule: {"metric", "slo_scale", "slo_s", "attainment"} ("slo_attainment" and the
+  target share under --max-load-attainment, the SLO then in "workload.slo"). "cluster" is the shape most
+  strategies ran on, with `by_strategy` (each one's) and `skipped` (spec -> reason).
+- Table: a `batch JCT s` column when some strategy ran a trace with a batch job, `SLO att.` when an SLO was
+  given.
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ from .cli import (
     _sim_config,
     _sim_options,
     _slo,
+    check_max_load_args,
     split_specs,
 )
 from .executor import simulate
@@ -63,6 +73,8 @@ EXAMPLES = (
     "--json compare.json",
     "spindle sim compare --model llama3-70b --hardware h100-sxm --nodes 2 --strategies single chunked "
     "fixed-sp:sp=2 --num-requests 300 --max-load --plot compare.png",
+    "spindle sim compare --workload mixed-batch --rate 2 --slo-ttft 5 --slo-tpot 0.1 --max-load "
+    "--max-load-attainment 0.9",
 )
 
 
@@ -92,8 +104,11 @@ def build_compare_parser() -> argparse.ArgumentParser:
     epilog = (
         f"{SPEC_HELP} --strategies takes specs as `spindle sim sweep` does (`single,request-sp fixed-sp:sp=4`). "
         f"Known strategies: {', '.join(available_strategies())}. The JSON: {{workload, cluster, strategies: {{SPEC: "
-        "{completed, ttft_s, tpot_s, e2e_s, throughput_tok_s, goodput_rps, max_load_rps, plan_us}}}, the same keys "
-        "for every strategy, null where not asked for."
+        "{completed, ttft_s, tpot_s, e2e_s, interactive_ttft_s, interactive_tpot_s, throughput_tok_s, goodput_rps, "
+        "slo_attainment, batch_jct_s, max_load_rps, plan_us}}}, the same keys for every strategy, null where not "
+        "asked for or not applicable. Goodput, SLO attainment and the interactive_* latencies count interactive "
+        "requests only (batch requests, e.g. mixed-batch's job, have no latency SLO); batch_jct_s is the batch "
+        "job's completion time (null without one, or when it did not finish)."
     )
     p = argparse.ArgumentParser(
         prog="spindle sim compare",
@@ -110,6 +125,13 @@ def build_compare_parser() -> argparse.ArgumentParser:
     _add_run_args(p, num_requests=1000)
     p.add_argument("--plot", type=Path, help="write a PNG of the strategies side by side here")
     p.add_argument("--json", type=Path, help="write the comparison here")
+    p.add_argument(
+        "--timeline",
+        type=Path,
+        metavar="PATH",
+        help="with --rate: write each strategy's run as one HTML page (as `spindle sim --timeline`), named after "
+        "PATH with the strategy in it: out.html -> out.tetris.html",
+    )
     _add_max_load_args(p)
     return p
 
@@ -150,22 +172,27 @@ def prepare(args: argparse.Namespace, specs: list[str]) -> list[Entry]:
         config = _sim_config(args)
         given = SimSetup(given_shape(config), _latency(args), config)
 
-    def shape(colocated: bool, elastic: bool, pipelines: bool, sp_kind: str, reshards: bool) -> SimSetup:
+    def shape(
+        colocated: bool, elastic: bool, pipelines: bool, sp_kind: str, reshards: bool, prefill_share: float
+    ) -> SimSetup:
         """`pipelines`: the strategy can run on sequence-pipeline replicas (--spp); the others get plain ones.
         `sp_kind`: how its SP groups are priced (--sp-kind, or the strategy's own). `reshards`: re-sharding groups
-        (Seesaw)."""
+        (Seesaw). `prefill_share`: its share of the GPUs for prefill instances on a prefill/decode split."""
         if given is not None:
             return reshaped(given, colocated, pipelines)
         assert named is not None
-        cluster = replace(named, spp=named.spp if pipelines else None, sp_kind=sp_kind)
+        cluster = replace(named, spp=named.spp if pipelines else None, sp_kind=sp_kind, prefill_share=prefill_share)
         return named_cluster(cluster, colocated, elastic, reshards, **_sim_options(args))
 
-    built: dict[tuple[bool, bool, bool, str, bool], SimSetup | str] = {}
+    built: dict[tuple[bool, bool, bool, str, bool, float], SimSetup | str] = {}
     entries: list[Entry] = []
     ran: dict[str, str] = {}  # spec as run -> as asked
     for asked in specs:
         cls = strategy_class(asked)
-        kind = (cls.colocated, cls.elastic, cls.keeps_kv_in_place, args.sp_kind or cls.sp_kind, cls.reshards)
+        kind = (
+            cls.colocated, cls.elastic, cls.keeps_kv_in_place, args.sp_kind or cls.sp_kind, cls.reshards,
+            cls.prefill_share,
+        )  # fmt: skip
         if kind not in built:
             try:
                 built[kind] = shape(*kind)
@@ -194,7 +221,15 @@ def run_entry(entry: Entry, args: argparse.Namespace, trace: list[TraceRequest] 
         return entry
     s = entry.setup
     if trace is not None:
-        result = simulate(trace, entry.spec, s.latency, s.config)
+        if getattr(args, "timeline", None) is None:
+            result = simulate(trace, entry.spec, s.latency, s.config)
+        else:  # the same run, its timeline written as one page
+            from .timeline import run_recorded, strategy_path
+
+            path = strategy_path(args.timeline, entry.spec)
+            title = f"spindle sim compare: {entry.spec} on {args.workload} at {args.rate:g} req/s ({s.shape.text})"
+            result = run_recorded(trace, entry.spec, s.latency, s.config, path, title)
+            print(f"timeline of {entry.spec}: {path}")
         if result.records and all(r.state == "rejected" for r in result.records):
             return replace(entry, skipped=f"rejects every request ({result.records[0].reason})")
         entry = replace(entry, summary=result.summary(args.workload, args.rate, _slo(args)))
@@ -215,8 +250,12 @@ def strategy_dict(entry: Entry) -> dict[str, Any]:
         "ttft_s": None if s is None else _stats(s.ttft_s),
         "tpot_s": None if s is None else _stats(s.tpot_s),
         "e2e_s": None if s is None else _stats(s.e2e_s),
+        "interactive_ttft_s": None if s is None else _stats(s.interactive_ttft_s),
+        "interactive_tpot_s": None if s is None else _stats(s.interactive_tpot_s),
         "throughput_tok_s": None if s is None else s.throughput_tok_s,
         "goodput_rps": None if s is None else s.goodput_req_s,
+        "slo_attainment": None if s is None else s.slo_attainment,
+        "batch_jct_s": None if s is None else s.batch_jct_s,
         "max_load_rps": None if m is None else (m.rate if m.rate is not None else 0.0),
         "plan_us": None if s is None else asdict(s.plan_us),
     }
@@ -225,8 +264,13 @@ def strategy_dict(entry: Entry) -> dict[str, Any]:
 def compare_doc(args: argparse.Namespace, entries: list[Entry]) -> dict[str, Any]:
     slo = _slo(args)
     rule = None
-    if args.max_load:
-        rule = {"metric": f"{args.metric}_{args.percentile}", "slo_scale": args.slo_scale, "slo_s": args.max_load_slo}
+    if args.max_load and args.max_load_attainment is not None:
+        rule = {"metric": "slo_attainment", "slo_scale": None, "slo_s": None, "attainment": args.max_load_attainment}
+    elif args.max_load:
+        metric = f"{args.metric}_{args.percentile}"
+        rule = {"metric": metric, "slo_scale": args.slo_scale, "slo_s": args.max_load_slo, "attainment": None}
+    if rule is not None:
+        rule["window_s"] = args.max_load_window
     workload = {
         "name": args.workload,
         "num_requests": args.num_requests,
@@ -270,6 +314,17 @@ def _num(x: float | None, digits: int = 3) -> str:
     return "-" if x is None or x != x else f"{x:.{digits}f}"
 
 
+def _percent(x: float | None) -> str:
+    return "-" if x is None or x != x else f"{100 * x:.1f}%"
+
+
+def _jct_text(s: SimSummary | None) -> str:
+    """The batch job's completion time: '812.4', 'unfinished' (a batch request was rejected or failed), '-'."""
+    if s is None or s.batch_jct_s is None:
+        return "-"
+    return "unfinished" if s.batch_jct_s == float("inf") else f"{s.batch_jct_s:.1f}"
+
+
 def _max_load_text(m: MaxLoad | None, rate: float | None) -> str:
     """The max load column: '6.75', '>= 64' when never violated up to the highest rate probed, '-'."""
     if m is None or rate is None:
@@ -278,9 +333,13 @@ def _max_load_text(m: MaxLoad | None, rate: float | None) -> str:
 
 
 def format_compare_table(entries: list[Entry], doc: dict[str, Any]) -> str:
-    """A fixed-width table, one strategy a row; skipped ones say why."""
+    """A fixed-width table, one strategy a row; skipped ones say why. `SLO att.` when an SLO was given, `batch JCT s`
+    when some strategy ran a trace with a batch job."""
+    with_slo = doc["workload"]["slo"] is not None
+    with_batch = any(e.summary is not None and e.summary.num_batch for e in entries)
     head = ["strategy", "GPUs", "done", "ttft p50", "ttft p99", "tpot p50", "tpot p99", "e2e p50", "tok/s"]
-    head += ["goodput req/s", "max load req/s", "plan µs mean/p99"]
+    head += ["goodput req/s", *(["SLO att."] if with_slo else []), *(["batch JCT s"] if with_batch else [])]
+    head += ["max load req/s", "plan µs mean/p99"]
     rows, notes = [], []
     for e in entries:
         shape = "-" if e.setup is None else short_shape(e.setup.shape)
@@ -299,6 +358,8 @@ def format_compare_table(entries: list[Entry], doc: dict[str, Any]) -> str:
                 _num(e2e.get("p50")),
                 _num(d["throughput_tok_s"], 1),
                 _num(d["goodput_rps"]),
+                *([_percent(d["slo_attainment"])] if with_slo else []),
+                *([_jct_text(e.summary)] if with_batch else []),
                 _max_load_text(e.max_load, d["max_load_rps"]),
                 "-" if not plan else f"{_num(plan['mean'], 0)}/{_num(plan['p99'], 0)}",
             ]
@@ -332,6 +393,7 @@ def compare_main(argv: list[str]) -> int:
         if args.rate is not None and not args.rate > 0:
             raise ValueError(f"--rate must be > 0 requests/s, got {args.rate}")
         _slo(args)  # a bad SLO fails before any run
+        check_max_load_args(args)
         entries = prepare(args, specs)
         _print_shapes({e.spec: e.setup for e in entries if e.setup is not None})
         trace = None

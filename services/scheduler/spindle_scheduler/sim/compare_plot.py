@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from .metrics import describe_slo
 from .plot import LOG_RANGE, _pyplot
 
 # (JSON key, statistics drawn (None: a number), title, unit)
@@ -41,14 +42,15 @@ def _label(v: float) -> str:
 
 
 def _goodput_title(slo: dict[str, float | None] | None) -> str:
-    limits = [f"{name} <= {slo[key]:g} {unit}" for key, name, unit in (("ttft_s", "TTFT", "s"), ("tpot_s", "TPOT", "s"))
-              if slo and slo[key] is not None]  # fmt: skip
-    return f"goodput ({', '.join(limits)})" if limits else "goodput under the SLO"
+    limits = describe_slo(slo)
+    return f"goodput ({limits})" if limits else "goodput under the SLO"
 
 
 def _max_load_title(rule: dict[str, Any] | None) -> str:
     if rule is None:
         return "max sustainable load"
+    if rule.get("attainment") is not None:
+        return f"max sustainable load (SLO att. >= {100 * rule['attainment']:g} %)"
     metric = rule["metric"].replace("_", " ").upper()
     slo = f"{rule['slo_s']:g} s" if rule["slo_s"] is not None else f"{rule['slo_scale']:g}x light load"
     return f"max sustainable load ({metric} <= {slo})"

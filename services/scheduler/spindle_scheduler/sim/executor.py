@@ -189,7 +189,9 @@ class Simulator(PrefillSide, DecodeSide, Swaps, IterationSide, TierSide):
         q.push(0.0, EventKind.HEARTBEAT)
         q.push(cfg.tick_s, EventKind.TICK)
         for i, req in enumerate(trace):
-            rec = RequestRecord(f"req-{i}", req.arrived_at, req.num_prefill_tokens, req.num_decode_tokens)
+            rec = RequestRecord(
+                f"req-{i}", req.arrived_at, req.num_prefill_tokens, req.num_decode_tokens, req.service_class
+            )
             self.records[rec.request_id] = rec
             q.push(req.arrived_at, EventKind.ARRIVAL, rec)
         self._remaining = len(trace)
@@ -288,6 +290,7 @@ class Simulator(PrefillSide, DecodeSide, Swaps, IterationSide, TierSide):
             sampling=Sampling(max_tokens=rec.num_decode_tokens, ignore_eos=True),
             arrival_time=now,
             deadline=math.inf,
+            service_class=rec.service_class,  # type: ignore[arg-type]  # TraceRequest checked it
         )
         self._execute(self.core.admit(spec, now), now)
 

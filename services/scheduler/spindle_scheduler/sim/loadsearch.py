@@ -16,39 +16,55 @@ It assumes the metric grows with the rate (a finite trace is only roughly monoto
 enough for queues to build: with K requests, even all arriving at once, a TTFT can only grow about K / (number
 of instances) times the light-load value, so 25x may never be reached with a short trace (``saturated`` is
 then False and ``rate`` is the highest rate probed). Deterministic for a seed.
+
+The attainment rule (DistServe's goodput: the highest rate at which at least a share A of requests meet a
+per-request SLO; ``attainment=A`` with an ``Slo``, ``--max-load-attainment A`` with ``--slo-ttft``/``--slo-tpot``)
+replaces the latency-percentile rule above: a rate is under the SLO when the run's ``slo_attainment``
+(interactive requests meeting the TTFT and TPOT limits, over all interactive requests; batch requests have no
+latency SLO) is >= A and no request was rejected or failed. The SLO is absolute, so there is no light-load
+search: the search starts at ``start_rate``; when that rate already violates, it halves until one holds, at most
+8 times (to ``start_rate`` / 256: requests then hardly queue, so a rate still violating there is taken to mean
+the SLO is out of reach, ``rate`` None), and then grows and bisects as above. ``metric`` is then
+"slo_attainment", ``light_rate`` / ``light_value`` are ``start_rate`` and its attainment, ``slo_s`` is NaN, and
+``attainment`` and ``slo`` record the rule.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..latency import LatencyModel
 from ..workloads import make_workload
 from .cluster import SimConfig
+from .metrics import Slo
 from .sweep import check_metric, metric_value, run_point
 
 Evaluate = Callable[[float], float]  # rate -> metric value (inf or NaN: the rate violates any SLO)
+MAX_HALVINGS = 8  # the attainment rule's search below a violating start rate: down to start / 256
 
 
 @dataclass(frozen=True)
 class LoadPoint:
     rate: float
-    value: float  # the metric at this rate (inf: requests were rejected or failed)
+    # the metric at this rate (latency rule: inf when requests were rejected or failed; attainment rule: -inf)
+    value: float
     ok: bool  # under the SLO
 
 
 @dataclass(frozen=True)
 class MaxLoad:
     strategy: str
-    metric: str  # e.g. "ttft_p50"
-    light_rate: float
+    metric: str  # e.g. "ttft_p50"; "slo_attainment" under the attainment rule
+    light_rate: float  # attainment rule: the rate the search started from
     light_value: float
-    slo_s: float
+    slo_s: float  # NaN under the attainment rule
     rate: float | None  # highest rate found under the SLO; None when even the light rate violates it
     next_rate: float | None  # the lowest probed rate above `rate` that violates it; None: none up to max_rate
     points: list[LoadPoint] = field(default_factory=list)  # every evaluated rate, ascending
+    attainment: float | None = None  # the attainment rule's target share; None: the latency rule
+    slo: Slo | None = None  # the attainment rule's per-request SLO
 
     @property
     def saturated(self) -> bool:
@@ -91,15 +107,28 @@ def search_max_rate(
     growth: float = 2.0,
 ) -> tuple[float | None, float | None]:
     """(highest good rate, lowest bad rate probed above it) by growth from ``start_rate`` then bisection."""
+    return _search(lambda rate: evaluate(rate) <= slo_s, start_rate, rel_tol, max_rate, growth)  # NaN: bad
+
+
+def _search(
+    ok: Callable[[float], bool],
+    start_rate: float,
+    rel_tol: float = 0.05,
+    max_rate: float = 1e4,
+    growth: float = 2.0,
+    max_halvings: int = 0,
+) -> tuple[float | None, float | None]:
+    """search_max_rate on a predicate; a violating start rate is halved up to ``max_halvings`` times first."""
     if not (rel_tol > 0 and growth > 1 and start_rate > 0 and max_rate >= start_rate):
         raise ValueError("need rel_tol > 0, growth > 1 and 0 < start_rate <= max_rate")
-
-    def ok(rate: float) -> bool:
-        return evaluate(rate) <= slo_s  # False for NaN
-
-    if not ok(start_rate):
-        return None, start_rate
-    lo, hi = start_rate, None
+    hi: float | None = None
+    for _ in range(max_halvings + 1):
+        if ok(start_rate):
+            break
+        hi, start_rate = start_rate, start_rate / 2
+    else:
+        return None, hi
+    lo = start_rate
     while hi is None and lo < max_rate:
         rate = min(lo * growth, max_rate)
         if ok(rate):
@@ -144,6 +173,32 @@ def search_max_load(
     return MaxLoad(strategy, metric, light_rate, light_value, slo, rate, next_rate, points)
 
 
+def search_max_attainment(
+    evaluate: Evaluate,
+    attainment: float,
+    strategy: str = "",
+    slo: Slo | None = None,
+    start_rate: float = 1.0,
+    rel_tol: float = 0.05,
+    max_rate: float = 1e4,
+) -> MaxLoad:
+    """The attainment rule on any ``evaluate`` (rate -> SLO attainment; -inf or NaN: the rate violates): the
+    highest rate whose attainment is >= ``attainment``. ``slo`` is only recorded."""
+    if not 0 < attainment <= 1:
+        raise ValueError(f"the SLO attainment target must be in (0, 1], got {attainment}")
+    if not (math.isfinite(start_rate) and start_rate > 0):
+        raise ValueError(f"start_rate must be finite and > 0, got {start_rate}")
+    cached = _Cached(evaluate)
+
+    def ok(rate: float) -> bool:
+        return cached(rate) >= attainment  # False for NaN
+
+    rate, next_rate = _search(ok, start_rate, rel_tol, max(max_rate, start_rate), max_halvings=MAX_HALVINGS)
+    points = [LoadPoint(r, v, v >= attainment) for r, v in sorted(cached.values.items())]
+    light = cached(start_rate)
+    return MaxLoad(strategy, "slo_attainment", start_rate, light, math.nan, rate, next_rate, points, attainment, slo)
+
+
 def max_sustainable_load(
     strategy: str,
     workload: str,
@@ -161,13 +216,45 @@ def max_sustainable_load(
     max_rate: float = 1e4,
     arrival: str = "poisson",
     cv: float = 1.0,
+    attainment: float | None = None,
+    slo: Slo | None = None,
+    min_window_s: float = 0.0,
 ) -> MaxLoad:
-    """Max sustainable load of ``strategy`` on ``workload`` in the simulator (see the module docstring)."""
+    """Max sustainable load of ``strategy`` on ``workload`` in the simulator (see the module docstring). With
+    ``attainment``, the attainment rule under ``slo`` (which needs a TTFT and/or TPOT limit); the latency rule's
+    arguments (metric, percentile, light_rate, slo_scale, slo_s) are then unused. ``min_window_s`` > 0: a rate's trace
+    has at least ``rate x min_window_s`` requests (the same seed's), so that every probe offers its load for that
+    long and a short trace's burst cannot pass for sustained load."""
+    if not (math.isfinite(min_window_s) and min_window_s >= 0):
+        raise ValueError(f"min_window_s must be >= 0 seconds, got {min_window_s}")
+
+    def trace_at(rate: float) -> tuple[list, SimConfig]:
+        """The rate's trace, and the config to run it on: a longer trace may have more requests in flight than the
+        config's scheduler admits for `num_requests` (the CLI sizes it so), which would reject requests."""
+        n = max(num_requests, math.ceil(rate * min_window_s)) if math.isfinite(rate) else num_requests
+        limit = max(config.scheduler.max_num_requests, n)
+        at = (
+            replace(config, scheduler=replace(config.scheduler, max_num_requests=limit)) if n > num_requests else config
+        )
+        return make_workload(workload, n, rate, seed, arrival, cv), at
+
+    if attainment is not None:
+        if slo is None or (slo.ttft_s is None and slo.tpot_s is None):
+            raise ValueError("the SLO-attainment rule needs a per-request SLO: a TTFT and/or TPOT limit")
+
+        def attained(rate: float) -> float:
+            trace, at = trace_at(rate)
+            summary = run_point(trace, strategy, latency, at, workload, rate, slo)
+            if summary.completed < summary.num_requests or summary.slo_attainment is None:
+                return -math.inf
+            return summary.slo_attainment
+
+        return search_max_attainment(attained, attainment, strategy, slo, start_rate, rel_tol, max_rate)
     check_metric(metric, percentile)
 
     def evaluate(rate: float) -> float:
-        trace = make_workload(workload, num_requests, rate, seed, arrival, cv)
-        summary = run_point(trace, strategy, latency, config, workload, rate)
+        trace, at = trace_at(rate)
+        summary = run_point(trace, strategy, latency, at, workload, rate)
         if summary.completed < summary.num_requests:
             return math.inf
         return metric_value(summary, metric, percentile)

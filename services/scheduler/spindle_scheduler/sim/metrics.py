@@ -1,5 +1,12 @@
 """Per-request records and the summary metrics of a simulated run: TTFT, TBT/TPOT, E2E, throughput, goodput
-under an SLO, LoongServe's normalised latencies, and the wall time of the strategy's `plan()` calls."""
+under an SLO, LoongServe's normalised latencies, and the wall time of the strategy's `plan()` calls.
+
+Service classes: a batch request (``service_class="batch"``, e.g. ``mixed-batch``'s job) has no latency SLO, so
+goodput and SLO attainment count interactive requests only, and the batch job is measured by its completion time
+(``batch_jct_s``). The latency statistics (``ttft_s``, ``tpot_s``, ``e2e_s``, ...) cover every completed request,
+batch ones included (what the cluster did); ``interactive_ttft_s`` / ``interactive_tpot_s`` are the same over
+interactive requests only (what the users with an SLO saw). A trace without batch requests gives the same
+numbers either way."""
 
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ class RequestRecord:
     arrived_at: float
     num_prefill_tokens: int
     num_decode_tokens: int
+    service_class: str = "interactive"  # or "batch": no latency SLO
     state: str = "pending"  # then exactly one of TERMINAL
     reason: str = ""
     prefill_instance: str = ""  # the first instance of the plan
@@ -99,25 +107,54 @@ def format_plan_us(d: dict[str, float | None]) -> str:
 @dataclass(frozen=True)
 class Slo:
     """A per-request latency objective (DistServe's, as LoongServe's goodput uses): a request meets it when it
-    finished, its TTFT <= ttft_s and its TPOT (mean time per output token after the first) <= tpot_s. A limit
+    finished, its TTFT <= ttft_s (+ ttft_per_ktok_s per 1,000 prompt tokens: a longer prompt may take longer, as
+    users of long documents expect) and its TPOT (mean time per output token after the first) <= tpot_s. A limit
     left as None is no limit; a request with a single output token has no TPOT and meets any TPOT limit."""
 
     ttft_s: float | None = None
     tpot_s: float | None = None
+    ttft_per_ktok_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("ttft_s", "tpot_s"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"SLO {name} must be > 0 seconds, got {value}")
+        if not (math.isfinite(self.ttft_per_ktok_s) and self.ttft_per_ktok_s >= 0):
+            raise ValueError(f"SLO ttft_per_ktok_s must be >= 0 seconds, got {self.ttft_per_ktok_s}")
+        if self.ttft_per_ktok_s and self.ttft_s is None:
+            raise ValueError("an SLO's per-1K-token TTFT term needs its base TTFT limit (ttft_s)")
+
+    def describe(self) -> str:
+        """'TTFT <= 1 s + 0.05 s/1K prompt tokens, TPOT <= 0.1 s' ('' without limits)."""
+        return describe_slo(asdict(self))
+
+    def ttft_limit(self, num_prompt_tokens: int) -> float | None:
+        """The TTFT limit of a request with this many prompt tokens (None: no limit)."""
+        if self.ttft_s is None:
+            return None
+        return self.ttft_s + self.ttft_per_ktok_s * num_prompt_tokens / 1000
 
     def met_by(self, rec: RequestRecord) -> bool:
         if rec.state != "finished":
             return False
-        ttft, tpot = rec.ttft, rec.tpot
-        if self.ttft_s is not None and (ttft is None or ttft > self.ttft_s):
+        ttft, tpot, limit = rec.ttft, rec.tpot, self.ttft_limit(rec.num_prefill_tokens)
+        if limit is not None and (ttft is None or ttft > limit):
             return False
         return self.tpot_s is None or tpot is None or tpot <= self.tpot_s
+
+
+def describe_slo(slo: dict[str, float | None] | None) -> str:
+    """An SLO as its JSON dict (`asdict(Slo)`) in words."""
+    if not slo:
+        return ""
+    limits = []
+    if slo.get("ttft_s") is not None:
+        per = slo.get("ttft_per_ktok_s") or 0.0
+        limits.append(f"TTFT <= {slo['ttft_s']:g} s" + (f" + {per:g} s/1K prompt tokens" if per else ""))
+    if slo.get("tpot_s") is not None:
+        limits.append(f"TPOT <= {slo['tpot_s']:g} s")
+    return ", ".join(limits)
 
 
 def strict_json(x: object) -> object:
@@ -151,11 +188,21 @@ class SimSummary:
     normalized_latency_s: Stats  # E2E / (prompt + output tokens)
     normalized_input_latency_s: Stats  # TTFT (the prefill phase, queueing included) / prompt tokens
     normalized_output_latency_s: Stats  # (E2E - TTFT) (the decoding phase) / output tokens
-    # goodput under `slo` (None when no SLO was given): over the same duration as the throughput
+    # goodput under `slo` (None when no SLO was given), interactive requests only, per second of offered load: over
+    # the interactive requests' arrival window (first to last arrival; with open-loop arrivals it is the SLO
+    # attainment times the arrival rate, so a strategy that finishes its last long request later is not scored
+    # lower for it), or their first arrival to last finish when they all arrive at once
     slo: Slo | None = None
-    goodput_req_s: float | None = None  # completed requests meeting the SLO per second
+    goodput_req_s: float | None = None  # completed interactive requests meeting the SLO per second
     goodput_tok_s: float | None = None  # their output tokens per second
-    slo_attainment: float | None = None  # requests meeting the SLO / all requests (rejected and failed miss it)
+    # interactive requests meeting the SLO / all interactive requests (rejected and failed miss it); NaN: none
+    slo_attainment: float | None = None
+    interactive_ttft_s: Stats = field(default_factory=lambda: Stats.of([]))  # over completed interactive requests
+    interactive_tpot_s: Stats = field(default_factory=lambda: Stats.of([]))
+    num_batch: int = 0  # batch requests in the trace
+    # the batch job's completion time: from its first request's arrival to its last one's finish; None: no batch
+    # request; inf: some batch request was rejected or failed
+    batch_jct_s: float | None = None
     preemptions: int = 0  # decode swap-outs to the kvstore, all requests
     moves: int = 0  # parked requests moved to another decode instance, all requests
     scale_ups: int = 0  # KV-parallel tails moved to a member holding none of the request, all requests
@@ -170,6 +217,12 @@ class SimSummary:
         return json.dumps(strict_json(self.to_dict()), indent=indent)
 
 
+def _span(records: Sequence[RequestRecord]) -> float:
+    """Virtual seconds from the first arrival to the last finish (0 when nothing finished)."""
+    start = min((r.arrived_at for r in records), default=0.0)
+    return max((r.finished_at for r in records if r.finished_at is not None), default=start) - start
+
+
 def summarize(
     records: list[RequestRecord],
     strategy: str = "",
@@ -178,21 +231,30 @@ def summarize(
     slo: Slo | None = None,
     plan_ns: Sequence[int] = (),
 ) -> SimSummary:
-    """The run's metrics; `plan_ns`: the wall time of each plan() call (ns), reported as `plan_us`."""
+    """The run's metrics; `plan_ns`: the wall time of each plan() call (ns), reported as `plan_us`. Goodput and
+    SLO attainment count interactive requests only; latency statistics cover all completed requests (module
+    docstring)."""
     done = [r for r in records if r.state == "finished"]
     gaps = [np.diff(r.token_times) for r in done if len(r.token_times) > 1]
-    ends = [r.finished_at for r in records if r.finished_at is not None]
-    start = min((r.arrived_at for r in records), default=0.0)
-    duration = max(ends, default=start) - start
+    duration = _span(records)
     out_tokens = sum(len(r.token_times) for r in done)
     in_tokens = sum(r.num_prefill_tokens for r in done)
     with_tokens = [r for r in done if r.token_times and r.finished_at is not None]
+    interactive = [r for r in records if r.service_class != "batch"]
+    interactive_done = [r for r in done if r.service_class != "batch"]
+    batch = [r for r in records if r.service_class == "batch"]
     goodput_req = goodput_tok = attainment = None
     if slo is not None:
-        good = [r for r in done if slo.met_by(r)]
-        goodput_req = len(good) / duration if duration > 0 else 0.0
-        goodput_tok = sum(len(r.token_times) for r in good) / duration if duration > 0 else 0.0
-        attainment = len(good) / len(records) if records else float("nan")
+        good = [r for r in interactive_done if slo.met_by(r)]
+        arrivals = [r.arrived_at for r in interactive]
+        span = (max(arrivals) - min(arrivals)) if len(arrivals) > 1 else 0.0
+        span = span if span > 0 else _span(interactive)
+        goodput_req = len(good) / span if span > 0 else 0.0
+        goodput_tok = sum(len(r.token_times) for r in good) / span if span > 0 else 0.0
+        attainment = len(good) / len(interactive) if interactive else float("nan")
+    jct = None
+    if batch:
+        jct = _span(batch) if all(r.state == "finished" for r in batch) else math.inf
     return SimSummary(
         strategy=strategy,
         workload=workload,
@@ -215,6 +277,10 @@ def summarize(
         goodput_req_s=goodput_req,
         goodput_tok_s=goodput_tok,
         slo_attainment=attainment,
+        interactive_ttft_s=Stats.of([r.ttft for r in interactive_done]),
+        interactive_tpot_s=Stats.of([t for r in interactive_done if (t := r.tpot) is not None]),
+        num_batch=len(batch),
+        batch_jct_s=jct,
         preemptions=sum(r.preemptions for r in records),
         moves=sum(r.moves for r in records),
         scale_ups=sum(r.scale_ups for r in records),

@@ -3,9 +3,10 @@ model (`spindle_costmodel`), its GPUs shaped into instances the way the strategy
 
 - TP: the smallest power of two (up to a node) whose weight shard leaves >= 30 % of a GPU's memory for KV
   (after the activations of an 8192-token batch), unless given; the decode TP likewise.
-- Instances: a disaggregated strategy gets half of the GPUs as prefill instances of the prefill TP and the
-  rest as decode instances of the decode TP; a colocated one (`Strategy.colocated`, e.g. `chunked`) gets every
-  GPU as colocated instances of the decode TP. Counts given explicitly win; nodes then default to just enough.
+- Instances: a disaggregated strategy gets half of the GPUs (`ClusterSpec.prefill_share`, from the strategy's
+  `prefill_share`) as prefill instances of the prefill TP and the rest as decode instances of the decode TP; a
+  colocated one (`Strategy.colocated`, e.g. `chunked`) gets every GPU as colocated instances of the decode TP.
+  Counts given explicitly win; nodes then default to just enough.
 - Instances are packed onto nodes in rank order and never straddle two (`cluster.pack_nodes`): a node whose
   size is not a multiple of the TP leaves GPUs idle, and the shape says how many.
 - KV capacity per instance: `CostModel.max_kv_tokens` at its TP (the same 8192-token activation reserve for
@@ -55,8 +56,11 @@ class ClusterSpec:
     num_colocated: int | None = None
     spp: int | None = None  # sequence-pipeline stages of each colocated instance (Medha's SPP; default 1)
     sp_kind: str = "ring"  # how SP prefill groups are priced: ring, ulysses (all-to-all) or sp-tp (CSPS's SP-TP)
+    prefill_share: float = 0.5  # of the GPUs, for prefill instances on a prefill/decode split (when not counted)
 
     def __post_init__(self) -> None:
+        if not 0 < self.prefill_share < 1:
+            raise ValueError(f"prefill_share must be in (0, 1), got {self.prefill_share}")
         for name in ("nodes", "gpus_per_node", "prefill_tp", "decode_tp", "spp"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -197,7 +201,7 @@ def _counts(
     else:
         counts = [spec.num_prefill, spec.num_decode, 0]
     nodes = spec.nodes or (DEFAULT_NODES if None in counts else 0)
-    n_p = counts[0] if counts[0] is not None else nodes * gpn // 2 // ptp
+    n_p = counts[0] if counts[0] is not None else max(1, round(nodes * gpn * spec.prefill_share) // ptp)
     n_d = counts[1] if counts[1] is not None else fill([ptp] * n_p, dtp, gpn, nodes)
     n_c = counts[2] if counts[2] is not None else fill([ptp] * n_p + [dtp] * n_d, ctp, gpn, nodes)
     need = -(-packed_gpus([ptp] * n_p + [dtp] * n_d + [ctp] * n_c, gpn) // gpn)
@@ -239,7 +243,8 @@ def _shape(
     if explicit:
         how = "as given"
     else:
-        how = "colocated: every GPU prefills and decodes" if n_c else "half the GPUs prefill, half decode"
+        share = "half" if spec.prefill_share == 0.5 else f"{spec.prefill_share:.0%} of"
+        how = "colocated: every GPU prefills and decodes" if n_c else f"{share} the GPUs prefill, the rest decode"
     tps = {role: tp for role, _, tp in roles}
     given = {role: (spec.prefill_tp if role == "prefill" else spec.decode_tp) is not None for role in tps}
     shape = ClusterShape(cm.model.name, cm.hw.name, nodes, gpn, n_p, ptp, n_d, dtp, n_c, dtp, "", spp)

@@ -1,3 +1,3 @@
 """Built-in strategies; importing this package registers them."""
 
-from . import chunked, csps, fixed_sp, loongserve, medha, request_sp, seesaw, single, tetris  # noqa: F401
+from . import chunked, csps, fixed_sp, loongserve, medha, request_sp, seesaw, single, spindle, tetris  # noqa: F401

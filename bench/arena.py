@@ -1,0 +1,212 @@
+"""The arena (issue 27): every paper strategy and `spindle` on mixed traffic, on two clusters, one cost model.
+
+    .venv/bin/python bench/arena.py                 # every cell below: bench/results/arena/*.{json,png}, arena.json
+    .venv/bin/python bench/arena.py --quick         # 200 requests, A100 only, chat + batch (a smoke run)
+    .venv/bin/python bench/arena.py --cells a100:chat h100:batch --jobs 2
+
+Each cell is one `spindle sim compare` (the same command a user runs; printed before it runs) of the strategies on
+one workload and cluster: a run at the cell's load point for goodput, P50/P99 TTFT and TPOT and the batch job's
+completion time, then each strategy's max sustainable load (the highest rate at which >= 90 % of the interactive
+requests meet the SLO, DistServe's goodput rule), every probed rate offering its load for at least 20 s (a shorter
+trace's burst is absorbed by a colocated pool and passes for hundreds of req/s). Every strategy gets the cluster's
+GPUs shaped as it runs (prefill/decode split and its share, colocated or elastic instances, re-sharding groups).
+
+Workloads (`workloads.py` says how each is fitted):
+- chat: `mixed-chat`, ShareGPT-like turns with 2 % long documents (16K-256K tokens), Poisson arrivals;
+- diurnal: `mixed-diurnal`, the long share drifting from 1 % to 20 % over the trace;
+- bursty: `mixed-chat` with gamma arrivals of cv 4;
+- batch: `mixed-batch`, the chat traffic plus a batch job of 10 % of the requests submitted at its midpoint.
+Clusters: Llama-3-8B on 32 A100-80GB in 4 nodes; Llama-3-70B on 64 H100-SXM in 8 nodes.
+SLO: TTFT <= 1 s + 0.05 s per 1,000 prompt tokens (a 128K document: 7.4 s), TPOT <= 0.1 s; `spindle` is told the
+same TTFT objective (`ttft_slo`, `ttft_per_ktok`), every other strategy runs at its defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import shlex
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).parent / "results"
+OUT = RESULTS / "arena"
+SLO_TTFT, SLO_PER_KTOK, SLO_TPOT, ATTAINMENT = 1.0, 0.05, 0.1, 0.9
+WINDOW_S = 20.0  # each probed rate offers its load for at least this long (`--max-load-window`)
+SPINDLE = f"spindle:ttft_slo={SLO_TTFT:g},ttft_per_ktok={SLO_PER_KTOK:g}"
+STRATEGIES = (SPINDLE, "tetris", "loongserve", "medha", "csps", "seesaw")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    workload: str
+    arrival: str
+    cv: float
+    about: str
+
+
+@dataclass(frozen=True)
+class Cluster:
+    model: str
+    hardware: str
+    nodes: int
+    rate: float  # the load point of the fixed-rate run (req/s)
+    about: str
+
+
+SCENARIOS = {
+    "chat": Scenario("mixed-chat", "poisson", 1.0, "chat + 2 % long documents"),
+    "diurnal": Scenario("mixed-diurnal", "poisson", 1.0, "long share drifting 1 % -> 20 %"),
+    "bursty": Scenario("mixed-chat", "gamma", 4.0, "chat + 2 % documents, gamma arrivals cv 4"),
+    "batch": Scenario("mixed-batch", "poisson", 1.0, "chat traffic + a batch job (10 %) midway"),
+}
+CLUSTERS = {
+    "a100": Cluster("llama3-8b", "a100-80g", 4, 8.0, "Llama-3-8B, 32 A100-80GB (4 nodes)"),
+    "h100": Cluster("llama3-70b", "h100-sxm", 8, 4.0, "Llama-3-70B, 64 H100-SXM (8 nodes)"),
+}
+
+
+def compare_argv(cluster: Cluster, scenario: Scenario, strategies: tuple[str, ...], n: int, stem: Path) -> list[str]:
+    return [
+        "--workload", scenario.workload, "--arrival", scenario.arrival, "--cv", f"{scenario.cv:g}",
+        "--model", cluster.model, "--hardware", cluster.hardware, "--nodes", str(cluster.nodes),
+        "--num-requests", str(n), "--rate", f"{cluster.rate:g}", "--seed", "0",
+        "--slo-ttft", f"{SLO_TTFT:g}", "--slo-ttft-per-ktok", f"{SLO_PER_KTOK:g}", "--slo-tpot", f"{SLO_TPOT:g}",
+        "--max-load", "--max-load-attainment", f"{ATTAINMENT:g}", "--start-rate", f"{cluster.rate:g}",
+        "--max-load-window", f"{WINDOW_S:g}", "--rel-tol", "0.1", "--strategies", *strategies,
+        "--json", str(stem.with_suffix(".json")), "--plot", str(stem.with_suffix(".png")),
+    ]  # fmt: skip
+
+
+def run_cell(name: str, argv: list[str]) -> tuple[str, dict[str, Any], str, float]:
+    """One `spindle sim compare` in this process: (cell, its JSON, what it printed, wall seconds)."""
+    from spindle_scheduler.sim.compare import compare_main
+
+    started = time.perf_counter()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = compare_main(argv)
+    if code != 0:
+        raise RuntimeError(f"{name}: spindle sim compare exited {code}:\n{out.getvalue()}")
+    doc = json.loads(Path(argv[argv.index("--json") + 1]).read_text())
+    return name, doc, out.getvalue(), time.perf_counter() - started
+
+
+def verdict(doc: dict[str, Any]) -> dict[str, Any]:
+    """Whether `spindle` has the highest goodput and max load of the cell (ties count as highest), and by how
+    much it leads or trails the best other strategy on each."""
+    rows = doc["strategies"]
+    ours = next(k for k in rows if k.startswith("spindle"))
+    out: dict[str, Any] = {"strategy": ours}
+    for key in ("goodput_rps", "max_load_rps"):
+        others = {k: v[key] for k, v in rows.items() if k != ours and v[key] is not None}
+        best = max(others, key=lambda k: others[k]) if others else None
+        mine = rows[ours][key]
+        ratio = None if best is None or not others[best] else mine / others[best]
+        out[key] = {"ours": mine, "best_other": best, "best_other_value": others.get(best), "ratio": ratio,
+                    "highest": best is None or mine >= others[best] * (1 - 1e-9)}  # fmt: skip
+    return out
+
+
+def markdown_table(cells: dict[str, dict[str, Any]]) -> str:
+    """Every strategy x cell: goodput, SLO attainment, P50/P99 TTFT and TPOT, max load, batch JCT."""
+    head = "| cluster | workload | strategy | GPUs | goodput req/s | SLO att. | TTFT p50 / p99 s | TPOT p50 / p99 ms "
+    head += "| max load req/s | batch JCT s |\n|---|---|---|---|---|---|---|---|---|---|"
+    lines = [head]
+    for cell, doc in cells.items():
+        cluster, scenario = cell.split(":")
+        shapes = doc["cluster"]["by_strategy"]
+        for spec, d in doc["strategies"].items():
+            ttft, tpot = d["interactive_ttft_s"] or {}, d["interactive_tpot_s"] or {}
+            shape = shapes.get(spec, {})
+            gpus = ", ".join(f"{n} {r}" for r, n in (("P", shape.get("num_prefill")), ("D", shape.get("num_decode")),
+                                                        ("C", shape.get("num_colocated"))) if n)  # fmt: skip
+            jct = d["batch_jct_s"]
+            lines.append(
+                f"| {cluster} | {scenario} | {spec.split(':')[0]} | {gpus} | {_f(d['goodput_rps'], 2)} | "
+                f"{_pct(d['slo_attainment'])} | {_f(ttft.get('p50'), 2)} / {_f(ttft.get('p99'), 1)} | "
+                f"{_f(_ms(tpot.get('p50')), 0)} / {_f(_ms(tpot.get('p99')), 0)} | {_f(d['max_load_rps'], 2)} | "
+                f"{'-' if jct is None and 'batch' not in scenario else _f(jct, 0)} |"
+            )
+    return "\n".join(lines)
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else 1e3 * x
+
+
+def _f(x: float | None, digits: int) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f} %"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cells", nargs="+", help="cluster:scenario cells (default: all)")
+    p.add_argument("--num-requests", type=int, default=600)
+    p.add_argument("--jobs", type=int, default=2, help="cells run in parallel (processes)")
+    p.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
+    p.add_argument("--quick", action="store_true", help="200 requests, A100 chat and batch")
+    args = p.parse_args()
+    names = args.cells or [f"{c}:{s}" for c in CLUSTERS for s in SCENARIOS]
+    n = args.num_requests
+    if args.quick:
+        names, n = args.cells or ["a100:chat", "a100:batch"], 200
+    OUT.mkdir(parents=True, exist_ok=True)
+    jobs: dict[str, list[str]] = {}
+    for name in names:
+        cluster, scenario = name.split(":")
+        stem = OUT / f"{cluster}-{scenario}"
+        jobs[name] = compare_argv(CLUSTERS[cluster], SCENARIOS[scenario], tuple(args.strategies), n, stem)
+        print("spindle sim compare " + shlex.join(jobs[name]))
+    cells: dict[str, dict[str, Any]] = {}
+    walls: dict[str, float] = {}
+    from tqdm import tqdm
+
+    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        futures = [pool.submit(run_cell, name, argv) for name, argv in jobs.items()]
+        for f in tqdm(as_completed(futures), total=len(futures), desc="arena cells"):
+            name, doc, printed, wall = f.result()
+            cells[name], walls[name] = doc, wall
+            tqdm.write(f"\n== {name} ({wall:.0f} s)\n{printed}")
+    cells = {name: cells[name] for name in jobs}  # in the order asked
+    verdicts = {name: verdict(doc) for name, doc in cells.items()}
+    table = markdown_table(cells)
+    print(table)
+    for name, v in verdicts.items():
+        g, m = v["goodput_rps"], v["max_load_rps"]
+        print(f"{name}: goodput {'highest' if g['highest'] else 'NOT highest'} (x{_f(g['ratio'], 2)} of "
+              f"{g['best_other']}), max load {'highest' if m['highest'] else 'NOT highest'} "
+              f"(x{_f(m['ratio'], 2)} of {m['best_other']})")  # fmt: skip
+    summary = {
+        "slo": {
+            "ttft_s": SLO_TTFT,
+            "ttft_per_ktok_s": SLO_PER_KTOK,
+            "tpot_s": SLO_TPOT,
+            "attainment": ATTAINMENT,
+            "window_s": WINDOW_S,
+        },
+        "num_requests": n,
+        "clusters": {k: v.about for k, v in CLUSTERS.items()},
+        "scenarios": {k: v.about for k, v in SCENARIOS.items()},
+        "commands": {name: "spindle sim compare " + shlex.join(argv) for name, argv in jobs.items()},
+        "wall_s": walls,
+        "verdicts": verdicts,
+        "cells": cells,
+    }
+    path = RESULTS / ("arena_quick.json" if args.quick else "arena.json")
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    (OUT / "table.md").write_text(table + "\n")
+    print(f"wrote {path}, {OUT}/table.md and one PNG per cell in {OUT}")
+
+
+if __name__ == "__main__":
+    main()
