@@ -65,6 +65,30 @@ SCENARIOS = {
     "bursty": Scenario("mixed-chat", "gamma", 4.0, "chat + 2 % documents, gamma arrivals cv 4"),
     "batch": Scenario("mixed-batch", "poisson", 1.0, "chat traffic + a batch job (10 %) midway"),
 }
+
+
+@dataclass(frozen=True)
+class PaperCell:
+    """A paper's own workload and cluster (as its `bench/paper_*.py` runs it), its strategy against `spindle`."""
+
+    strategy: str
+    workload: str
+    model: str
+    hardware: str
+    nodes: int
+    rate: float
+    extra: tuple[str, ...] = ()  # further `spindle sim compare` flags
+
+
+PAPERS = {
+    "tetris": PaperCell("tetris", "tetris-medium", "llama3-8b", "a100-80g", 4, 4.0),
+    "loongserve": PaperCell("loongserve", "loongserve-mixed", "lwm-1m-text", "a100-80g", 1, 0.2,
+                            ("--decode-tp", "2")),
+    "medha": PaperCell("medha", "medha-mix", "llama3-8b", "a100-80g", 2, 0.75),
+    "csps": PaperCell("csps", "csps-needlebench", "glm-4-9b-1m", "a100-40g-p4d", 8, 0.5),
+    "seesaw": PaperCell("seesaw", "seesaw-arxiv", "codellama-34b", "a10", 1, 4.0, ("--decode-tp", "4")),
+}  # fmt: skip
+
 CLUSTERS = {
     "a100": Cluster("llama3-8b", "a100-80g", 4, 8.0, "Llama-3-8B, 32 A100-80GB (4 nodes)"),
     "h100": Cluster("llama3-70b", "h100-sxm", 8, 4.0, "Llama-3-70B, 64 H100-SXM (8 nodes)"),
@@ -79,6 +103,18 @@ def compare_argv(cluster: Cluster, scenario: Scenario, strategies: tuple[str, ..
         "--slo-ttft", f"{SLO_TTFT:g}", "--slo-ttft-per-ktok", f"{SLO_PER_KTOK:g}", "--slo-tpot", f"{SLO_TPOT:g}",
         "--max-load", "--max-load-attainment", f"{ATTAINMENT:g}", "--start-rate", f"{cluster.rate:g}",
         "--max-load-window", f"{WINDOW_S:g}", "--rel-tol", "0.1", "--strategies", *strategies,
+        "--json", str(stem.with_suffix(".json")), "--plot", str(stem.with_suffix(".png")),
+    ]  # fmt: skip
+
+
+def paper_argv(cell: PaperCell, n: int, stem: Path) -> list[str]:
+    """The paper's workload and cluster, the arena's SLO and load rule, the paper's strategy and `spindle`."""
+    return [
+        "--workload", cell.workload, "--model", cell.model, "--hardware", cell.hardware, "--nodes", str(cell.nodes),
+        *cell.extra, "--num-requests", str(n), "--rate", f"{cell.rate:g}", "--seed", "0",
+        "--slo-ttft", f"{SLO_TTFT:g}", "--slo-ttft-per-ktok", f"{SLO_PER_KTOK:g}", "--slo-tpot", f"{SLO_TPOT:g}",
+        "--max-load", "--max-load-attainment", f"{ATTAINMENT:g}", "--start-rate", f"{cell.rate:g}",
+        "--max-load-window", f"{WINDOW_S:g}", "--rel-tol", "0.1", "--strategies", cell.strategy, SPINDLE,
         "--json", str(stem.with_suffix(".json")), "--plot", str(stem.with_suffix(".png")),
     ]  # fmt: skip
 
@@ -148,15 +184,43 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f} %"
 
 
+def merged(
+    path: Path, cells: dict[str, dict[str, Any]], jobs: dict[str, list[str]], walls: dict[str, float]
+) -> dict[str, Any]:
+    """The results file with this run's cells added (a run of some cells keeps the others' results)."""
+    old = json.loads(path.read_text()) if path.exists() else {}
+    all_cells = {**{k: v for k, v in old.get("cells", {}).items() if k not in cells}, **cells}
+    commands = {k: "spindle sim compare " + shlex.join(a) for k, a in jobs.items()}
+    slo = {"ttft_s": SLO_TTFT, "ttft_per_ktok_s": SLO_PER_KTOK, "tpot_s": SLO_TPOT, "attainment": ATTAINMENT}
+    papers = {
+        k: f"{v.strategy} on {v.workload}, {v.model} on {v.nodes} node(s) of {v.hardware}" for k, v in PAPERS.items()
+    }
+    counts = old.get("num_requests") if isinstance(old.get("num_requests"), dict) else {}
+    return {
+        "slo": slo | {"window_s": WINDOW_S},
+        "num_requests": counts | {k: int(a[a.index("--num-requests") + 1]) for k, a in jobs.items()},
+        "clusters": {k: v.about for k, v in CLUSTERS.items()},
+        "scenarios": {k: v.about for k, v in SCENARIOS.items()},
+        "papers": papers,
+        "commands": old.get("commands", {}) | commands,
+        "wall_s": old.get("wall_s", {}) | walls,
+        "verdicts": {name: verdict(doc) for name, doc in all_cells.items()},
+        "cells": all_cells,
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cells", nargs="+", help="cluster:scenario cells (default: all)")
+    p.add_argument("--cells", nargs="+", help="cluster:scenario cells, or paper:NAME (default: every mixed cell)")
+    p.add_argument("--papers", action="store_true", help="also each paper's own workload and cluster (paper:NAME)")
     p.add_argument("--num-requests", type=int, default=600)
     p.add_argument("--jobs", type=int, default=2, help="cells run in parallel (processes)")
     p.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
     p.add_argument("--quick", action="store_true", help="200 requests, A100 chat and batch")
     args = p.parse_args()
     names = args.cells or [f"{c}:{s}" for c in CLUSTERS for s in SCENARIOS]
+    if args.papers:
+        names += [f"paper:{k}" for k in PAPERS if f"paper:{k}" not in names]
     n = args.num_requests
     if args.quick:
         names, n = args.cells or ["a100:chat", "a100:batch"], 200
@@ -165,7 +229,10 @@ def main() -> None:
     for name in names:
         cluster, scenario = name.split(":")
         stem = OUT / f"{cluster}-{scenario}"
-        jobs[name] = compare_argv(CLUSTERS[cluster], SCENARIOS[scenario], tuple(args.strategies), n, stem)
+        if cluster == "paper":
+            jobs[name] = paper_argv(PAPERS[scenario], min(n, 300), stem)
+        else:
+            jobs[name] = compare_argv(CLUSTERS[cluster], SCENARIOS[scenario], tuple(args.strategies), n, stem)
         print("spindle sim compare " + shlex.join(jobs[name]))
     cells: dict[str, dict[str, Any]] = {}
     walls: dict[str, float] = {}
@@ -178,31 +245,20 @@ def main() -> None:
             cells[name], walls[name] = doc, wall
             tqdm.write(f"\n== {name} ({wall:.0f} s)\n{printed}")
     cells = {name: cells[name] for name in jobs}  # in the order asked
-    verdicts = {name: verdict(doc) for name, doc in cells.items()}
-    table = markdown_table(cells)
+    path = RESULTS / ("arena_quick.json" if args.quick else "arena.json")
+    summary = merged(path, cells, jobs, walls)
+    table = markdown_table(summary["cells"])
     print(table)
-    for name, v in verdicts.items():
+    for name, v in summary["verdicts"].items():
         g, m = v["goodput_rps"], v["max_load_rps"]
+        if name.startswith("paper:"):  # the goal there: within 10 % of the paper's own strategy
+            ok = [x["ratio"] is not None and x["ratio"] >= 0.9 for x in (g, m)]
+            print(f"{name}: goodput x{_f(g['ratio'], 2)} of {g['best_other']} ({'within' if ok[0] else 'NOT within'} "
+                  f"10 %), max load x{_f(m['ratio'], 2)} ({'within' if ok[1] else 'NOT within'} 10 %)")  # fmt: skip
+            continue
         print(f"{name}: goodput {'highest' if g['highest'] else 'NOT highest'} (x{_f(g['ratio'], 2)} of "
               f"{g['best_other']}), max load {'highest' if m['highest'] else 'NOT highest'} "
               f"(x{_f(m['ratio'], 2)} of {m['best_other']})")  # fmt: skip
-    summary = {
-        "slo": {
-            "ttft_s": SLO_TTFT,
-            "ttft_per_ktok_s": SLO_PER_KTOK,
-            "tpot_s": SLO_TPOT,
-            "attainment": ATTAINMENT,
-            "window_s": WINDOW_S,
-        },
-        "num_requests": n,
-        "clusters": {k: v.about for k, v in CLUSTERS.items()},
-        "scenarios": {k: v.about for k, v in SCENARIOS.items()},
-        "commands": {name: "spindle sim compare " + shlex.join(argv) for name, argv in jobs.items()},
-        "wall_s": walls,
-        "verdicts": verdicts,
-        "cells": cells,
-    }
-    path = RESULTS / ("arena_quick.json" if args.quick else "arena.json")
     path.write_text(json.dumps(summary, indent=2) + "\n")
     (OUT / "table.md").write_text(table + "\n")
     print(f"wrote {path}, {OUT}/table.md and one PNG per cell in {OUT}")

@@ -185,7 +185,8 @@ def kill_member_under_load(
         cf.ThreadPoolExecutor(len(short_ids)) as pool,
     ):  # fmt: skip
         lines = resp.iter_lines()
-        first = next_event(lines)
+        first = next_event(lines)  # from the prefill instance: the KV may still be on its way
+        decoding = next_event(lines)  # from the group: the KV is placed (a member killed before is another case)
         assert wait_until(lambda: len(_holding(stack)) == 2, 30), instance_blocks(stack)
         long_rid = next(iter(next(iter(_holding(stack).values()))))
         victim = choose_victim(_holding(stack))  # only the long request runs yet
@@ -198,7 +199,7 @@ def kill_member_under_load(
         on_victim = sum(m == victim for m in short_rids().values())  # the freest member takes them, usually
         events, elapsed = kill_mid_stream(stack, victim, lines)
         results = [f.result(timeout=120) for f in shorts]
-    return KillRun(victim, on_victim, [first, *events], elapsed, results)
+    return KillRun(victim, on_victim, [first, decoding, *events], elapsed, results)
 
 
 def short_outcomes(run: KillRun, short_ids: list[list[int]], reference_engine, tokenizer) -> list[bool]:

@@ -138,8 +138,12 @@ def test_every_strategy_runs_on_a_named_cluster(name: str, cluster: str, tmp_pat
     assert c["model"] == argv[1] and c["hardware"] == argv[3] and c["nodes"] == int(argv[5]) and c["gpus_per_node"] == 8
     if strategy_class(name).colocated:  # colocated (chunked, loongserve): every GPU
         assert c["num_prefill"] == c["num_decode"] == 0 and c["num_colocated"] * c["colocated_tp"] == c["gpus"]
-    else:  # disaggregated: half and half
-        assert c["num_prefill"] * c["prefill_tp"] == c["num_decode"] * c["decode_tp"] == c["gpus"] // 2
+    else:  # disaggregated: the strategy's share prefills (half, spindle 4/5), the rest decodes
+        share = strategy_class(name).prefill_share
+        prefill, decode = c["num_prefill"] * c["prefill_tp"], c["num_decode"] * c["decode_tp"]
+        assert (
+            prefill + decode == c["gpus"] and prefill == round(c["gpus"] * share) // c["prefill_tp"] * c["prefill_tp"]
+        )
 
 
 def test_sweep_shapes_each_strategy_and_writes_the_cluster(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

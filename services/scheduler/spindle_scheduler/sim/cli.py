@@ -37,11 +37,12 @@ CLUSTER_HELP = (
     "The cluster: by default the instances below with latencies from published figures (--calibration); or "
     "from a profile of this machine (--profile); or a named cluster (--hardware, with --model, --nodes, "
     "--gpus-per-node, --prefill-tp, --decode-tp): latencies, KV capacity and KV size from the cost model, and "
-    "the GPUs shaped as the strategy runs: a disaggregated strategy gets half of them as prefill instances of "
-    "--prefill-tp GPUs and the rest as decode instances of --decode-tp GPUs, a colocated one (chunked) all of "
-    "them as colocated instances of --decode-tp GPUs, unless --instances/--decode-instances/--colocated say "
-    "otherwise. The default TP is the smallest power of two whose weight shard leaves >= 30 % of a GPU's "
-    "memory for KV. Instances pack onto nodes in rank order and never straddle two."
+    "the GPUs shaped as the strategy runs: a disaggregated strategy gets half of them (spindle: 4/5) as "
+    "prefill instances of --prefill-tp GPUs and the rest as decode instances of --decode-tp GPUs, a colocated "
+    "one (chunked) all of them as colocated instances of --decode-tp GPUs, unless --instances, "
+    "--decode-instances or --colocated say otherwise. The default TP is the smallest power of two whose "
+    "weight shard leaves >= 30 % of a GPU's memory for KV. Instances pack onto nodes in rank order and never "
+    "straddle two."
 )
 
 
