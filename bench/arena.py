@@ -86,7 +86,8 @@ PAPERS = {
                             ("--decode-tp", "2")),
     "medha": PaperCell("medha", "medha-mix", "llama3-8b", "a100-80g", 2, 0.75),
     "csps": PaperCell("csps", "csps-needlebench", "glm-4-9b-1m", "a100-40g-p4d", 8, 0.5),
-    "seesaw": PaperCell("seesaw", "seesaw-arxiv", "codellama-34b", "a10", 1, 4.0, ("--decode-tp", "4")),
+    "seesaw": PaperCell("seesaw", "seesaw-arxiv", "codellama-34b", "a10", 1, 4.0,
+                        ("--decode-tp", "4", "--prefill-tp", "4")),
 }  # fmt: skip
 
 CLUSTERS = {
@@ -137,7 +138,9 @@ def verdict(doc: dict[str, Any]) -> dict[str, Any]:
     """Whether `spindle` has the highest goodput and max load of the cell (ties count as highest), and by how
     much it leads or trails the best other strategy on each."""
     rows = doc["strategies"]
-    ours = next(k for k in rows if k.startswith("spindle"))
+    ours = next((k for k in rows if k.startswith("spindle")), None)
+    if ours is None:
+        return {"strategy": None, "skipped": doc["cluster"]["skipped"]}
     out: dict[str, Any] = {"strategy": ours}
     for key in ("goodput_rps", "max_load_rps"):
         others = {k: v[key] for k, v in rows.items() if k != ours and v[key] is not None}
@@ -250,6 +253,9 @@ def main() -> None:
     table = markdown_table(summary["cells"])
     print(table)
     for name, v in summary["verdicts"].items():
+        if v["strategy"] is None:
+            print(f"{name}: spindle did not run: {v['skipped']}")
+            continue
         g, m = v["goodput_rps"], v["max_load_rps"]
         if name.startswith("paper:"):  # the goal there: within 10 % of the paper's own strategy
             ok = [x["ratio"] is not None and x["ratio"] >= 0.9 for x in (g, m)]

@@ -201,7 +201,11 @@ def _counts(
     else:
         counts = [spec.num_prefill, spec.num_decode, 0]
     nodes = spec.nodes or (DEFAULT_NODES if None in counts else 0)
-    n_p = counts[0] if counts[0] is not None else max(1, round(nodes * gpn * spec.prefill_share) // ptp)
+    if counts[0] is not None:
+        n_p = counts[0]
+    else:  # the share of the GPUs, leaving at least a decode instance's (when no count says otherwise)
+        room = nodes * gpn - (0 if counts[1] == 0 else dtp)
+        n_p = max(1, min(round(nodes * gpn * spec.prefill_share), room) // ptp)
     n_d = counts[1] if counts[1] is not None else fill([ptp] * n_p, dtp, gpn, nodes)
     n_c = counts[2] if counts[2] is not None else fill([ptp] * n_p + [dtp] * n_d, ctp, gpn, nodes)
     need = -(-packed_gpus([ptp] * n_p + [dtp] * n_d + [ctp] * n_c, gpn) // gpn)
