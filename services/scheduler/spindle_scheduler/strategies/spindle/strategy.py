@@ -91,7 +91,6 @@ class SpindleStrategy(RequestSPStrategy):
         self.ttft_factor, self.ttft_min_s = float(ttft_factor), float(ttft_min_s)
         self.load = InteractiveLoad()
         self.batch = BatchQueue(reserve=batch_reserve, max_wait_s=float(batch_max_wait_s), load=self.load)
-        self.choices: dict[int, int] = {}  # SP size chosen -> requests (what the strategy decided, for reports)
 
     def options(self) -> dict[str, object]:
         return {
@@ -153,7 +152,6 @@ class SpindleStrategy(RequestSPStrategy):
             idle = sum(t <= now for t in ready)
             limit = max(1, idle - round(self.load.observe(state, prefills, now)))
         best = choose(self._candidates(ready, spec.prompt.num_tokens, min(tokens, default=0), limit), deadlines)
-        self.choices[best.size] = self.choices.get(best.size, 0) + 1
         chunks = self._chunks(best.steps, prefills, state)
         ids = chunks[-1].instances
         state.plan_work(ids, spec.request_id, best.finish)
