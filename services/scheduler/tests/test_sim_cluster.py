@@ -4,6 +4,7 @@ per strategy, the cost model's memory behind the KV capacities and the errors, a
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,9 @@ def test_the_flags_parse_into_a_cluster_spec() -> None:
         (ClusterSpec("a100-80g", num_prefill=8, num_decode=2, decode_tp=8), False, (3, (8, 1), (2, 8), (0, 8), 0)),
         (ClusterSpec("a100-80g", nodes=2, num_prefill=4), False, (2, (4, 1), (12, 1), (0, 1), 0)),
         (ClusterSpec("a100-80g", prefill_tp=2, decode_tp=4, nodes=3), False, (3, (6, 2), (3, 4), (0, 4), 0)),
+        # spindle's 4/5: 12.8 prefill instances round to 13 (not down to 12)
+        (ClusterSpec("h100-sxm", "llama3-70b", nodes=8, prefill_share=0.8), False, (8, (13, 4), (3, 4), (0, 4), 0)),
+        (ClusterSpec("a100-80g", "llama3-8b", nodes=4, prefill_share=0.8), False, (4, (26, 1), (6, 1), (0, 1), 0)),
     ],
 )
 def test_instances_derived_from_the_cluster(spec: ClusterSpec, colocated: bool, expected: tuple) -> None:
@@ -141,9 +145,8 @@ def test_every_strategy_runs_on_a_named_cluster(name: str, cluster: str, tmp_pat
     else:  # disaggregated: the strategy's share prefills (half, spindle 4/5), the rest decodes
         share = strategy_class(name).prefill_share
         prefill, decode = c["num_prefill"] * c["prefill_tp"], c["num_decode"] * c["decode_tp"]
-        assert (
-            prefill + decode == c["gpus"] and prefill == round(c["gpus"] * share) // c["prefill_tp"] * c["prefill_tp"]
-        )
+        nearest = math.floor(c["gpus"] * share / c["prefill_tp"] + 0.5)
+        assert prefill + decode == c["gpus"] and prefill == nearest * c["prefill_tp"]
 
 
 def test_sweep_shapes_each_strategy_and_writes_the_cluster(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

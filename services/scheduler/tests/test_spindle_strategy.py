@@ -1,4 +1,5 @@
-"""`spindle`: the cheapest prefill plan that meets each request's deadline, batch work on idle prefill instances."""
+"""`spindle`: the cheapest prefill plan that meets each request's deadline, late requests and batch work on idle
+prefill instances."""
 
 from __future__ import annotations
 
@@ -73,11 +74,13 @@ def test_cost_counts_members_held_idle_while_a_group_assembles():
 def test_options_are_listed_and_validated():
     opts = strategy_options("spindle")
     assert opts["ttft_slo"] == 0.0 and opts["grow"] == 1024 and opts["batch_reserve"] == 1
+    assert opts["defer_late"] is True and opts["late_max_wait_s"] == 30.0
     assert "kvp_tokens" in opts  # the decode options every disaggregated strategy takes
     s = create_strategy("spindle:ttft_slo=2,ttft_per_ktok=0.05", TETRIS)
     assert "ttft_slo=2" in s.describe() and "ttft_per_ktok=0.05" in s.describe()
     for bad in ("spindle:ttft_slo=-1", "spindle:ttft_factor=0.5", "spindle:grow=0", "spindle:batch_reserve=-1",
-                "spindle:batch_max_wait_s=nan", "spindle:max_sp=-1"):  # fmt: skip
+                "spindle:batch_max_wait_s=nan", "spindle:max_sp=-1", "spindle:defer_late=2",
+                "spindle:late_max_wait_s=-1"):  # fmt: skip
         with pytest.raises(ValueError):
             create_strategy(bad, TETRIS)
     with pytest.raises(ValueError, match="latency model"):
@@ -122,6 +125,34 @@ def test_without_an_slo_the_deadline_scales_with_the_prompts_standalone_time():
     assert long == pytest.approx(10.0 + 2 * best)
     with_slo = core_with("spindle:ttft_slo=3,ttft_factor=2,ttft_min_s=0.5").strategy
     assert with_slo.deadlines(spec("b", 200_000), prefills, 10.0) == [13.0, pytest.approx(long)]  # type: ignore[attr-defined]
+
+
+# ---- late requests ----
+
+
+def test_a_request_no_plan_serves_by_its_deadline_waits_for_idle_instances():
+    core = core_with("spindle:ttft_factor=1,ttft_min_s=0.1,batch_reserve=0,late_max_wait_s=1000", num_prefill=1)
+    plan_of(core.admit(spec("doc-a", 40_000), 0.0))  # alone: on time
+    busy_until = core.state.live("prefill")[0].busy_until(0.0)
+    assert core.admit(spec("doc-b", 40_000), 0.01) == [Admit("doc-b", (), "")]  # behind doc-a: late whatever runs it
+    assert [s.request_id for s, _ in core.strategy.late.waiting] == ["doc-b"]  # type: ignore[attr-defined]
+    assert not tick(core, busy_until / 2)
+    (run,) = tick(core, busy_until + 60)
+    assert run.spec.request_id == "doc-b" and core.state.requests["doc-b"].chunks == run.chunks
+    assert not core.strategy.late.waiting  # type: ignore[attr-defined]
+    # the rule off: planned at once, behind doc-a
+    off = core_with("spindle:ttft_factor=1,ttft_min_s=0.1,defer_late=0", num_prefill=1)
+    plan_of(off.admit(spec("doc-a", 40_000), 0.0))
+    assert plan_of(off.admit(spec("doc-b", 40_000), 0.01)).spec.request_id == "doc-b"
+
+
+def test_a_late_request_runs_after_late_max_wait_whatever_the_load():
+    core = core_with("spindle:ttft_factor=1,ttft_min_s=0.1,late_max_wait_s=5", num_prefill=1)
+    plan_of(core.admit(spec("doc-a", 400_000), 0.0))  # busy far beyond 6 s
+    core.admit(spec("doc-b", 1_000), 0.01)
+    assert not tick(core, 1.0)
+    (run,) = tick(core, 6.0)
+    assert run.spec.request_id == "doc-b"
 
 
 # ---- batch work ----

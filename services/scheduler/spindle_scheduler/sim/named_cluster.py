@@ -24,6 +24,7 @@ simulator prices such a group as if it were packed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -203,9 +204,10 @@ def _counts(
     nodes = spec.nodes or (DEFAULT_NODES if None in counts else 0)
     if counts[0] is not None:
         n_p = counts[0]
-    else:  # the share of the GPUs, leaving at least a decode instance's (when no count says otherwise)
-        room = nodes * gpn - (0 if counts[1] == 0 else dtp)
-        n_p = max(1, min(round(nodes * gpn * spec.prefill_share), room) // ptp)
+    else:  # the share of the GPUs to the nearest instance, leaving room for a decode instance (unless counted)
+        n_p = max(1, math.floor(nodes * gpn * spec.prefill_share / ptp + 0.5))
+        while n_p > 1 and counts[1] is None and fill([ptp] * n_p, dtp, gpn, nodes) < 1:
+            n_p -= 1
     n_d = counts[1] if counts[1] is not None else fill([ptp] * n_p, dtp, gpn, nodes)
     n_c = counts[2] if counts[2] is not None else fill([ptp] * n_p + [dtp] * n_d, ctp, gpn, nodes)
     need = -(-packed_gpus([ptp] * n_p + [dtp] * n_d + [ctp] * n_c, gpn) // gpn)

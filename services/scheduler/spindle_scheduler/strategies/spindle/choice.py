@@ -11,7 +11,9 @@ idle while a group assembles counts as used). The rule:
 2. A request may have a second, later deadline (the strategy's length-scaled one behind a service's fixed TTFT
    objective): when no candidate meets the first, rule 1 with the second. A request that misses its objective
    anyway should not take the pool from those that can still meet theirs.
-3. When none meets any, the earliest finish: the later it ends, the longer it holds the queue behind it.
+3. When none meets any, the earliest finish: the later it ends, the longer it holds the queue behind it. (At
+   arrival, strategy.py defers such a request when the work queued before it is the reason, and runs this plan on
+   the instances left idle once it is released.)
 """
 
 from __future__ import annotations

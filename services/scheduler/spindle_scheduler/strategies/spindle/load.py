@@ -4,7 +4,7 @@
 interactive work (planned, queued or running), sampled at every arrival and tick. Two rules read it: a request's
 SP group may only take the instances idle now beyond that average (strategy.py: the rest are what the next
 arrivals will need; growing onto them is what made request-level SP collapse under load), and batch work may only
-take what is idle beyond it (batch.py).
+take what is idle beyond it (deferred.py).
 """
 
 from __future__ import annotations

@@ -1,11 +1,16 @@
-"""Batch work in `spindle`: admitted at once, prefilled only on prefill instances interactive traffic leaves idle.
+"""Work `spindle` admits at once but prefills later, on the prefill instances interactive traffic leaves idle.
 
-A batch request (`service_class="batch"`, a Batch API line) has no latency objective, only its job's completion
-time. `plan()` admits it without a plan and queues it here (FIFO); on every tick and event the queue's head is
-placed while more prefill instances are idle than interactive traffic needs. What it needs is measured, not
-configured (load.py: the average number of prefill instances holding interactive work, rounded), and `reserve`
-idle instances beyond that (default 1) stay free for the next arrival. A request waiting longer than
-`max_wait_s` (0: never) is placed whatever the load, so a job always ends.
+Two kinds of request wait here, each in its own FIFO (`DeferredQueue`), late requests before batch work:
+- batch work (`service_class="batch"`, a Batch API line): no latency objective, only its job's completion time;
+- late requests: interactive ones no plan can serve by any of their deadlines at arrival (strategy.py, rule 4).
+  They miss their objective whatever runs them; run now, they would take the pool from the requests behind them
+  that can still meet theirs.
+
+`plan()` admits such a request without a plan and queues it; on every tick and event a queue's head is placed while
+more prefill instances are idle than interactive traffic needs. What it needs is measured, not configured (load.py:
+the average number of prefill instances holding interactive work, rounded), and `reserve` idle instances beyond
+that (default 1) stay free for the next arrival. A request waiting longer than `max_wait_s` (0: never) is placed
+whatever the load, so every request ends.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from .load import InteractiveLoad
 
 
 @dataclass
-class BatchQueue:
+class DeferredQueue:
     reserve: int = 1  # idle prefill instances always left to interactive arrivals
     max_wait_s: float = 0.0
     load: InteractiveLoad = field(default_factory=InteractiveLoad)
@@ -30,7 +35,7 @@ class BatchQueue:
         self.waiting.append((spec, now))
 
     def spare(self, state: ClusterState, prefills: list[InstanceState], now: float) -> list[InstanceState]:
-        """The idle prefill instances batch work may take now (most idle first), after the reserve."""
+        """The idle prefill instances deferred work may take now (most idle first), after the reserve."""
         need = round(self.load.observe(state, prefills, now)) + self.reserve
         idle = [i for i in prefills if i.busy_until(now) <= now]
         return idle[need:] if len(idle) > need else []
