@@ -47,6 +47,10 @@ class Strategy(ABC):
     reshards: bool = False
     # On a prefill/decode split: the share of a named cluster's GPUs `spindle sim` gives its prefill instances
     prefill_share: float = 0.5
+    # On a prefill/decode split: True when a prompt too long for one instance still has a plan (SP prefill groups
+    # sized so each member's share fits, its KV split over the decode instances' KV-parallel group); a named cluster
+    # in the simulator then serves the pool's context, not one instance's
+    splits_context: bool = False
     # How its SP prefill groups exchange (a `spindle_costmodel` SP kind): a named cluster in the simulator prices
     # its groups so (ring for the ring layouts, ulysses for all-to-all)
     sp_kind: str = "ring"

@@ -232,3 +232,13 @@ def test_a_named_cluster_prices_each_strategys_sp_groups_as_it_runs_them() -> No
     assert forced["csps"].latency.prefill.predict(8, 0, n) == pytest.approx(want, rel=0.1)
     with pytest.raises(ValueError, match="sp-kind"):
         ClusterSpec("a100-80g", sp_kind="star")
+
+
+def test_a_strategy_that_splits_the_context_serves_the_pools():
+    spec = ClusterSpec("a100-80g", "llama3-8b", nodes=2, prefill_share=0.8)  # 13 prefill + 3 decode, TP1
+    plain, split = named_cluster(spec, False).config, named_cluster(spec, False, splits_context=True).config
+    assert plain.context_len() == plain.capacity_tokens()  # one instance's
+    bs = split.block_size
+    assert split.context_len() == min(8 * split.prefill_kv_blocks, 3 * split.decode_kv_blocks) * bs  # SP 8, KVP 3
+    assert split.context_len() > 2 * plain.context_len()
+    assert strategy_class("spindle").splits_context and not strategy_class("tetris").splits_context

@@ -332,18 +332,23 @@ def setups(args: argparse.Namespace, specs: list[str]) -> dict[str, SimSetup]:
             spec: reshaped(setup, strategy_class(spec).colocated, strategy_class(spec).keeps_kv_in_place)
             for spec in specs
         }
-    built: dict[tuple[bool, bool, bool, str, bool, float], SimSetup] = {}
+    built: dict[tuple[bool, bool, bool, str, bool, float, bool], SimSetup] = {}
     out = {}
     for spec in specs:
         cls = strategy_class(spec)
         sp_kind = args.sp_kind or cls.sp_kind
-        kind = (cls.colocated, cls.elastic, cls.keeps_kv_in_place, sp_kind, cls.reshards, cls.prefill_share)
+        kind = (
+            cls.colocated, cls.elastic, cls.keeps_kv_in_place, sp_kind, cls.reshards, cls.prefill_share,
+            cls.splits_context,
+        )  # fmt: skip
         if kind not in built:  # a pipeline (--spp) only for the strategies that can run on one
             shaped = replace(
                 cluster, spp=cluster.spp if cls.keeps_kv_in_place else None, sp_kind=sp_kind,
                 prefill_share=cls.prefill_share,
             )  # fmt: skip
-            built[kind] = named_cluster(shaped, cls.colocated, cls.elastic, cls.reshards, **_sim_options(args))
+            built[kind] = named_cluster(
+                shaped, cls.colocated, cls.elastic, cls.reshards, cls.splits_context, **_sim_options(args)
+            )
         out[spec] = built[kind]
     return out
 

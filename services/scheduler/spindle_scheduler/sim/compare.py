@@ -173,25 +173,32 @@ def prepare(args: argparse.Namespace, specs: list[str]) -> list[Entry]:
         given = SimSetup(given_shape(config), _latency(args), config)
 
     def shape(
-        colocated: bool, elastic: bool, pipelines: bool, sp_kind: str, reshards: bool, prefill_share: float
+        colocated: bool,
+        elastic: bool,
+        pipelines: bool,
+        sp_kind: str,
+        reshards: bool,
+        prefill_share: float,
+        splits_context: bool,
     ) -> SimSetup:
         """`pipelines`: the strategy can run on sequence-pipeline replicas (--spp); the others get plain ones.
         `sp_kind`: how its SP groups are priced (--sp-kind, or the strategy's own). `reshards`: re-sharding groups
-        (Seesaw). `prefill_share`: its share of the GPUs for prefill instances on a prefill/decode split."""
+        (Seesaw). `prefill_share`: its share of the GPUs for prefill instances on a prefill/decode split.
+        `splits_context`: the pool's context (`Strategy.splits_context`)."""
         if given is not None:
             return reshaped(given, colocated, pipelines)
         assert named is not None
         cluster = replace(named, spp=named.spp if pipelines else None, sp_kind=sp_kind, prefill_share=prefill_share)
-        return named_cluster(cluster, colocated, elastic, reshards, **_sim_options(args))
+        return named_cluster(cluster, colocated, elastic, reshards, splits_context, **_sim_options(args))
 
-    built: dict[tuple[bool, bool, bool, str, bool, float], SimSetup | str] = {}
+    built: dict[tuple[bool, bool, bool, str, bool, float, bool], SimSetup | str] = {}
     entries: list[Entry] = []
     ran: dict[str, str] = {}  # spec as run -> as asked
     for asked in specs:
         cls = strategy_class(asked)
         kind = (
             cls.colocated, cls.elastic, cls.keeps_kv_in_place, args.sp_kind or cls.sp_kind, cls.reshards,
-            cls.prefill_share,
+            cls.prefill_share, cls.splits_context,
         )  # fmt: skip
         if kind not in built:
             try:

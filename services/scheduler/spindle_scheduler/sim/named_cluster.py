@@ -278,12 +278,18 @@ def _latency(cm: CostModel, n_p: int, ptp: int, dtp: int, n_elastic: int = 0, sp
 
 
 def named_cluster(
-    spec: ClusterSpec, colocated: bool, elastic: bool = False, reshards: bool = False, **sim: Any
+    spec: ClusterSpec,
+    colocated: bool,
+    elastic: bool = False,
+    reshards: bool = False,
+    splits_context: bool = False,
+    **sim: Any,
 ) -> SimSetup:
     """The shape, latency model and simulator config of `spec` for a strategy that runs on colocated
     instances (`colocated`; `elastic`: grouped into SP prefill and multi-master decode groups, LoongServe) or on
     a prefill/decode split. `reshards`: each colocated instance is a re-sharding group (Seesaw; `with_reshard`).
-    `sim`: further SimConfig fields (decode_step_s, ...)."""
+    `splits_context`: on a split, the context is what the largest SP group and the decode pool hold together
+    (`Strategy.splits_context`), not one instance's. `sim`: further SimConfig fields (decode_step_s, ...)."""
     hw = get_hardware(spec.hardware)
     gpn = spec.gpus_per_node or hw.gpus_per_node
     cm = CostModel(get_model(spec.model), replace(hw, gpus_per_node=gpn))  # links span nodes of this size
@@ -321,6 +327,10 @@ def named_cluster(
     )
     if elastic and not config.max_model_len:  # a request's KV spreads over the pool, so the pool bounds a request
         config = replace(config, max_model_len=n_c * config.decode_kv_blocks * bs)
+    if splits_context and n_p and n_d and not config.max_model_len:
+        prefill = max(sp_sizes(n_p)) * config.prefill_kv_blocks
+        decode = n_d * config.decode_kv_blocks if n_d > 1 else config.decode_kv_blocks  # one KV-parallel group
+        config = replace(config, max_model_len=min(prefill, decode) * bs)
     setup = SimSetup(
         _shape(spec, cm, counts, ptp, dtp, spp),
         _latency(cm, n_p, ptp, dtp, n_c if elastic else 0, spec.sp_kind),

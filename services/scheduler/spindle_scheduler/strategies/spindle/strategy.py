@@ -64,6 +64,7 @@ from .load import InteractiveLoad
 class SpindleStrategy(RequestSPStrategy):
     needs_latency = True
     prefill_share = 0.8
+    splits_context = True
 
     def __init__(
         self,
