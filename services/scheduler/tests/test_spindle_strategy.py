@@ -15,7 +15,7 @@ from spindle_scheduler.calibration import load_paper_calibration
 from spindle_scheduler.sim import Simulator, simulate
 from spindle_scheduler.sim.cluster import SimConfig
 from spindle_scheduler.sim.invariants import check_invariants
-from spindle_scheduler.strategies.spindle.choice import Candidate, choose, reserved_cost
+from spindle_scheduler.strategies.spindle.choice import Candidate, choose, most_held, reserved_cost
 from spindle_scheduler.strategy import strategy_options
 from spindle_scheduler.workloads import make_workload
 
@@ -29,12 +29,12 @@ def spec(rid: str, n: int, service_class: str = "interactive") -> RequestSpec:
     )  # fmt: skip
 
 
-def core_with(strategy: str, num_prefill: int = 8) -> SchedulerCore:
+def core_with(strategy: str, num_prefill: int = 8, prefill_blocks: int = 10**6) -> SchedulerCore:
     core = SchedulerCore(create_strategy(strategy, TETRIS), SchedulerConfig())
     for rank, (iid, role) in enumerate([(f"p{i}", "prefill") for i in range(num_prefill)] + [("d", "decode")]):
         info = InstanceInfo(
             instance_id=iid, role=role, rank=1 + rank, pid=0, started_at=0.0, updated_at=0.0,
-            kv_blocks_total=10**6, block_size=16,
+            kv_blocks_total=prefill_blocks if role == "prefill" else 10**6, block_size=16,
         )  # fmt: skip
         core.on_heartbeat(info)
     return core
@@ -125,6 +125,18 @@ def test_without_an_slo_the_deadline_scales_with_the_prompts_standalone_time():
     assert long == pytest.approx(10.0 + 2 * best)
     with_slo = core_with("spindle:ttft_slo=3,ttft_factor=2,ttft_min_s=0.5").strategy
     assert with_slo.deadlines(spec("b", 200_000), prefills, 10.0) == [13.0, pytest.approx(long)]  # type: ignore[attr-defined]
+
+
+def test_a_prompt_longer_than_an_instance_gets_a_plan_whose_shares_fit():
+    assert most_held([(0, 3_000, 1), (3_000, 10_001, 2)]) == 3_000 + 3_501
+    core = core_with("spindle:ttft_factor=1,defer_late=0", num_prefill=2, prefill_blocks=625)  # 10,000 tokens each
+    plan_of(core.admit(spec("chat", 8_000), 0.0))  # p0 busy for a while: a growing plan would start on p1 alone
+    run = plan_of(core.admit(spec("doc", 16_000), 0.01))
+    held: dict[str, int] = {}
+    for c in run.chunks:
+        for k, iid in enumerate(c.instances):
+            held[iid] = held.get(iid, 0) + c.share(k)
+    assert sum(held.values()) == 16_000 and max(held.values()) <= 10_000, held
 
 
 # ---- late requests ----

@@ -45,6 +45,11 @@ def candidate(ready: Sequence[float], finish: float, steps: Steps) -> Candidate:
     return Candidate(finish, steps, reserved_cost(ready, finish, steps[-1][2]))
 
 
+def most_held(steps: Steps) -> int:
+    """Prompt tokens a plan's first member holds at its end: its share of every chunk (the first take the rest)."""
+    return sum(-(-(end - start) // size) for start, end, size in steps)
+
+
 def choose(candidates: Sequence[Candidate], deadlines: Sequence[float]) -> Candidate:
     """Rule 1 for each deadline in turn, else rule 3 (module docstring)."""
     assert candidates, "no candidate plan"

@@ -36,7 +36,9 @@ few hundred tokens) a request spends about three times more GPU time in prefill 
 16K-256K documents add ~0.2 GPU-s of prefill per request), and an even split leaves the prefill pool the bottleneck
 (measured on `mixed-chat`, Llama-3-8B on 32 A100s, 20-s windows: max load 60 req/s at 16 + 16, 88 at 24 + 8, 92
 at 26 + 6, 80 at 28 + 4, where decode becomes the bottleneck). A split that follows the live mix (instances changing
-role) is the step after this one.
+role) is the step after this one. Its context is the pool's (`splits_context`): a prompt longer than one instance
+holds gets an SP group whose members' shares fit (`_candidates`) and decodes with its KV split over the decode
+instances' KV-parallel group (`pick_decode_group`).
 
 What it does not use (yet), and why: sparse (CSA) prefill needs a per-request accuracy budget that requests do not
 carry; elastic instances (LoongServe) and re-sharding (Seesaw) need a colocated pool, and this strategy keeps
@@ -55,7 +57,7 @@ from ...state import ClusterState, InstanceState
 from ...strategy import register_strategy
 from ..placement import kvstore_id, pick_decode_group
 from ..request_sp import RequestSPStrategy
-from .choice import Candidate, candidate, choose
+from .choice import Candidate, candidate, choose, most_held
 from .deferred import DeferredQueue
 from .load import InteractiveLoad
 
@@ -141,15 +143,16 @@ class SpindleStrategy(RequestSPStrategy):
 
     def _candidates(self, ready: list[float], n: int, fits: int, limit: int) -> list[Candidate]:
         """Whole-group and growing plans for every SP size up to `limit` instances, those whose shares fit (`fits`:
-        the most prompt tokens one prefill instance holds; 0: unknown); a prompt that fits no group that small gets
-        the smallest that it fits."""
+        the most prompt tokens one prefill instance holds; 0: unknown; a growing plan's first member holds a share of
+        every chunk); a prompt that fits no group that small gets the smallest that it fits."""
         sizes = [s for s in self.sizes if s <= len(ready)]
         fitting = [s for s in sizes if not fits or -(-n // s) <= fits] or sizes[-1:]
         fitting = [s for s in fitting if s <= limit] or fitting[:1]
         out: list[Candidate] = []
         for s in fitting:
             for finish, steps in (self._whole(ready, s, n), self._growing(ready, s, n)):
-                out.append(candidate(ready, finish, steps))
+                if not fits or most_held(steps) <= fits or len(steps) == 1:
+                    out.append(candidate(ready, finish, steps))
         return out
 
     def _place(
