@@ -3,6 +3,7 @@
     .venv/bin/python bench/arena.py                 # every cell below: bench/results/arena/*.{json,png}, arena.json
     .venv/bin/python bench/arena.py --quick         # 200 requests, A100 only, chat + batch (a smoke run)
     .venv/bin/python bench/arena.py --cells a100:chat h100:batch --jobs 2
+    .venv/bin/python bench/arena.py --papers --merge  # the table again from the cells' JSON (after a stopped run)
 
 Each cell is one `spindle sim compare` (the same command a user runs; printed before it runs) of the strategies on
 one workload and cluster: a run at the cell's load point for goodput, P50/P99 TTFT and TPOT and the batch job's
@@ -220,6 +221,10 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=2, help="cells run in parallel (processes)")
     p.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
     p.add_argument("--quick", action="store_true", help="200 requests, A100 chat and batch")
+    p.add_argument(
+        "--merge", action="store_true",
+        help="run nothing: merge the cells' JSON already written in bench/results/arena/ (after a run that stopped)",
+    )  # fmt: skip
     args = p.parse_args()
     names = args.cells or [f"{c}:{s}" for c in CLUSTERS for s in SCENARIOS]
     if args.papers:
@@ -239,15 +244,30 @@ def main() -> None:
         print("spindle sim compare " + shlex.join(jobs[name]))
     cells: dict[str, dict[str, Any]] = {}
     walls: dict[str, float] = {}
-    from tqdm import tqdm
+    failed: dict[str, str] = {}
+    if args.merge:
+        for name, argv in jobs.items():
+            written = Path(argv[argv.index("--json") + 1])
+            if written.exists():
+                cells[name] = json.loads(written.read_text())
+            else:
+                failed[name] = f"no {written}"
+    else:
+        from tqdm import tqdm
 
-    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        futures = [pool.submit(run_cell, name, argv) for name, argv in jobs.items()]
-        for f in tqdm(as_completed(futures), total=len(futures), desc="arena cells"):
-            name, doc, printed, wall = f.result()
-            cells[name], walls[name] = doc, wall
-            tqdm.write(f"\n== {name} ({wall:.0f} s)\n{printed}")
-    cells = {name: cells[name] for name in jobs}  # in the order asked
+        with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            futures = {pool.submit(run_cell, name, argv): name for name, argv in jobs.items()}
+            for f in tqdm(as_completed(futures), total=len(futures), desc="arena cells"):
+                try:
+                    name, doc, printed, wall = f.result()
+                except RuntimeError as e:  # one cell failing keeps the others' results
+                    failed[futures[f]] = str(e)
+                    tqdm.write(f"\n== {futures[f]} FAILED\n{e}")
+                    continue
+                cells[name], walls[name] = doc, wall
+                tqdm.write(f"\n== {name} ({wall:.0f} s)\n{printed}")
+    cells = {name: cells[name] for name in jobs if name in cells}  # in the order asked
+    jobs = {name: argv for name, argv in jobs.items() if name in cells}
     path = RESULTS / ("arena_quick.json" if args.quick else "arena.json")
     summary = merged(path, cells, jobs, walls)
     table = markdown_table(summary["cells"])
@@ -268,6 +288,8 @@ def main() -> None:
     path.write_text(json.dumps(summary, indent=2) + "\n")
     (OUT / "table.md").write_text(table + "\n")
     print(f"wrote {path}, {OUT}/table.md and one PNG per cell in {OUT}")
+    if failed:
+        raise SystemExit("cells that did not run: " + "; ".join(f"{k}: {v.splitlines()[0]}" for k, v in failed.items()))
 
 
 if __name__ == "__main__":

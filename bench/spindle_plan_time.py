@@ -59,7 +59,7 @@ def plan_times(spec: str, latency: object, lengths: list[int], idle: float, seed
         t0 = time.perf_counter_ns()
         actions = core.strategy.plan(request_spec(rid, prompt=n, out=1), core.state, 0.0)
         times.append(time.perf_counter_ns() - t0)
-        sp = max(len(c.instances) for a in actions if hasattr(a, "chunks") for c in a.chunks)
+        sp = max((len(c.instances) for a in actions if hasattr(a, "chunks") for c in a.chunks), default=0)
         sizes[sp] = sizes.get(sp, 0) + 1
         core.state.work_done(tuple(ids), rid)
     return times, dict(sorted(sizes.items()))
@@ -74,7 +74,7 @@ def main() -> None:
     latency = latency_from_cost_model(cm, (1, 2, 4, 8, 16, 32, 64, 128))
     lengths = [r.num_prefill_tokens for r in make_workload("mixed-diurnal", args.plans, 1.0, seed=0)]
     out: dict[str, object] = {"instances": INSTANCES, "plans": args.plans, "workload": "mixed-diurnal", "rows": []}
-    print(f"{'strategy':<40}{'idle':>6}{'mean us':>10}{'p99':>8}{'max':>8}  SP sizes chosen")
+    print(f"{'strategy':<40}{'idle':>6}{'mean us':>10}{'p99':>8}{'max':>8}  SP sizes chosen (0: deferred as late)")
     for spec in STRATEGIES:
         for idle in IDLE_SHARES:
             ns, sizes = plan_times(spec, latency, lengths, idle, seed=1)
