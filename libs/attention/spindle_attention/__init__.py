@@ -2,7 +2,8 @@
 
 The torch implementations (this package's top level) run anywhere and are the reference; the Triton
 kernels in `spindle_attention.triton` implement the same signatures for GPUs and are tested against the
-reference under `TRITON_INTERPRET=1`.
+reference under `TRITON_INTERPRET=1`. `spindle_attention.backends` puts these, the native CPU kernels and
+flash-attn behind one registry, chosen per device (`select_backend`).
 """
 
 from .merge import merge_attn_states, merge_attn_states_many
@@ -19,6 +20,6 @@ __all__ = [
     "slot_indices",
 ]
 
-from . import distributed  # sequence-parallel attention (ring, ulysses, SP-TP) over torch.distributed
+from . import backends, distributed  # the backend registry; sequence-parallel attention over torch.distributed
 
-__all__ += ["distributed"]
+__all__ += ["backends", "distributed"]

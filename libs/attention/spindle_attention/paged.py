@@ -52,6 +52,7 @@ def paged_decode(
     num_splits: int | None = None,
     softmax_scale: float | None = None,
     return_lse: bool = True,
+    native: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """q `[B, Hq, D]` (one token per sequence, attending to all `seq_lens[b]` cached tokens).
 
@@ -59,6 +60,7 @@ def paged_decode(
     one `scaled_dot_product_attention`). A sequence with `seq_len == 0` gets `(0, -inf)`. The context is cut
     into `num_splits` block-aligned ranges; None picks enough to keep each under DECODE_SPLIT_TOKENS keys, or,
     on a CPU with Spindle's kernels (`spindle_attention.cpu`), runs the native kernel, which splits by itself.
+    `native=False` keeps the torch path even there (the `reference` attention backend).
     """
     _check_cache(k_cache, v_cache, block_table)
     b, hq, d = q.shape
@@ -71,7 +73,7 @@ def paged_decode(
     max_len = int(seq_lens.max()) if b else 0
     if max_len > block_table.shape[1] * block_size:
         raise ValueError(f"seq_len {max_len} exceeds block_table capacity {block_table.shape[1] * block_size}")
-    if num_splits is None and cpu_decode.supported(q, k_cache, v_cache):
+    if native and num_splits is None and cpu_decode.supported(q, k_cache, v_cache):
         out, lse = cpu_decode.DecodeBatch(block_table, seq_lens, hkv).run(q, k_cache, v_cache, scale)
         return out.to(q.dtype), (lse if return_lse else None)
     num_blocks = max(1, -(-max_len // block_size))
@@ -128,12 +130,14 @@ def paged_prefill(
     softmax_scale: float | None = None,
     block_q: int = BLOCK_Q,
     block_k: int = BLOCK_K,
+    native: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Chunked prefill over paged history. q `[Tq, Hq, D]` packs B chunks (`cu_seqlens_q`, `[B+1]`).
 
     Sequence b has `seq_lens[b]` tokens cached, its chunk being the last `n_b` of them, so its queries sit
     at positions `seq_lens[b] - n_b ...` and attend causally to everything cached before them.
     Keys are gathered from the cache one `block_k` tile at a time. Returns `out [Tq, Hq, D]`, `lse [Hq, Tq]`.
+    `native=False` skips the native CPU kernel where it is built (the `reference` attention backend).
     """
     _check_cache(k_cache, v_cache, block_table)
     _, block_size, hkv, d = k_cache.shape
@@ -144,7 +148,7 @@ def paged_prefill(
         raise ValueError(f"{len(lens)} chunks but {len(totals)} seq_lens / {block_table.shape[0]} block rows")
     k_flat = k_cache.view(-1, hkv, d)
     v_flat = v_cache.view(-1, hkv, d)
-    native = cpu_prefill.supported(q, k_cache, v_cache)
+    native = native and cpu_prefill.supported(q, k_cache, v_cache)
     outs, lses = [], []
     for i, (qs, n, total) in enumerate(zip(starts, lens, totals, strict=True)):
         if n > total:

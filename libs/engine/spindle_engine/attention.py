@@ -4,13 +4,15 @@ A step's flat token batch is laid out decode tokens first (one per decoding sequ
 with no history, then prefill chunks that continue a cached history. Everything a context needs on the
 device is built once per step (in its constructor), so the layer loop never syncs with the host.
 
-- `PagedAttentionContext` (backend "torch"): decodes run as one batched `paged_decode` (on CPU, the native
-  kernel's batch is prepared once per step and run for every layer); a chunk with history attends over the
-  paged cache (`paged_prefill`), and so does a chunk with no history where the native CPU prefill kernel runs
-  (it reads the K/V just written in place); elsewhere such a chunk attends to its own contiguous K/V.
+- `PagedAttentionContext` (contexts "torch" and "reference"): decodes run as one batched `paged_decode` (on
+  CPU, the native kernel's batch is prepared once per step and run for every layer); a chunk with history
+  attends over the paged cache (`paged_prefill`), and so does a chunk with no history where the native CPU
+  prefill kernel runs (it reads the K/V just written in place); elsewhere such a chunk attends to its own
+  contiguous K/V. "reference" (`native=False`) keeps the torch path even where the native kernels are built.
 - `TritonPagedAttentionContext` (backend "triton", CUDA or TRITON_INTERPRET=1): one `paged_decode` launch for
   the decodes, one varlen `attention_fwd` launch for all chunks with no history (contiguous K/V of this
   step) and one paged launch (the `paged_prefill` kernel) for all chunks with history.
+- `FlashPagedAttentionContext` (backend "flash-attn", in flash_attention.py): the same three calls on flash-attn.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from torch import Tensor
 from spindle_attention import attention_fwd, cpu, paged_decode, paged_prefill
 
 from .kv_cache import KVCache
+
+CONTEXTS = ("torch", "reference", "triton", "flash-attn")  # EngineConfig.resolved_attention_backend's values
 
 
 def host_to_device(values: list[int] | list[list[int]], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -52,7 +56,8 @@ def write_kv(cache: KVCache, layer: int, slot_mapping: Tensor, k: Tensor, v: Ten
 
 
 class PagedAttentionContext:
-    """Backend "torch": the reference kernels of `spindle_attention` (and its native CPU decode kernel)."""
+    """Contexts "torch" (with `native`: Spindle's native CPU kernels where they are built) and "reference"
+    (without): the torch kernels of `spindle_attention`."""
 
     def __init__(
         self,
@@ -63,6 +68,8 @@ class PagedAttentionContext:
         decode_block_table: Tensor,
         decode_seq_lens: Tensor,
         prefills: list[PrefillChunk],
+        *,
+        native: bool = True,
     ) -> None:
         self.cache = cache
         self.first_layer = first_layer
@@ -72,7 +79,8 @@ class PagedAttentionContext:
         self.decode_seq_lens = decode_seq_lens  # [num_decodes], including the new token
         self.prefills = prefills
         device = cache.k.device
-        native_prefill = cpu.prefill.cache_supported(cache.k[0], cache.v[0])
+        self.native = native
+        native_prefill = native and cpu.prefill.cache_supported(cache.k[0], cache.v[0])
         # per chunk attending over the cache: (block table on the cache's device, total tokens, cu_seqlens)
         self._paged = {
             i: (
@@ -84,7 +92,7 @@ class PagedAttentionContext:
             if c.history or native_prefill
         }
         self._native: cpu.DecodeBatch | None = None
-        if num_decodes and device.type == "cpu" and cpu.available():  # never builds the CPU kernels elsewhere
+        if native and num_decodes and device.type == "cpu" and cpu.available():  # never builds them elsewhere
             self._native = cpu.DecodeBatch(decode_block_table, decode_seq_lens, cache.k[0].shape[2])
 
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -100,13 +108,14 @@ class PagedAttentionContext:
                 out[s:e] = attention_fwd(q[s:e], k[s:e], v[s:e], return_lse=False)[0]
             else:
                 table, total, cu = self._paged[i]
-                out[s:e] = paged_prefill(q[s:e], k_cache, v_cache, table, total, cu)[0]
+                out[s:e] = paged_prefill(q[s:e], k_cache, v_cache, table, total, cu, native=self.native)[0]
         return out
 
     def _decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         if self._native is not None and cpu.decode.supported(q, k_cache, v_cache):
             return self._native.run(q, k_cache, v_cache, 1.0 / math.sqrt(q.shape[-1]))[0].to(q.dtype)
-        return paged_decode(q, k_cache, v_cache, self.decode_block_table, self.decode_seq_lens, return_lse=False)[0]
+        table, lens = self.decode_block_table, self.decode_seq_lens
+        return paged_decode(q, k_cache, v_cache, table, lens, return_lse=False, native=self.native)[0]
 
 
 @dataclass

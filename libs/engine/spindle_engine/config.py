@@ -1,23 +1,47 @@
-"""Engine configuration."""
+"""Engine configuration: validated at construction, including which attention backend runs (resolved through
+`spindle_attention.backends`' registry, so a backend that cannot run here fails now, not mid-step)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
+import logging
 from dataclasses import dataclass
 
 import torch
 
+from spindle_attention.backends import AUTO, select_backend
+from spindle_attention.backends.flash import DTYPES as FLASH_DTYPES
+
+log = logging.getLogger("spindle.engine")
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# "torch" names the engine's original path: Spindle's native CPU kernels where they are built, else the reference;
+# the other names are the registry's backends (spindle_attention.backends)
+ATTENTION_BACKENDS = ("auto", "torch", "reference", "cpu", "triton", "flash-attn")
+_dtype_skips_logged: set[torch.dtype] = set()  # dtypes for which `auto` logged skipping flash-attn
 
 
-def _triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def _triton_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+def resolve_attention(requested: str, device: torch.device, dtype: torch.dtype, block_size: int) -> str:
+    """The engine's attention context for `requested` on `device` (see `attention.CONTEXTS`): "torch" for `torch`,
+    `cpu` and what `auto` resolves to on CPU, "reference", "triton" or "flash-attn". ValueError (the registry's,
+    saying why) when the backend asked for cannot run here."""
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {requested!r}")
+    if requested == "torch":
+        select_backend(device, AUTO if device.type == "cpu" else "reference", block_size=block_size)
+        return "torch"
+    if requested == "flash-attn" and dtype not in FLASH_DTYPES:
+        raise ValueError(f"attention_backend='flash-attn' runs float16 or bfloat16, not {dtype}")
+    chosen = select_backend(device, requested, block_size=block_size)
+    if requested == AUTO and chosen.name == "flash-attn" and dtype not in FLASH_DTYPES:
+        assert chosen.fallback is not None  # the reference at least
+        if dtype not in _dtype_skips_logged:
+            _dtype_skips_logged.add(dtype)
+            why = "it runs float16 and bfloat16"
+            log.info("attention backend 'flash-attn' skipped for %s (%s); using %r", dtype, why, chosen.fallback.name)
+        chosen = chosen.fallback
+    if requested == "reference" or chosen.name in ("triton", "flash-attn"):
+        return chosen.name
+    return "torch"  # `cpu`, and `auto`'s cpu or reference: the engine's original path
 
 
 def check_device(device: str) -> torch.device:
@@ -44,7 +68,9 @@ class EngineConfig:
     model: str = "smollm2"  # a known name, an HF Llama directory, or a .gguf file
     dtype: str = "float32"
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N": weights, KV cache and step inputs live there
-    attention_backend: str = "auto"  # "auto" (triton on CUDA when importable, else torch), "torch", "triton"
+    # one of ATTENTION_BACKENDS. "auto": on CUDA flash-attn (installed, sm80+, float16/bfloat16, block_size a
+    # multiple of 256), else triton, else the reference; on CPU the engine's "torch" path
+    attention_backend: str = "auto"
     block_size: int = 16
     kv_cache_tokens: int | None = None  # KV capacity in tokens; default from kv_cache_memory_gb
     kv_cache_memory_gb: float = 2.0
@@ -73,18 +99,10 @@ class EngineConfig:
         if not isinstance(self.device, str):
             raise ValueError(f"device must be a string such as 'cpu' or 'cuda:0', got {self.device!r}")
         dev = check_device(self.device)
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        if self.attention_backend == "triton":
-            if not _triton_importable():
-                raise ValueError("attention_backend='triton' needs the triton package, which is not installed")
-            if dev.type == "cpu" and not _triton_interpreting():
-                raise ValueError(
-                    "attention_backend='triton' on CPU runs only under the triton interpreter: set TRITON_INTERPRET=1 "
-                    "before starting Python (or use device='cuda')"
-                )
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        context = resolve_attention(self.attention_backend, dev, DTYPES[self.dtype], self.block_size)
+        object.__setattr__(self, "_attention_context", context)  # not a field: replace() and asdict() ignore it
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise ValueError(f"kv_cache_tokens must be >= 1, got {self.kv_cache_tokens}")
         if self.kv_cache_memory_gb <= 0:
@@ -104,10 +122,9 @@ class EngineConfig:
 
     @property
     def resolved_attention_backend(self) -> str:
-        """The backend in force ("torch" or "triton"): `auto` is triton on CUDA when importable, else torch."""
-        if self.attention_backend != "auto":
-            return self.attention_backend
-        return "triton" if self.torch_device.type == "cuda" and _triton_importable() else "torch"
+        """The engine's attention context in force: "torch", "reference", "triton" or "flash-attn" (see
+        `resolve_attention`)."""
+        return self._attention_context
 
     def kv_tokens(self, bytes_per_token: int) -> int:
         """KV capacity in tokens: `kv_cache_tokens`, or what fits into `kv_cache_memory_gb`."""

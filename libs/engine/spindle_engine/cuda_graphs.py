@@ -45,10 +45,15 @@ def decode_buckets(max_batch: int) -> list[int]:
 
 
 def graph_mode(enabled: bool, device: torch.device, attention_backend: str, model: LlamaModel) -> str | None:
-    """The mode: "cuda" (capture and replay), "emulate" (static buffers, eager forward) or None (eager)."""
+    """The mode: "cuda" (capture and replay), "emulate" (static buffers, eager forward) or None (eager).
+
+    Only the Triton context is captured: its decode launch takes a host-side max length and a fixed grid.
+    The other contexts run eagerly on CUDA (flash-attn included); emulation covers the "torch" one on CPU."""
     if not enabled or not (model.is_first and model.is_last):
         return None
     if any(layer.tp_group is not None for layer in model.layers):  # collectives are not captured
+        return None
+    if attention_backend not in ("torch", "triton"):
         return None
     if device.type == "cuda" and attention_backend == "triton":
         return "cuda"

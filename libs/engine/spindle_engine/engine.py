@@ -17,6 +17,7 @@ from spindle_model import LlamaModel, ModelConfig, attach_gguf_blocks, load_stat
 from .config import EngineConfig
 from .cpu_decode import CPUDecodeRunner, unsupported_reason
 from .cuda_graphs import DecodeGraphRunner, graph_mode
+from .flash_attention import unsupported_reason as flash_unsupported
 from .grammar import GrammarCompiler
 from .kv_cache import BlockAllocator, KVCache
 from .model_runner import ModelRunner
@@ -94,6 +95,10 @@ class Engine:
                 "sequence; raise kv_cache_tokens / kv_cache_memory_gb or lower max_model_len"
             )
         self.attention_backend = config.resolved_attention_backend
+        if self.attention_backend == "flash-attn":
+            reason = flash_unsupported(model_config.head_dim, config.torch_dtype, config.block_size)
+            if reason is not None:
+                raise ValueError(f"attention_backend 'flash-attn' cannot run this model: {reason}")
         graphs = graph_mode(config.cuda_graphs, device, self.attention_backend, model)
         self.cache = KVCache(
             len(model.layers),

@@ -32,7 +32,12 @@ def main(argv: list[str] | None = None) -> int:
         "--attention-backend",
         default="auto",
         choices=ATTENTION_BACKENDS,
-        help="auto (default): triton on CUDA when installed, torch otherwise",
+        help="auto (default): on CUDA flash-attn (float16/bfloat16, block size a multiple of 256), else triton; on "
+        "CPU torch (Spindle's native kernels where built, else the reference). reference/cpu/triton/flash-attn: "
+        "that backend of spindle_attention.backends, or an error saying why it cannot run here",
+    )
+    ap.add_argument(
+        "--block-size", type=int, default=16, help="KV cache tokens per block (flash-attn: a multiple of 256)"
     )
     ap.add_argument(
         "--no-fused-cpu-decode",
@@ -61,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype,
             device=args.device,
             attention_backend=args.attention_backend,
+            block_size=args.block_size,
             fused_cpu_decode=not args.no_fused_cpu_decode,
             gguf_blocks=not args.no_gguf_blocks,
         )

@@ -16,9 +16,10 @@ from torch import Tensor
 
 from spindle_model import LlamaModel
 
-from .attention import PagedAttentionContext, PrefillChunk, TritonPagedAttentionContext, host_to_device
+from .attention import CONTEXTS, PagedAttentionContext, PrefillChunk, TritonPagedAttentionContext, host_to_device
 from .cpu_decode import CPUDecodeRunner
 from .cuda_graphs import DecodeGraphRunner
+from .flash_attention import FlashPagedAttentionContext
 from .kv_cache import KVCache
 from .sampler import TokenLogprobs
 from .scheduler import ScheduledChunk
@@ -97,13 +98,14 @@ def step_batch(chunks: list[ScheduledChunk], block_size: int) -> StepBatch:
     return batch
 
 
-def attention_context(
-    cache: KVCache, first_layer: int, backend: str, batch: StepBatch
-) -> PagedAttentionContext | TritonPagedAttentionContext:
-    """The paged attention context of `batch` over `cache` (which holds layers from `first_layer` on)."""
+AttentionContext = PagedAttentionContext | TritonPagedAttentionContext | FlashPagedAttentionContext
+
+
+def attention_context(cache: KVCache, first_layer: int, backend: str, batch: StepBatch) -> AttentionContext:
+    """The paged attention context `backend` (one of `attention.CONTEXTS`) of `batch` over `cache` (which holds
+    layers from `first_layer` on)."""
     device = cache.k.device
-    triton = backend == "triton"
-    index_dtype = torch.int32 if triton else torch.long
+    index_dtype = torch.int32 if backend in ("triton", "flash-attn") else torch.long
     num_decodes = batch.num_decodes
     lens = [s + 1 for s in batch.starts[:num_decodes]]
     if num_decodes:
@@ -115,18 +117,12 @@ def attention_context(
     decode_lens = host_to_device(lens, index_dtype, device)
     slot_mapping = host_to_device(batch.slots, torch.long, device)
     prefills = batch.prefill_chunks()
-    if triton:
-        return TritonPagedAttentionContext(
-            cache,
-            first_layer,
-            slot_mapping,
-            num_decodes,
-            decode_table,
-            decode_lens,
-            prefills,
-            decode_max_len=max(lens, default=0),
-        )
-    return PagedAttentionContext(cache, first_layer, slot_mapping, num_decodes, decode_table, decode_lens, prefills)
+    args = (cache, first_layer, slot_mapping, num_decodes, decode_table, decode_lens, prefills)
+    if backend == "triton":
+        return TritonPagedAttentionContext(*args, decode_max_len=max(lens, default=0))
+    if backend == "flash-attn":
+        return FlashPagedAttentionContext(*args, decode_max_len=max(lens, default=0))
+    return PagedAttentionContext(*args, native=backend == "torch")
 
 
 class ModelRunner:
@@ -139,8 +135,8 @@ class ModelRunner:
         decode_graphs: DecodeGraphRunner | None = None,
         cpu_decode: CPUDecodeRunner | None = None,
     ) -> None:
-        if attention_backend not in ("torch", "triton"):
-            raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}")
+        if attention_backend not in CONTEXTS:
+            raise ValueError(f"attention_backend must be one of {CONTEXTS}, got {attention_backend!r}")
         self.model = model
         self.cache = cache
         self.block_size = cache.block_size
@@ -237,5 +233,5 @@ class ModelRunner:
             logits = logits[host_to_device(sample_rows, torch.long, self.device)]
         return logits, sample_rows
 
-    def _context(self, batch: StepBatch) -> PagedAttentionContext | TritonPagedAttentionContext:
+    def _context(self, batch: StepBatch) -> AttentionContext:
         return attention_context(self.cache, self.model.layer_range[0], self.attention_backend, batch)

@@ -11,6 +11,11 @@ completes or fails with the peer's death. No timeout or cancel ever breaks the p
 
 On NCCL, tags are ignored (ops between two ranks match in posting order), so transfers between the same
 pair must be posted in the same order on both sides; gloo honours tags and allows concurrent transfers.
+
+Tensors cross on the wire's device (`self.device`: the host for gloo). A tensor on another device is staged
+(staging.py): `send` copies it to the wire first (a GPU tensor into pinned host memory), and `recv(device=...)`
+or an `out` elsewhere lands it there after the transfer committed. Each rank announces where it runs (its
+`Placement`) when it joins a mesh, and the transport of each pair is chosen from both (paths.py, `paths()`).
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from spindle_protocol import TensorHeader, check_header
 
 from .errors import HeaderMismatchError, TransferError
 from .mesh import Mesh
+from .paths import Placement
+from .staging import check_landing, land, receive_buffer, to_wire
 from .store import serve_store
 from .waits import Pending, block, wait_for
 from .wire import (
@@ -62,7 +69,9 @@ T = TypeVar("T")
 class DataPlane:
     """This process's rank in the data-plane group and the transfers it makes."""
 
-    def __init__(self, rank: int, world_size: int, backend: str, max_workers: int = 16) -> None:
+    def __init__(
+        self, rank: int, world_size: int, backend: str, max_workers: int = 16, place: Placement | None = None
+    ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
         if backend not in ("gloo", "nccl"):
@@ -76,6 +85,7 @@ class DataPlane:
         self._next_tag = 0
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="spindle-transfer")
         self.mesh: Mesh | None = None  # set by init() for a mesh:// data plane
+        self.place = place or Placement.here()  # where this rank's tensors live (its engine's device)
 
     @classmethod
     def init(
@@ -86,8 +96,9 @@ class DataPlane:
         backend: str | None = None,
         timeout_s: float = 60.0,
         max_workers: int = 16,
+        device: str = "cpu",
     ) -> DataPlane:
-        """Join the data plane at `init_method`.
+        """Join the data plane at `init_method`, as a rank whose tensors live on `device` ("cpu", "cuda:N").
 
         `mesh://HOST:PORT`: the mesh at that rendezvous (spindle_transfer.rendezvous): one gloo group per pair of
         processes, formed as members join, so any member may die and come back; returns at once. `tcp://...`
@@ -96,6 +107,7 @@ class DataPlane:
         """
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        place = Placement.here(device)
         url = urlparse(init_method)
         if url.scheme == "mesh":
             if backend not in (None, "gloo"):
@@ -104,8 +116,8 @@ class DataPlane:
                 raise ValueError(f"{init_method!r} is not mesh://HOST:PORT")
             if sys.platform == "linux" and url.hostname in ("127.0.0.1", "localhost"):
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-            plane = cls(rank, world_size, "gloo", max_workers)
-            plane.mesh = Mesh(url.hostname, url.port, rank, timeout_s)
+            plane = cls(rank, world_size, "gloo", max_workers, place)
+            plane.mesh = Mesh(url.hostname, url.port, rank, timeout_s, place=place)
             p2p.install(plane.mesh)
             return plane
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -121,7 +133,13 @@ class DataPlane:
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         else:
             dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
-        return cls(rank, world_size, backend, max_workers)
+        return cls(rank, world_size, backend, max_workers, place)
+
+    def paths(self) -> dict[int, str]:
+        """peer rank -> the transport of its pair (paths.py): the mesh's per pair, or a fixed world's backend."""
+        if self.mesh is not None:
+            return self.mesh.paths()
+        return {peer: self.backend for peer in range(self.world_size) if peer != self.rank}
 
     def new_tag(self) -> int:
         """A tag for a receive this process posts; tags of different ranks never collide."""
@@ -153,7 +171,7 @@ class DataPlane:
             raise ValueError(f"tensor {tensor.dtype}{list(tensor.shape)} does not match its header {header}")
         what = f"send of {header.dtype}{header.shape} to rank {dst} (tag {tag})"
         deadline = time.monotonic() + timeout_s
-        payload = tensor.detach().to(self.device).contiguous().reshape(-1).view(torch.uint8)
+        payload = to_wire(tensor, self.device).reshape(-1).view(torch.uint8)
         verdict_buf = torch.empty(2, dtype=torch.int64, device=self.device)
         head = self._post(p2p.isend, encode_header(header, self.device), dst, tag)
         verdict = self._post(p2p.irecv, verdict_buf, dst, tag)
@@ -182,6 +200,7 @@ class DataPlane:
         out: torch.Tensor | None = None,
         cancel: threading.Event | None = None,
         timeout_s: float = 60.0,
+        device: torch.device | str | None = None,
     ) -> torch.Tensor:
         """Receive the tensor `src` sends under `tag`, after checking its header equals `expect` exactly.
 
@@ -189,17 +208,17 @@ class DataPlane:
         sender learns it. `cancel` and `timeout_s` bound the wait for the header (TransferError); once the
         header is accepted the payload lands in full (into `out` when given) unless the peer dies, and a
         cancel seen by then raises TransferError afterwards, so `out` is never written after we return.
+        The tensor lands on `device` (default: the wire's), or on `out`'s device; off the wire's it is staged
+        through a (pinned) host buffer and copied there once the sender committed it.
         """
         self._check_peer(src, tag)
         check_header(expect)
         dtype = DTYPES[expect.dtype]
-        if out is not None and (
-            out.dtype != dtype
-            or list(out.shape) != expect.shape
-            or not out.is_contiguous()
-            or out.device != self.device
-        ):
-            raise ValueError(f"out {out.dtype}{list(out.shape)} on {out.device} cannot hold {expect} on {self.device}")
+        if out is not None and (out.dtype != dtype or list(out.shape) != expect.shape or not out.is_contiguous()):
+            raise ValueError(f"out {out.dtype}{list(out.shape)} on {out.device} cannot hold {expect}")
+        landing = check_landing(out.device if out is not None else (device or self.device))
+        if out is not None and device is not None and check_landing(device) != landing:
+            raise ValueError(f"out is on {out.device}, not on device {device}")
         what = f"receive of {expect.dtype}{expect.shape} from rank {src} (tag {tag})"
         deadline = time.monotonic() + timeout_s
         words = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
@@ -214,7 +233,10 @@ class DataPlane:
         if cancel is not None and cancel.is_set():
             self._send_signal(CANCELLED, src, tag, what)
             raise TransferError(f"{what} was cancelled")
-        result = out if out is not None else torch.empty(expect.shape, dtype=dtype, device=self.device)
+        if out is not None and out.device == self.device:
+            result = out
+        else:
+            result = receive_buffer(expect.shape, dtype, self.device, landing)
         # Post payload and trailer before accepting: gloo matches the ops of one tag in posting order.
         body = self._post(p2p.irecv, result.reshape(-1).view(torch.uint8), src, tag) if expect.nbytes else None
         trailer_buf = torch.empty(2, dtype=torch.int64, device=self.device)
@@ -227,7 +249,7 @@ class DataPlane:
             raise TransferError(f"{what}: the sender gave up")
         if cancel is not None and cancel.is_set():
             raise TransferError(f"{what} was cancelled")
-        return result
+        return land(result, landing, out)
 
     # ---- asyncio API: the blocking calls run on this DataPlane's own thread pool ----
 
@@ -253,9 +275,10 @@ class DataPlane:
         out: torch.Tensor | None = None,
         cancel: threading.Event | None = None,
         timeout_s: float = 60.0,
+        device: torch.device | str | None = None,
     ) -> torch.Tensor:
         cancel = cancel or threading.Event()
-        fn = partial(self.recv, expect, src, tag, out=out, cancel=cancel, timeout_s=timeout_s)
+        fn = partial(self.recv, expect, src, tag, out=out, cancel=cancel, timeout_s=timeout_s, device=device)
         return await self._in_pool(fn, cancel)
 
     def close(self) -> None:

@@ -14,6 +14,10 @@ Groups are formed as soon as both sides are in the log, so a warmed-up stack nev
 path. `route(peer)` waits (up to the timeout) for a group still forming or a peer not yet joined: what a
 process sending to a peer that is still starting needs. The rendezvous restarting is survived: a member that
 loses the store reconnects and appends its entry again (same token: nobody re-forms).
+
+A join also says where the member runs (`rank:token:HOST/DEVICE`, paths.Placement), so each pair knows the
+transport its tensors take (paths.choose_path: gloo between CPUs, host-staged with a GPU on either side, as the
+gloo pairs carry them); `paths()` reports it and the log line of each formed group names it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch.distributed as dist
 
 from spindle_attention.distributed.p2p import PeerUnreachable
 
+from .paths import Placement, choose_path, describe
 from .store import JOINS
 
 log = logging.getLogger("spindle.transfer.mesh")
@@ -43,6 +48,7 @@ class Peer:
     token: str
     group: dist.ProcessGroup | None = None
     error: str | None = None  # its group could not be formed (it died before meeting us)
+    place: Placement | None = None  # where it runs (None: its join did not say; an older member)
 
     @property
     def state(self) -> str:
@@ -61,24 +67,43 @@ class MeshStats:
 
 def parse_joins(log_text: str) -> dict[int, str]:
     """The join log -> each rank's latest token (LEFT for a rank that left)."""
-    latest: dict[int, str] = {}
+    return {rank: token for rank, (token, _) in parse_entries(log_text).items()}
+
+
+def parse_entries(log_text: str) -> dict[int, tuple[str, Placement | None]]:
+    """The join log -> each rank's latest (token, placement); an entry without a valid placement has None."""
+    latest: dict[int, tuple[str, Placement | None]] = {}
     for entry in log_text.split(";"):
         if entry:
-            rank, _, token = entry.partition(":")
-            latest[int(rank)] = token
+            rank, _, rest = entry.partition(":")
+            token, _, where = rest.partition(":")
+            try:
+                place = Placement.decode(where) if where else None
+            except ValueError:
+                place = None
+            latest[int(rank)] = (token, place)
     return latest
 
 
 class Mesh:
     """This process's membership of the mesh at the rendezvous `host:port`; a `p2p.Router`."""
 
-    def __init__(self, host: str, port: int, rank: int, timeout_s: float = 60.0, poll_s: float = POLL_S) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        timeout_s: float = 60.0,
+        poll_s: float = POLL_S,
+        place: Placement | None = None,
+    ) -> None:
         if rank < 0:
             raise ValueError(f"rank {rank} must be >= 0")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.host, self.port, self._rank = host, port, rank
         self.token = secrets.token_hex(6)
+        self.place = place or Placement.here()
         self.timeout = timedelta(seconds=timeout_s)
         self.stats = MeshStats()
         self._poll_s = poll_s
@@ -124,6 +149,11 @@ class Mesh:
         with self._cond:
             return {r: p.state for r, p in sorted(self._peers.items())}
 
+    def paths(self) -> dict[int, str]:
+        """rank -> the transport of its pair (paths.choose_path), for every peer whose group is ready."""
+        with self._cond:
+            return {r: self._path(p) for r, p in sorted(self._peers.items()) if p.group is not None}
+
     def wait_formed(self, timeout_s: float) -> dict[int, str]:
         """Wait until no group is still forming (or `timeout_s`); returns the peers not ready then."""
         deadline = time.monotonic() + timeout_s
@@ -154,7 +184,7 @@ class Mesh:
         return dist.TCPStore(self.host, self.port, is_master=False, timeout=self.timeout)
 
     def _announce(self) -> None:
-        self._store.append(JOINS, f"{self._rank}:{self.token};")
+        self._store.append(JOINS, f"{self._rank}:{self.token}:{self.place.encode()};")
 
     def _watch(self) -> None:
         lost_since = None
@@ -181,9 +211,9 @@ class Mesh:
         if text == self._seen:
             return
         self._seen = text
-        latest = parse_joins(text)
+        latest = parse_entries(text)
         with self._cond:
-            for rank, token in latest.items():
+            for rank, (token, place) in latest.items():
                 if rank == self._rank:
                     continue
                 known = self._peers.get(rank)
@@ -193,7 +223,7 @@ class Mesh:
                     self.stats.replaced += 1
                     log.info("rank %d: peer %d %s; dropping its group", self._rank, rank,
                              "left" if token == LEFT else "restarted")  # fmt: skip
-                self._peers[rank] = Peer(token)
+                self._peers[rank] = Peer(token, place=place)
                 if token != LEFT:
                     threading.Thread(
                         target=self._form, args=(rank, token), name=f"spindle-mesh-form-{rank}", daemon=True
@@ -218,8 +248,14 @@ class Mesh:
             if group is not None:
                 current.group = group
                 self.stats.formed += 1
-                log.info("rank %d: group with rank %d formed in %.1f ms", self._rank, peer, seconds * 1e3)
+                how = describe(self.place, current.place or Placement(self.place.host))
+                log.info("rank %d: group with rank %d formed in %.1f ms; path %s", self._rank, peer, seconds * 1e3,
+                         how)  # fmt: skip
             else:
                 current.error = error
                 log.warning("rank %d: no group with rank %d (%s)", self._rank, peer, error)
             self._cond.notify_all()
+
+    def _path(self, peer: Peer) -> str:
+        # a peer that did not say where it runs is taken for a CPU rank on this host (what every member was)
+        return choose_path(self.place, peer.place or Placement(self.place.host))

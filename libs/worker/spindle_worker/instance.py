@@ -46,6 +46,8 @@ from spindle_protocol.registry import run_heartbeat
 from spindle_telemetry import extract, inject, setup, shutdown, tracer
 from spindle_transfer import DataPlane
 
+from .device import check_device, kv_cache_memory_gb
+
 log = logging.getLogger("spindle.worker")
 
 ABORT_MEMORY_S = 120.0  # how long an abort is remembered, for commands that arrive after it
@@ -82,12 +84,15 @@ def wire_logprobs(logprobs: list[TokenLogprobs] | None) -> list[TokenLogprob] | 
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The engine's configuration from the flags of `spindle_protocol.service.add_engine_args`."""
+    """The engine's configuration from the flags of `spindle_protocol.service.add_engine_args` and
+    `spindle_worker.device.add_device_args`; ValueError for a device this process does not have (checked now)."""
+    device = check_device(args.device)
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,
+        device=args.device,
         kv_cache_tokens=args.kv_cache_tokens,
-        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        kv_cache_memory_gb=kv_cache_memory_gb(args, device),
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
@@ -121,6 +126,11 @@ class InstanceConfig:
         if self.rank + self.spp_size * self.tp_size > self.world_size:
             raise ValueError(f"{self.spp_size} stages x TP {self.tp_size} from rank {self.rank} exceed a world of "
                              f"{self.world_size}")  # fmt: skip
+
+    @property
+    def device(self) -> str:
+        """Where the engine runs ("cpu", "cuda", "cuda:N"; `EngineConfig` checked it exists)."""
+        return self.engine.device
 
     @classmethod
     def from_args(cls, role: str, args: argparse.Namespace) -> InstanceConfig:
@@ -212,7 +222,8 @@ class Instance:
         await self.serve()
         tasks = [asyncio.create_task(run_heartbeat(self.bus, info)) for info in self.registry_entries()]
         tasks.append(asyncio.create_task(self._sweep_loop()))
-        log.info("%s ready (rank %d, %d KV blocks)", self.id, cfg.rank, self.engine.allocator.num_blocks)
+        log.info("%s ready (rank %d on %s, %d KV blocks)", self.id, cfg.rank, cfg.device,
+                 self.engine.allocator.num_blocks)  # fmt: skip
         try:
             while not stop.is_set():
                 if not self.thread.is_alive():
@@ -238,7 +249,7 @@ class Instance:
     async def _join_data_plane(self) -> None:
         cfg = self.config
         log.info("%s: joining the data plane as rank %d of %d", self.id, cfg.rank, cfg.world_size)
-        self.dp = await asyncio.to_thread(DataPlane.init, cfg.rank, cfg.world_size, cfg.dist_init)
+        self.dp = await asyncio.to_thread(DataPlane.init, cfg.rank, cfg.world_size, cfg.dist_init, device=cfg.device)
 
     def make_engine(self) -> Engine:
         """Build the engine (on the engine thread)."""
@@ -517,7 +528,18 @@ class Instance:
             kv_blocks_total=snap.num_blocks,
             kv_blocks_used=snap.num_used_blocks,
             requests=self.blocks_held(),
+            counters=self.path_counters(),
         )
+
+    def path_counters(self) -> dict[str, int]:
+        """`dataplane_<transport>_peers`: the peers this rank reaches by each transport other than plain gloo (the
+        CPU stack's only one, so a CPU instance reports none), e.g. `dataplane_host_staged_peers` on a GPU."""
+        counts: dict[str, int] = {}
+        for path in self.dp.paths().values():
+            if path != "gloo":
+                key = f"dataplane_{path.replace('-', '_')}_peers"
+                counts[key] = counts.get(key, 0) + 1
+        return counts
 
     def blocks_held(self) -> dict[str, int]:
         """What `InstanceStats.requests` reports: blocks per request id."""

@@ -6,6 +6,7 @@ import argparse
 
 from spindle_protocol import service
 from spindle_worker import InstanceConfig
+from spindle_worker.device import add_device_args
 
 from .instance import DecodeInstance
 from .kvp_lockstep import KVPOptions
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(scale-down; 0 = never; default %(default)s)",
     )
     service.add_engine_args(p)
+    add_device_args(p)
     service.add_common_args(p)
     return p
 

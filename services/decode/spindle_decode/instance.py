@@ -284,7 +284,11 @@ class DecodeInstance(Instance):
             with self.tracer.start_as_current_span("kv.receive", context=ctx) as span:
                 t0 = time.time()
                 span.set_attribute("spindle.bytes", header.nbytes)
-                recv = self.dp.recv_async(header, src, tag, cancel=job.cancel, timeout_s=RECEIVE_TIMEOUT_S)
+                # onto the engine's device, unless tiled: untile assembles on the host (and the cache takes either)
+                device = None if tiled else self.config.device
+                recv = self.dp.recv_async(
+                    header, src, tag, cancel=job.cancel, timeout_s=RECEIVE_TIMEOUT_S, device=device
+                )
                 if resume is None:
                     kv, prompt = await asyncio.gather(recv, load_prompt(self.bus, job.spec.prompt))
                     if tiled:

@@ -17,8 +17,7 @@ import sys
 from spindle_engine.kvp.follower import follower
 from spindle_protocol import service
 from spindle_transfer import DataPlane
-from spindle_worker.follower_args import check_follower_rank, follower_parser
-from spindle_worker.instance import engine_config_from_args
+from spindle_worker.follower_args import check_follower_rank, follower_engine_config, follower_parser
 
 log = logging.getLogger("spindle.decode.kvp")
 # GOMP_SPINCOUNT is set by spindle_decode/__init__.py, which `python -m` imports before torch loads.
@@ -40,10 +39,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     check_follower_rank(parser, args, args.kvp_size, "kvp")
     service.setup_logging(args.log_level, "decode-kvp")
-    engine_config = engine_config_from_args(args)
+    engine_config = follower_engine_config(parser, args)
     member = args.rank - args.leader_rank
     try:
-        dp = DataPlane.init(args.rank, args.world_size, args.dist_init)
+        dp = DataPlane.init(args.rank, args.world_size, args.dist_init, device=engine_config.device)
         group = follower(engine_config, args.kvp_size, args.leader_rank, member)
         log.info(
             "%s member %d (rank %d): following rank %d (%d KV blocks)",

@@ -24,8 +24,7 @@ from spindle_engine.tp import Receiver, TPFollower, follower_engine
 from spindle_protocol import service
 from spindle_protocol.tensor_header import header_for
 from spindle_transfer import DataPlane, dtype_name
-from spindle_worker.follower_args import check_follower_rank, follower_parser
-from spindle_worker.instance import engine_config_from_args
+from spindle_worker.follower_args import check_follower_rank, follower_engine_config, follower_parser
 
 log = logging.getLogger("spindle.decode.tp")
 RECEIVE_TIMEOUT_S = 120.0  # for a holder to start sending (the leader's drop cancels it sooner)
@@ -42,12 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
 
-def data_plane_receiver(dp: DataPlane, pool: ThreadPoolExecutor) -> Receiver:
-    """Receives for `TPFollower`: each a header-checked `dp.recv` on `pool`."""
+def data_plane_receiver(dp: DataPlane, pool: ThreadPoolExecutor, device: str = "cpu") -> Receiver:
+    """Receives for `TPFollower`: each a header-checked `dp.recv` on `pool`, landing on `device` (the engine's)."""
 
     def receive(src: int, tag: int, shape: tuple[int, ...], dtype: torch.dtype, cancel: threading.Event) -> Future:
         header = header_for(dtype_name(dtype), shape)
-        return pool.submit(partial(dp.recv, header, src, tag, cancel=cancel, timeout_s=RECEIVE_TIMEOUT_S))
+        fn = partial(dp.recv, header, src, tag, cancel=cancel, timeout_s=RECEIVE_TIMEOUT_S, device=device)
+        return pool.submit(fn)
 
     return receive
 
@@ -57,9 +57,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     ranks = tuple(check_follower_rank(parser, args, args.tp_size, "tp"))
     service.setup_logging(args.log_level, "decode-tp")
-    engine_config = engine_config_from_args(args)
+    engine_config = follower_engine_config(parser, args)
     try:
-        dp = DataPlane.init(args.rank, args.world_size, args.dist_init)
+        dp = DataPlane.init(args.rank, args.world_size, args.dist_init, device=engine_config.device)
         engine = follower_engine(engine_config, RankGroup(ranks))
         log.info(
             "%s rank %d: following rank %d (%d KV blocks)",
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
             engine.allocator.num_blocks,
         )
         pool = ThreadPoolExecutor(8, thread_name_prefix="kv-receive")
-        TPFollower(engine, ranks[0], receiver=data_plane_receiver(dp, pool)).serve()
+        TPFollower(engine, ranks[0], receiver=data_plane_receiver(dp, pool, engine_config.device)).serve()
         pool.shutdown(wait=False, cancel_futures=True)
     except Exception:
         log.exception("tensor-parallel follower rank %d failed", args.rank)

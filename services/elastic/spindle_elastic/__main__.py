@@ -8,6 +8,7 @@ from dataclasses import replace
 from spindle_engine.reshard import ReshardPlan
 from spindle_protocol import service
 from spindle_worker import InstanceConfig
+from spindle_worker.device import add_device_args
 
 from .instance import DEFAULT_KV_CACHE_GB, ElasticInstance
 from .seesaw import DEFAULT_HOST_KV_GB, SeesawGroup, seesaw_config
@@ -25,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     service.add_worker_args(p, "elastic")
     service.add_engine_args(p)
-    p.set_defaults(kv_cache_memory_gb=DEFAULT_KV_CACHE_GB)  # it holds every request's KV, prompt and decode
+    add_device_args(p, DEFAULT_KV_CACHE_GB)  # it holds every request's KV, prompt and decode
     p.add_argument(
         "--shared-chunk",
         type=int,

@@ -54,7 +54,7 @@ class KVMigration:
             spec_bytes = await self.dp.recv_async(header_for("uint8", [spec_len]), src, tag)
             k = self.engine.cache.k
             kv_header = header_for(dtype_name(k.dtype), [2, k.shape[0], n, k.shape[3], k.shape[4]])
-            kv = await self.dp.recv_async(kv_header, src, tag)
+            kv = await self.dp.recv_async(kv_header, src, tag, device=self.config.device)
             spec = msgspec.msgpack.decode(spec_bytes.numpy().tobytes(), type=RequestSpec)
             if spec.request_id != rid or not bool(((positions >= 0) & (positions < n_tokens - 1)).all()):
                 raise ValueError(f"the migrated spec or positions do not belong to {rid}")

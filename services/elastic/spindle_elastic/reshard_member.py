@@ -18,8 +18,7 @@ from spindle_engine.reshard.tier import tier_dir, weights_path
 from spindle_model import resolve_model
 from spindle_protocol import service
 from spindle_transfer import DataPlane
-from spindle_worker.follower_args import check_follower_rank, follower_parser
-from spindle_worker.instance import engine_config_from_args
+from spindle_worker.follower_args import check_follower_rank, follower_engine_config, follower_parser
 
 from .instance import DEFAULT_KV_CACHE_GB
 
@@ -34,11 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
         "flags and --reshard.",
         "--reshard-size",
         "processes of the group (the leader's included): the plan's",
+        DEFAULT_KV_CACHE_GB,
     )
     p.add_argument("--reshard", required=True, help="the group's plan PREFILL:DECODE, e.g. PP2:TP2 (the leader's)")
     p.add_argument("--tier-root", default="", help="where the group's tier directory is (the leader's; default "
                    "/dev/shm)")  # fmt: skip
-    p.set_defaults(kv_cache_memory_gb=DEFAULT_KV_CACHE_GB)
     return p
 
 
@@ -55,10 +54,11 @@ def main(argv: list[str] | None = None) -> None:
     if not args.instance_id:
         parser.error("--instance-id (the leader's) names the group's tier directory")
     service.setup_logging(args.log_level, "elastic-reshard")
+    engine_config = follower_engine_config(parser, args)
     try:
         model = resolve_model(args.model).config
-        config = group_engine_config(engine_config_from_args(args), model, plan)
-        dp = DataPlane.init(args.rank, args.world_size, args.dist_init)
+        config = group_engine_config(engine_config, model, plan)
+        dp = DataPlane.init(args.rank, args.world_size, args.dist_init, device=config.device)
         directory = tier_dir(args.instance_id, args.tier_root)
         log.info("%s: rank %d of a %s group led by rank %d", args.instance_id, args.rank, plan.label(),
                  args.leader_rank)  # fmt: skip

@@ -149,7 +149,7 @@ class SeesawGroup(Instance):
         """With the group's counters: switches, what moved through the tier, the leader's seconds (in ms)."""
         stats = await super()._on_stats(msg, raw)
         g = self.group
-        counters = {"reshards": len(g.switches) - 1, "tier_bytes_in": g.tier.bytes_in}
+        counters = {**stats.counters, "reshards": len(g.switches) - 1, "tier_bytes_in": g.tier.bytes_in}
         counters |= {"tier_bytes_out": g.tier.bytes_out, **g.counts}
         counters |= {f"{k}_ms": int(v * 1e3) for k, v in g.seconds.items()}
         counters["reshard_ms"] = int(sum(s.seconds for s in g.switches[1:]) * 1e3)

@@ -14,8 +14,7 @@ import sys
 from spindle_engine.spp import PipelineLayout, PipelineStage, load_stage, serve_stage
 from spindle_protocol import service
 from spindle_transfer import DataPlane
-from spindle_worker.follower_args import check_follower_rank, follower_parser
-from spindle_worker.instance import engine_config_from_args
+from spindle_worker.follower_args import check_follower_rank, follower_engine_config, follower_parser
 
 from .instance import DEFAULT_KV_CACHE_GB, spp_pipeline_config
 
@@ -30,9 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
         "Takes the leader's engine flags (every member sizes its cache alike).",
         "--spp-size",
         "pipeline stages of the instance (the leader's included)",
+        DEFAULT_KV_CACHE_GB,
     )
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks per stage (default %(default)s)")
-    p.set_defaults(kv_cache_memory_gb=DEFAULT_KV_CACHE_GB)
     return p
 
 
@@ -45,9 +44,11 @@ def main(argv: list[str] | None = None) -> None:
     layout = PipelineLayout.consecutive(args.leader_rank, args.spp_size, args.tp_size)
     stage_index, _ = layout.position(args.rank)
     service.setup_logging(args.log_level, "elastic-spp")
+    engine_config = follower_engine_config(parser, args)
     try:
-        config = spp_pipeline_config(engine_config_from_args(args), args.spp_size, args.tp_size)
-        dp = DataPlane.init(args.rank, args.world_size, args.dist_init)  # first: a TP stage names global ranks
+        config = spp_pipeline_config(engine_config, args.spp_size, args.tp_size)
+        # first: a TP stage names global ranks
+        dp = DataPlane.init(args.rank, args.world_size, args.dist_init, device=config.device)
         model, _ = load_stage(config, args.spp_size, stage_index, layout.stages[stage_index])
         num_blocks = config.kv_cache_tokens // config.block_size
         log.info(

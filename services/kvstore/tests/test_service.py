@@ -164,6 +164,32 @@ def test_put_get_free_round_trip(stack: Stack) -> None:
     run(stack, scenario)
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_host_tier_takes_from_and_returns_to_the_callers_device(stack: Stack, device: str) -> None:
+    """A caller's KV on `device` goes to the host tier (staged through pinned host memory off the CPU) and comes
+    back onto `device`, into a fresh tensor or the caller's `out`."""
+    a = kv(11, 3).to(device)
+
+    async def scenario(bus: Bus) -> None:
+        rid = f"dev-{device}"
+        assert (await put(bus, stack.plane, rid, a)).accepted
+        await wait_until(bus, lambda s: rid in s.requests)
+        for out in (None, torch.empty_like(a)):
+            tag = stack.plane.new_tag()
+            msg = KVGet(request_id=rid, start=0, end=11, dst_rank=1, tag=tag)
+            reply = await bus.request(subjects.kvstore_get(IID), msg, KVGetReply)
+            assert reply.found and reply.kv == header_of(a)
+            got = await stack.plane.recv_async(reply.kv, 0, tag, out=out, timeout_s=10, device=device)
+            assert got.device == a.device and bitwise_equal(got.cpu(), a.cpu())
+            assert out is None or got is out
+        await bus.request(subjects.kvstore_free(IID), KVFree(request_id=rid), KVFreeReply)
+
+    run(stack, scenario)
+
+
 def test_refusals(stack: Stack) -> None:
     async def scenario(bus: Bus) -> None:
         too_big = header_for("float32", [2, 30, 300, 3, 64])

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import replace
 
+from .gpus import DEVICES, gpu_map, parse_gpus
 from .plan import (
     DEFAULT_CHUNK_TOKENS,
     DISAGGREGATE_MIN_CORES,
@@ -20,6 +21,7 @@ from .plan import (
     check_decode_tp,
     colocated,
     default_layout,
+    plan_ranks,
     reshards,
     with_option,
 )
@@ -68,6 +70,20 @@ def build_parser() -> argparse.ArgumentParser:
     m = up.add_argument_group("model and engine")
     m.add_argument("--model", default="smollm2", help="known model name, HF Llama directory or .gguf (%(default)s)")
     m.add_argument("--dtype", default="float32", choices=DTYPES)
+    m.add_argument(
+        "--device",
+        default="cpu",
+        choices=DEVICES,
+        help="where the engines run: cpu, or cuda (every rank but the kvstore's on a GPU of --gpus) (%(default)s)",
+    )
+    m.add_argument(
+        "--gpus",
+        default=None,
+        metavar="ID,ID,...",
+        help="with --device cuda: the GPUs the ranks take round-robin in rank order, one per rank while they last "
+        "(a TP/KVP/SPP group's members on different GPUs when there are enough; more ranks than GPUs share them, "
+        "and a GPU's KV memory is split between its processes). Ids as torch numbers them here (default: 0)",
+    )
     m.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache capacity per instance, in tokens")
     m.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache size per instance (GB)")
     m.add_argument(
@@ -267,6 +283,8 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
     return StackConfig(
         model=args.model,
         dtype=args.dtype,
+        device=args.device,
+        gpus=parse_gpus(args.gpus) if args.gpus is not None else (),
         **layout_from_args(args),  # type: ignore[arg-type]
         decode_tp=args.decode_tp,
         decode_kvp=args.decode_kvp,
@@ -370,7 +388,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.dry_run:
         nats_url = f"nats://127.0.0.1:{args.nats_port or 4222}"
         runtime = Runtime(nats_url=nats_url, dist_init="mesh://127.0.0.1:29500", port=config.port or 8000)
-        for spec in build_plan(config, runtime):
+        specs = build_plan(config, runtime)
+        for line in gpu_map(config.rank_devices(), plan_ranks(specs)):
+            print(f"# GPU map: {line}")
+        for spec in specs:
             print(f"{spec.name}: {shlex.join(spec.argv)}")
         return
     stack = Stack(config, echo=_say)

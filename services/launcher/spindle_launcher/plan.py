@@ -5,7 +5,7 @@ Ranks of the data-plane group: kvstore 0, prefill 1..N, then decode instance i a
 or T = `decode_kvp`: the leader, then T-1 `spindle_decode.kvp_follower` members named decode-i-kvpJ), then the
 elastic (colocated) instances elastic-0.. (E of them, each of S = `elastic_spp` x `elastic_tp` ranks: the leader
 `spindle_elastic`, then S-1 `spindle_elastic.spp_stage` processes named elastic-i-sppJ, J the rank's offset in the
-instance); world size N+M*T+E*S+1.
+instance); world size N+M*T+E*S+1. With `device="cuda"` every rank but the kvstore's runs on a GPU (gpus.py).
 deploy/docker-compose.yml describes the same commands; tests/test_deploy.py keeps the two in step.
 """
 
@@ -18,6 +18,7 @@ from urllib.parse import urlparse
 
 from spindle_protocol.service import STACK_TOKEN_ENV
 
+from .gpus import DEVICES, check_gpus, kv_memory_fraction, rank_devices
 from .restarts import DEFAULT_RESTART, RestartPolicy
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -119,6 +120,8 @@ class StackConfig:
 
     model: str = "smollm2"
     dtype: str = "float32"
+    device: str = "cpu"  # where the engines run: "cpu" or "cuda" (each rank on a GPU of `gpus`, gpus.py)
+    gpus: tuple[int, ...] = ()  # with device "cuda": the GPU ids ranks take round-robin (() = GPU 0 alone)
     prefill: int = 2  # prefill instances
     decode: int = 1  # decode instances
     elastic: int = 0  # elastic (colocated) instances: prefill and decode in one engine; then prefill = decode = 0
@@ -161,6 +164,13 @@ class StackConfig:
             raise ValueError("model must be non-empty")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if not isinstance(self.gpus, tuple):
+            raise ValueError(f"gpus must be a tuple of GPU ids, got {self.gpus!r}")
+        if self.gpus and self.device != "cuda":
+            raise ValueError("gpus (--gpus) name the GPUs of device cuda: add --device cuda")
+        check_gpus(self.gpus)
         if self.shared_chunk is not None and (not isinstance(self.shared_chunk, int) or self.shared_chunk < 0):
             raise ValueError(f"shared_chunk must be a non-negative integer, got {self.shared_chunk!r}")
         if not isinstance(self.elastic, int) or self.elastic < 0:
@@ -288,6 +298,10 @@ class StackConfig:
         found = re.search(r"(?:^|[:,])chunk[_-]size=(\d+)(?:,|$)", self.strategy)
         return int(found.group(1)) if found else DEFAULT_CHUNK_TOKENS
 
+    def rank_devices(self) -> dict[int, str]:
+        """rank -> "cpu" or "cuda:N" for every rank of the plan (gpus.rank_devices)."""
+        return rank_devices(self.world_size, self.device, self.gpus or ((0,) if self.device == "cuda" else ()))
+
     def decode_rank(self, i: int) -> int:
         """The leader rank of decode instance `i`; its followers take the next decode_ranks - 1 ranks."""
         return 1 + self.prefill + i * self.decode_ranks
@@ -347,6 +361,15 @@ def rank_capacity(config: StackConfig, runtime: Runtime) -> int:
     return config.world_size + (config.spare_ranks if runtime.dist_init.startswith("mesh://") else 0)
 
 
+def plan_ranks(specs: list[ServiceSpec]) -> dict[int, str]:
+    """rank -> process name of every service of a plan that holds a data-plane rank."""
+    ranks = {}
+    for spec in specs:
+        if "--rank" in spec.args:
+            ranks[int(spec.args[spec.args.index("--rank") + 1])] = spec.name
+    return ranks
+
+
 def added_instance(template: ServiceSpec, instance_id: str, rank: int) -> ServiceSpec:
     """A further instance like `template` (a one-process prefill or decode instance of the plan), with its own id
     and data-plane rank."""
@@ -369,12 +392,18 @@ def build_plan(config: StackConfig, runtime: Runtime, python: str = sys.executab
         rank_flags = ["--rank", str(rank), "--world-size", world]
         return ["--instance-id", instance_id, *rank_flags, "--dist-init", runtime.dist_init]
 
-    def engine(kv_cache_tokens: int | None) -> list[str]:
+    devices = config.rank_devices()
+
+    def engine(kv_cache_tokens: int | None, rank: int) -> list[str]:
         out = ["--model", config.model, "--dtype", config.dtype]
+        if devices[rank] != "cpu":  # a CPU plan passes no device flags (the instances' default)
+            out += ["--device", devices[rank]]
         if kv_cache_tokens is not None:
             out += ["--kv-cache-tokens", str(kv_cache_tokens)]
         if config.kv_cache_memory_gb is not None:
             out += ["--kv-cache-memory-gb", _num(config.kv_cache_memory_gb)]
+        elif kv_cache_tokens is None and devices[rank] != "cpu":
+            out += ["--kv-memory-fraction", _num(kv_memory_fraction(devices, rank))]
         if config.max_model_len is not None:
             out += ["--max-model-len", str(config.max_model_len)]
         return out
@@ -400,7 +429,7 @@ def build_plan(config: StackConfig, runtime: Runtime, python: str = sys.executab
     add("scheduler", "scheduler", scheduler)
     for i in range(config.prefill):
         node = ["--node", f"node-{i // config.prefill_per_node}"] if config.prefill_per_node else []
-        add(f"prefill-{i}", "prefill", worker(f"prefill-{i}", 1 + i) + node + engine(config.kv_cache_tokens))
+        add(f"prefill-{i}", "prefill", worker(f"prefill-{i}", 1 + i) + node + engine(config.kv_cache_tokens, 1 + i))
     decode_tokens = config.decode_kv_cache_tokens or config.kv_cache_tokens
     for i in range(config.decode):
         rank = config.decode_rank(i)
@@ -408,11 +437,12 @@ def build_plan(config: StackConfig, runtime: Runtime, python: str = sys.executab
         if config.decode_kvp > 1:
             tp = ["--kvp-size", str(config.decode_kvp), "--kvp-tokens", str(config.kvp_tokens)]
             tp += ["--kvp-scale-down-tokens", str(config.kvp_scale_down_tokens)]
-        add(f"decode-{i}", "decode", worker(f"decode-{i}", rank) + tp + engine(decode_tokens))
+        add(f"decode-{i}", "decode", worker(f"decode-{i}", rank) + tp + engine(decode_tokens, rank))
         for j in range(1, config.decode_kvp):
             flags = ["--instance-id", f"decode-{i}", "--rank", str(rank + j), "--leader-rank", str(rank)]
             flags += ["--kvp-size", str(config.decode_kvp), "--world-size", world]
-            flags += ["--dist-init", runtime.dist_init, *engine(decode_tokens), "--log-level", config.log_level.upper()]
+            flags += ["--dist-init", runtime.dist_init, *engine(decode_tokens, rank + j)]
+            flags += ["--log-level", config.log_level.upper()]
             if runtime.parent_pid:
                 flags += ["--parent-pid", str(runtime.parent_pid)]
             argv = (python, "-m", "spindle_decode.kvp_follower", *flags)
@@ -420,7 +450,8 @@ def build_plan(config: StackConfig, runtime: Runtime, python: str = sys.executab
         for j in range(1, config.decode_tp):
             flags = ["--instance-id", f"decode-{i}", "--rank", str(rank + j), "--leader-rank", str(rank)]
             flags += ["--tp-size", str(config.decode_tp), "--world-size", world]
-            flags += ["--dist-init", runtime.dist_init, *engine(decode_tokens), "--log-level", config.log_level.upper()]
+            flags += ["--dist-init", runtime.dist_init, *engine(decode_tokens, rank + j)]
+            flags += ["--log-level", config.log_level.upper()]
             if runtime.parent_pid:
                 flags += ["--parent-pid", str(runtime.parent_pid)]
             argv = (python, "-m", "spindle_decode.tp_follower", *flags)
@@ -442,12 +473,12 @@ def build_plan(config: StackConfig, runtime: Runtime, python: str = sys.executab
                 budget += ["--host-kv-tokens", str(config.host_kv_tokens)]
             spp = ["--reshard", config.elastic_reshard, "--reshard-size", str(config.elastic_ranks)]
             member = "spindle_elastic.reshard_member"
-        add(f"elastic-{i}", "elastic", worker(f"elastic-{i}", rank) + engine(config.kv_cache_tokens) + budget
+        add(f"elastic-{i}", "elastic", worker(f"elastic-{i}", rank) + engine(config.kv_cache_tokens, rank) + budget
             + (spp if not config.elastic_reshard else []))  # fmt: skip
         for j in range(1, config.elastic_ranks):
             flags = ["--instance-id", f"elastic-{i}", "--rank", str(rank + j), "--leader-rank", str(rank)]
             flags += [*spp, "--world-size", world]
-            flags += ["--dist-init", runtime.dist_init, *engine(config.kv_cache_tokens)]
+            flags += ["--dist-init", runtime.dist_init, *engine(config.kv_cache_tokens, rank + j)]
             flags += ["--log-level", config.log_level.upper()]
             if runtime.parent_pid:
                 flags += ["--parent-pid", str(runtime.parent_pid)]

@@ -33,7 +33,17 @@ from spindle_protocol import Bus, ClusterStatus, StatusQuery, subjects
 from spindle_protocol.nats_server import NatsServer, start_nats_server
 from spindle_protocol.service import STACK_TOKEN_HEADER
 
-from .plan import Runtime, ServiceSpec, StackConfig, added_instance, build_plan, check_decode_tp, rank_capacity
+from .gpus import check_visible, gpu_map
+from .plan import (
+    Runtime,
+    ServiceSpec,
+    StackConfig,
+    added_instance,
+    build_plan,
+    check_decode_tp,
+    plan_ranks,
+    rank_capacity,
+)
 from .recovery import Restarter, StackLink
 from .supervisor import Supervisor, describe_exit
 
@@ -98,6 +108,25 @@ def gateway_health(url: str, token: str) -> str | None:
 
 # Converts (or finds) the model in a child process: the launcher itself never loads torch.
 _PREPARE_MODEL = "import sys; from spindle_model import resolve_model; resolve_model(sys.argv[1], progress=True)"
+# How many CUDA devices torch sees, in a child process for the same reason
+_COUNT_GPUS = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+GPU_QUERY_TIMEOUT_S = 120.0
+
+
+def check_cuda(config: StackConfig, env: dict[str, str]) -> None:
+    """StackError unless every GPU of a `device="cuda"` stack exists here (asked of torch in a child process)."""
+    if config.device != "cuda":
+        return
+    argv = [sys.executable, "-c", _COUNT_GPUS]
+    try:
+        out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=GPU_QUERY_TIMEOUT_S, check=True)
+        count = int(out.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError) as e:
+        raise StackError(f"--device cuda: could not ask torch for the GPUs here: {e}") from e
+    try:
+        check_visible(config.gpus or (0,), count)
+    except ValueError as e:
+        raise StackError(str(e)) from e
 
 
 def _client_host(host: str) -> str:
@@ -169,6 +198,7 @@ class Stack:
         if self._prepare_model:
             self._prepare()
         check_decode_tp(self.config)  # ValueError before anything starts
+        check_cuda(self.config, {**os.environ, **self.config.env})
         try:
             nats_port = self.config.nats_port if self.config.nats_port is not None else -1
             self._nats = start_nats_server("127.0.0.1", nats_port, preexec_fn=self._supervisor.preexec())
@@ -182,6 +212,8 @@ class Stack:
                 stack_token=secrets.token_hex(16),
             )
             self.specs = self._plan(self.config, self.runtime)
+            for line in gpu_map(self.config.rank_devices(), plan_ranks(self.specs)):
+                self._echo(f"GPU map: {line}")
             for spec in self.specs:
                 self._supervisor.spawn(spec)
             names = ", ".join(s.name for s in self.specs)

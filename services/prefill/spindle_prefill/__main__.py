@@ -6,6 +6,7 @@ import argparse
 
 from spindle_protocol import service
 from spindle_worker import InstanceConfig
+from spindle_worker.device import add_device_args
 
 from .instance import PrefillInstance
 
@@ -18,14 +19,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     service.add_worker_args(p, "prefill")
     service.add_engine_args(p)
+    add_device_args(p)
     service.add_common_args(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     service.setup_logging(args.log_level, "prefill")
-    config = InstanceConfig.from_args("prefill", args)
+    try:
+        config = InstanceConfig.from_args("prefill", args)
+    except ValueError as e:
+        parser.error(str(e))
     service.run(PrefillInstance(config).run, args.parent_pid)
 
 

@@ -7,6 +7,10 @@ to the default group exactly as `torch.distributed`'s do (a fixed world: the lib
 
 The functions take `torch.distributed`'s arguments; an explicit `group` (a real `ProcessGroup`) always goes to
 `torch.distributed` itself.
+
+They are device-aware: a tensor that is not on the CPU, carried by a gloo group (which takes host tensors only),
+is staged through host memory (`staging`); a receive's handle copies the data into the caller's tensor at
+`wait()`. CPU tensors on gloo and CUDA tensors on NCCL go as they are.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
+
+from . import staging
 
 
 class PeerUnreachable(RuntimeError):
@@ -59,16 +65,26 @@ def _routed(group: dist.ProcessGroup | None) -> bool:
 
 def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, tag: int = 0) -> dist.Work:
     if not _routed(group):
+        if staging.stages(tensor, group):
+            tensor = staging.to_host(tensor)
         return dist.isend(tensor, dst, group=group, tag=tag)
     pg, peer = _router.route(dst)  # type: ignore[union-attr]
+    if staging.stages(tensor, pg):
+        tensor = staging.to_host(tensor)
     return pg.send([tensor], peer, tag)
 
 
 def irecv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, tag: int = 0) -> dist.Work:
     if not _routed(group):
-        return dist.irecv(tensor, src, group=group, tag=tag)
+        if not staging.stages(tensor, group):
+            return dist.irecv(tensor, src, group=group, tag=tag)
+        buf = staging.recv_buffer(tensor)
+        return staging.StagedRecv(dist.irecv(buf, src, group=group, tag=tag), buf, tensor)
     pg, peer = _router.route(src)  # type: ignore[union-attr]
-    return pg.recv([tensor], peer, tag)
+    if not staging.stages(tensor, pg):
+        return pg.recv([tensor], peer, tag)
+    buf = staging.recv_buffer(tensor)
+    return staging.StagedRecv(pg.recv([buf], peer, tag), buf, tensor)
 
 
 @dataclass(frozen=True)
@@ -83,8 +99,9 @@ class Op:
 
 
 def batch_isend_irecv(ops: list[Op]) -> list[dist.Work]:
-    """`dist.batch_isend_irecv`; routed ops are posted one by one in order (what gloo does with a batch too)."""
-    if ops and not all(_routed(op.group) for op in ops):
+    """`dist.batch_isend_irecv`; routed or staged ops are posted one by one in order (what gloo does with a batch
+    too)."""
+    if ops and not all(_routed(o.group) for o in ops) and not any(staging.stages(o.tensor, o.group) for o in ops):
         as_dist = {isend: dist.isend, irecv: dist.irecv}
         return dist.batch_isend_irecv([dist.P2POp(as_dist[o.op], o.tensor, o.peer, o.group, o.tag) for o in ops])
-    return [o.op(o.tensor, o.peer, None, o.tag) for o in ops]
+    return [o.op(o.tensor, o.peer, o.group, o.tag) for o in ops]
