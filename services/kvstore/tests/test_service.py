@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -53,9 +54,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     port = free_port()
     env = {**os.environ, "SPINDLE_TRACE_FILE": str(trace_file)}
     env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
-    cmd = [sys.executable, "-m", "spindle_kvstore", "--rank", "0", "--world-size", "2", "--instance-id", IID]
-    cmd += ["--dist-init", f"tcp://127.0.0.1:{port}", "--nats-url", nats.url, "--memory-gb", str(BUDGET / 2**30)]
-    proc = subprocess.Popen(cmd, env=env)
+    # -X faulthandler: a kvstore that does not exit on SIGTERM gets SIGABRT and prints every thread's stack
+    cmd = [sys.executable, "-X", "faulthandler", "-m", "spindle_kvstore", "--rank", "0", "--world-size", "2"]
+    cmd += ["--instance-id", IID, "--dist-init", f"tcp://127.0.0.1:{port}", "--nats-url", nats.url]
+    cmd += ["--memory-gb", str(BUDGET / 2**30)]
+    log_path = tmp_path_factory.mktemp("kvstore-log") / "kvstore.log"
+    log_file = log_path.open("w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     plane = None
     try:
         plane = DataPlane.init(1, 2, f"tcp://127.0.0.1:{port}", "gloo", timeout_s=30)
@@ -67,12 +72,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         try:
             proc.wait(10)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            proc.send_signal(signal.SIGABRT)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         if plane is not None:
             plane.close()
         nats.stop()
-    assert proc.returncode == 0, f"the kvstore exited with {proc.returncode} on SIGTERM"
+        log_file.close()
+    tail = "\n".join(log_path.read_text().splitlines()[-60:])
+    assert proc.returncode == 0, f"the kvstore exited with {proc.returncode} on SIGTERM; its log ends:\n{tail}"
 
 
 async def _wait_ready(url: str, proc: subprocess.Popen) -> None:
