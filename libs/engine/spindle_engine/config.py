@@ -26,8 +26,7 @@ def resolve_attention(requested: str, device: torch.device, dtype: torch.dtype, 
     saying why) when the backend asked for cannot run here."""
     if requested not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {requested!r}")
-    if requested == "torch":
-        select_backend(device, AUTO if device.type == "cpu" else "reference", block_size=block_size)
+    if requested == "torch":  # the engine's own path (native kernels where built, else the reference): runs anywhere
         return "torch"
     if requested == "flash-attn" and dtype not in FLASH_DTYPES:
         raise ValueError(f"attention_backend='flash-attn' runs float16 or bfloat16, not {dtype}")
