@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, as run on a lent H100/H200 (see bench/README.md). Usage, from the repo root:
 #   bash bench/gpu_run.sh STAGE...     STAGE: env | tests | attention | sweep | sp | kvp | engine | engine1b
+#                                             | setup | staging | verify | stack | backends   (the stack on a GPU)
 # Results go to $OUT when set (the device tool's folder), else bench/results/. Each stage has its own time limit.
+# The stack's stages need `setup` first in the same run, and .gpu/ (bench/gpu_kit.sh) carried; in one device call:
+#   bash bench/gpu_run.sh env setup staging verify stack backends      (carry: [".gpu"]; about 8 minutes)
 set -u
 export PYTHONPATH=libs/attention:libs/model:libs/engine${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 out=${OUT:-bench/results}
@@ -20,6 +23,27 @@ for stage in "$@"; do
     kvp) timeout 300 python3 bench/bench_kvp_attention_gpu.py --out "$out/kvp_attention_gpu.json" ;;
     engine) timeout 300 python3 bench/bench_engine_gpu.py --out "$out/engine_gpu.json" ;;
     engine1b) timeout 300 python3 bench/bench_engine_gpu.py --shape llama-1b --out "$out/engine_gpu_llama1b.json" ;;
+    setup) [ -d .gpu/wheels ] || { echo "no .gpu/wheels: run bench/gpu_kit.sh here and carry .gpu"; exit 2; }
+           python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+             .gpu/wheels/*.whl || exit 2
+           paths=/tmp/site; for d in libs/* services/*; do paths=$paths:$d; done
+           export PYTHONPATH=$paths PATH=/tmp/site/bin:$PATH
+           python3 bench/gpu_stack_check.py --kit .gpu/model-kit --make-model /tmp/gpu-model ;;
+    staging) timeout 300 python3 -m pytest -q -rs -p no:cacheprovider libs/attention/tests/test_distributed_staging.py \
+               libs/attention/tests/test_distributed_comm_staging.py libs/transfer/tests/test_staging.py \
+               libs/worker/tests/test_heartbeat.py libs/engine/tests/test_sp_verify.py -k "cuda or staging or device" \
+               2>&1 | tail -30 ;;
+    verify) python3 -c "import json,random;r=random.Random(0);print(json.dumps([r.randrange(1000,40000) for _ in range(1537)]))" \
+              > /tmp/gpu-prompt.json
+            for plan in "0:700@0;700:@0,1" "0:500@0,1;500:@0,1,2"; do
+              timeout 240 python3 -m spindle_engine.sp.verify --model /tmp/gpu-model --prompt-file /tmp/gpu-prompt.json \
+                --plan "$plan" --decode-tp 2 --device cuda --dump-kv --max-new-tokens 8 --json "$out/verify_${plan//[^0-9]/_}.json" \
+                2>&1 | tail -4
+            done ;;
+    stack) timeout 420 python3 bench/gpu_stack_check.py --device cuda --model /tmp/gpu-model \
+             --out "$out/stack_cuda.json" 2>&1 | grep -v "it/s\]\|req/s\]" | tail -40 ;;
+    backends) timeout 300 python3 bench/bench_backends.py --device cuda --budget-s 240 --out "$out/backends_cuda.json" \
+                2>&1 | grep -v "it/s\\]" | tail -60 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -8,6 +8,7 @@ withdrawn, and the other requests go on, exact."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import json
 import re
@@ -18,6 +19,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from spindle_protocol import Bus
+from spindle_protocol.codec import decode
+from spindle_protocol.messages import InstanceInfo
+from spindle_protocol.registry import registry_bucket
 
 from .conftest import engine_greedy, instance_blocks, start_stack, wait_until
 from .sampling_check import assert_stream_matches, engine_reference, penalised_body, stream_completion
@@ -76,7 +82,23 @@ def _holding(stack) -> dict[str, dict[str, int]]:
     return {m: held[m] for m in MEMBERS if any(held.get(m, {}).values())}
 
 
+def _heartbeats(stack) -> dict[str, InstanceInfo]:
+    """The members' heartbeats in the registry (what the scheduler plans with)."""
+
+    async def read() -> dict[str, InstanceInfo]:
+        bus = await Bus.connect(stack.nats_url, "kvp-test")
+        try:
+            bucket = await registry_bucket(bus)
+            return {m: decode((await bucket.get(m)).value, InstanceInfo) for m in MEMBERS}
+        finally:
+            await bus.close()
+
+    return asyncio.run(read())
+
+
 def test_registers_each_member_as_a_decode_instance(kvp_stack):
+    beats = _heartbeats(kvp_stack)
+    assert {m: beats[m].device for m in MEMBERS} == dict.fromkeys(MEMBERS, "cpu")  # the followers' from their joins
     instances = _instances(kvp_stack)
     assert sorted(i for i in instances if i.startswith("decode")) == list(MEMBERS)
     assert all(instances[m]["kv_blocks_total"] == MEMBER_TOKENS // 16 for m in MEMBERS)

@@ -12,8 +12,9 @@ import random
 import time
 
 import pytest
+import torch
 
-from spindle_engine.sp.verify import compare, launch, main, reference, verify_many
+from spindle_engine.sp.verify import compare, launch, main, reference, verify, verify_many
 from spindle_engine.sp.verify_worker import VerifySpec
 
 
@@ -88,6 +89,31 @@ def test_cli_rejects_bad_input_before_starting_processes(tmp_path, capsys):
     assert main([*a2a, "--csa-levels", "2"]) == 2
     prompt.write_text('["a"]')
     assert main(["--prompt-file", str(prompt), "--plan", "0:@0"]) == 2
+
+
+def test_cli_device_is_checked_before_starting_processes(tmp_path, capsys):
+    prompt = tmp_path / "p.json"
+    prompt.write_text(json.dumps(_ids(50, 300)))
+    argv = ["--prompt-file", str(prompt), "--plan", "0:20@0;20:@0,1"]
+    assert main([*argv, "--device", "gpu"]) == 2
+    assert "device must be 'cpu', 'cuda' or 'cuda:N'" in capsys.readouterr().err
+    assert main(["--prompt-file", str(prompt), "--spp", "2", "--chunk", "20", "--device", "cuda"]) == 2
+    assert "--spp runs on the CPU only" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main([*argv, "--device", "cuda"]) == 2
+        assert "CUDA is not available" in capsys.readouterr().err
+    else:
+        assert main([*argv, "--kvp", "2", "--device", "cuda"]) == 2
+        assert "not with --kvp" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("plan", "layout", "decode_tp", "retain"), [TINY_PLANS[0], TINY_PLANS[3]])
+def test_tiny_model_plans_match_on_cuda(tiny_dir, plan, layout, decode_tp, retain):
+    """Every rank on GPU 0 (host-staged gloo between them); the reference on the CPU."""
+    spec = VerifySpec(tiny_dir, "float32", plan, layout, _ids(201, 301), decode_tp, retain, 6, dump_kv=True,
+                      device="cuda:0")  # fmt: skip
+    _check(verify(spec, timeout_s=240))
 
 
 def test_cli_runs_a_plan_and_prints_match(tiny_dir, tmp_path, capsys):

@@ -125,6 +125,7 @@ class InstanceInfo(msgspec.Struct, frozen=True, kw_only=True):
     # a re-sharding instance's configurations, `PREFILL:DECODE` labels (e.g. `PP2:TP2`); its host KV tier registers
     # as a kvstore `<instance id>-host`
     reshard_plan: str = ""
+    device: str = ""  # where its engine runs: "cpu" or "cuda:N" ("" = not reported: an older sender, the simulator)
 
 
 class ClusterStatus(msgspec.Struct, frozen=True, kw_only=True):

@@ -3,11 +3,13 @@
 import asyncio
 import random
 
+import msgspec
 import pytest
 
 from spindle_protocol import ProtocolError, decode, encode, subjects
 from spindle_protocol.bus import Bus
 from spindle_protocol.messages import (
+    InstanceInfo,
     PrefillDone,
     Prompt,
     RequestFinished,
@@ -48,6 +50,23 @@ def test_round_trip_and_tagged_events():
         decode(encode(ev), RunPrefill)
     with pytest.raises(ProtocolError):
         decode(b"\x93garbage", WorkerEvent)
+
+
+def test_instance_info_device_round_trips_and_defaults_to_unreported():
+    fields = {"instance_id": "prefill-0", "role": "prefill", "rank": 1, "pid": 7, "started_at": 1.0, "updated_at": 2.0}
+    on_gpu = InstanceInfo(**fields, device="cuda:1")
+    assert decode(encode(on_gpu), InstanceInfo).device == "cuda:1"
+
+    class OlderInstanceInfo(msgspec.Struct, frozen=True, kw_only=True):  # a sender from before the field
+        instance_id: str
+        role: str
+        rank: int
+        pid: int
+        started_at: float
+        updated_at: float
+
+    older = decode(msgspec.msgpack.encode(OlderInstanceInfo(**fields)), InstanceInfo)
+    assert older.device == "" and older == InstanceInfo(**fields)
 
 
 def test_subject_tokens_are_checked():

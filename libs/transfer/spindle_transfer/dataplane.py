@@ -9,13 +9,16 @@ never post its side), has a deadline and a cancel event; after it both sides are
 completes or fails with the peer's death. No timeout or cancel ever breaks the process group: see
 `Pending` for why that waiting is done in Python, not by gloo.
 
-On NCCL, tags are ignored (ops between two ranks match in posting order), so transfers between the same
-pair must be posted in the same order on both sides; gloo honours tags and allows concurrent transfers.
+In a fixed NCCL world, tags are ignored (ops between two ranks match in posting order), so transfers between the
+same pair must be posted in the same order on both sides; gloo honours tags and allows concurrent transfers. On a
+mesh's NCCL pair (pairs.py) the header, verdict and trailer go by the pair's gloo group, tags honoured, and only the
+payload by NCCL: the receiver lets one payload at a time into each direction, so concurrent transfers stay matched.
 
-Tensors cross on the wire's device (`self.device`: the host for gloo). A tensor on another device is staged
-(staging.py): `send` copies it to the wire first (a GPU tensor into pinned host memory), and `recv(device=...)`
-or an `out` elsewhere lands it there after the transfer committed. Each rank announces where it runs (its
-`Placement`) when it joins a mesh, and the transport of each pair is chosen from both (paths.py, `paths()`).
+Tensors cross on the wire's device (`self.device`: the host for gloo; on a mesh's NCCL pair, the GPU of that pair's
+NCCL groups). A tensor on another device is staged (staging.py): `send` copies it to the wire first (a GPU tensor
+into pinned host memory), and `recv(device=...)` or an `out` elsewhere lands it there after the transfer
+committed. Each rank announces where it runs (its `Placement`) when it joins a mesh, and the transport of each pair
+is chosen from both (paths.py, `paths()`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from datetime import timedelta
 from functools import partial
 from typing import TypeVar
@@ -40,6 +44,7 @@ from spindle_protocol import TensorHeader, check_header
 
 from .errors import HeaderMismatchError, TransferError
 from .mesh import Mesh
+from .pairs import Pair
 from .paths import Placement
 from .staging import check_landing, land, receive_buffer, to_wire
 from .store import serve_store
@@ -101,9 +106,9 @@ class DataPlane:
         """Join the data plane at `init_method`, as a rank whose tensors live on `device` ("cpu", "cuda:N").
 
         `mesh://HOST:PORT`: the mesh at that rendezvous (spindle_transfer.rendezvous): one gloo group per pair of
-        processes, formed as members join, so any member may die and come back; returns at once. `tcp://...`
-        and torch's other init methods: one fixed world (blocks until all `world_size` ranks have joined or
-        `timeout_s` passes); rank 0 hosts the store for a loopback `tcp://`.
+        processes (and NCCL ones between two GPUs), formed as members join, so any member may die and come back;
+        returns at once. `tcp://...` and torch's other init methods: one fixed world (blocks until all `world_size`
+        ranks have joined or `timeout_s` passes); rank 0 hosts the store for a loopback `tcp://`.
         """
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
@@ -111,7 +116,7 @@ class DataPlane:
         url = urlparse(init_method)
         if url.scheme == "mesh":
             if backend not in (None, "gloo"):
-                raise ValueError(f"the mesh data plane runs on gloo, not {backend!r}")
+                raise ValueError(f"the mesh picks each pair's backend (gloo, NCCL between GPUs); got {backend!r}")
             if not url.hostname or not url.port:
                 raise ValueError(f"{init_method!r} is not mesh://HOST:PORT")
             if sys.platform == "linux" and url.hostname in ("127.0.0.1", "localhost"):
@@ -171,11 +176,12 @@ class DataPlane:
             raise ValueError(f"tensor {tensor.dtype}{list(tensor.shape)} does not match its header {header}")
         what = f"send of {header.dtype}{header.shape} to rank {dst} (tag {tag})"
         deadline = time.monotonic() + timeout_s
-        payload = to_wire(tensor, self.device).reshape(-1).view(torch.uint8)
+        pair = self._nccl_pair(dst)
+        payload = to_wire(tensor, pair.out.device if pair is not None else self.device).reshape(-1).view(torch.uint8)
         verdict_buf = torch.empty(2, dtype=torch.int64, device=self.device)
         head = self._post(p2p.isend, encode_header(header, self.device), dst, tag)
         verdict = self._post(p2p.irecv, verdict_buf, dst, tag)
-        late = partial(self._finish_abandoned_send, verdict, verdict_buf, payload, dst, tag)
+        late = partial(self._finish_abandoned_send, verdict, verdict_buf, payload, dst, tag, pair)
         wait_for(self._watch(head, late), f"{what}: header", deadline, cancel)
         self._complete(verdict, f"{what}: verdict")
         answer = self._signal_value(verdict_buf, (ACCEPT, REJECT, CANCELLED), what)
@@ -185,7 +191,7 @@ class DataPlane:
             raise TransferError(f"{what}: the receiver cancelled")
         cancelled = cancel is not None and cancel.is_set()
         if header.nbytes:
-            self._complete(self._post(p2p.isend, payload, dst, tag), f"{what}: payload")
+            self._complete(self._post(self._payload_op(pair, True), payload, dst, tag), f"{what}: payload", payload)
         trailer = encode_signal(ABORT if cancelled else COMMIT, self.device)
         self._complete(self._post(p2p.isend, trailer, dst, tag), f"{what}: trailer")
         if cancelled:
@@ -221,6 +227,8 @@ class DataPlane:
             raise ValueError(f"out is on {out.device}, not on device {device}")
         what = f"receive of {expect.dtype}{expect.shape} from rank {src} (tag {tag})"
         deadline = time.monotonic() + timeout_s
+        pair = self._nccl_pair(src)
+        wire = pair.into.device if pair is not None else self.device
         words = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
         head = self._post(p2p.irecv, words, src, tag)
         refuse_late = partial(self._send_signal, CANCELLED, src, tag, what)
@@ -233,17 +241,17 @@ class DataPlane:
         if cancel is not None and cancel.is_set():
             self._send_signal(CANCELLED, src, tag, what)
             raise TransferError(f"{what} was cancelled")
-        if out is not None and out.device == self.device:
-            result = out
-        else:
-            result = receive_buffer(expect.shape, dtype, self.device, landing)
+        result = out if out is not None and out.device == wire else receive_buffer(expect.shape, dtype, wire, landing)
         # Post payload and trailer before accepting: gloo matches the ops of one tag in posting order.
-        body = self._post(p2p.irecv, result.reshape(-1).view(torch.uint8), src, tag) if expect.nbytes else None
         trailer_buf = torch.empty(2, dtype=torch.int64, device=self.device)
-        trailer = self._post(p2p.irecv, trailer_buf, src, tag)
-        self._send_signal(ACCEPT, src, tag, what)
-        if body is not None:
-            self._complete(body, f"{what}: payload")
+        with pair.receiving if pair is not None and expect.nbytes else nullcontext():  # NCCL: one payload at a time
+            body = None
+            if expect.nbytes:
+                body = self._post(self._payload_op(pair, False), result.reshape(-1).view(torch.uint8), src, tag)
+            trailer = self._post(p2p.irecv, trailer_buf, src, tag)
+            self._send_signal(ACCEPT, src, tag, what)
+            if body is not None:
+                self._complete(body, f"{what}: payload", result)
         self._complete(trailer, f"{what}: trailer")
         if self._signal_value(trailer_buf, (COMMIT, ABORT), what) == ABORT:
             raise TransferError(f"{what}: the sender gave up")
@@ -312,13 +320,30 @@ class DataPlane:
         except RuntimeError as e:  # gloo raises at once when the pair is already closed
             raise TransferError(f"rank {peer} is unreachable: {e}") from e
 
+    def _nccl_pair(self, peer: int) -> Pair | None:
+        """The mesh's pair with `peer` when it is an NCCL one (the payload goes by NCCL), else None."""
+        if self.mesh is None:
+            return None
+        try:
+            pair = self.mesh.pair(peer)  # waits for a pair still forming, as the header's post would
+        except RuntimeError as e:
+            raise TransferError(f"rank {peer} is unreachable: {e}") from e
+        return pair if pair.nccl else None
+
+    def _payload_op(self, pair: Pair | None, send: bool) -> Callable[..., dist.Work]:
+        if pair is None:
+            return p2p.isend if send else p2p.irecv
+        payload_op = pair.send_payload if send else pair.recv_payload
+        return lambda tensor, peer, tag: payload_op(tensor)
+
     def _watch(self, work: dist.Work, on_late: Callable[[], None] | None = None) -> Pending:
         return Pending(work, self.backend == "nccl", on_late)
 
-    def _complete(self, work: dist.Work, what: str) -> None:
-        """Wait for an op the peer is committed to match (it has posted or is about to post its side)."""
+    def _complete(self, work: dist.Work, what: str, tensor: torch.Tensor | None = None) -> None:
+        """Wait for an op the peer is committed to match (it has posted or is about to post its side); `tensor`: the
+        op's, when it may be on a GPU (an NCCL op's completion is polled)."""
         try:
-            block(work, self.backend == "nccl")
+            block(work, self.backend == "nccl" or (tensor is not None and tensor.is_cuda))
         except RuntimeError as e:
             raise TransferError(f"{what} failed: {e}") from e
 
@@ -332,14 +357,21 @@ class DataPlane:
         self._complete(self._post(p2p.isend, encode_signal(value, self.device), peer, tag), f"{what}: signal")
 
     def _finish_abandoned_send(
-        self, verdict: dist.Work, verdict_buf: torch.Tensor, payload: torch.Tensor, dst: int, tag: int
+        self,
+        verdict: dist.Work,
+        verdict_buf: torch.Tensor,
+        payload: torch.Tensor,
+        dst: int,
+        tag: int,
+        pair: Pair | None,
     ) -> None:
         """The receiver took a header we had given up on: finish the exchange with ABORT so it stops waiting."""
         block(verdict, self.backend == "nccl")
         if decode_signal(verdict_buf, (ACCEPT, REJECT, CANCELLED)) != ACCEPT:
             return
         if payload.numel():
-            block(self._post(p2p.isend, payload, dst, tag), self.backend == "nccl")
+            work = self._post(self._payload_op(pair, True), payload, dst, tag)
+            block(work, self.backend == "nccl" or payload.is_cuda)
         block(self._post(p2p.isend, encode_signal(ABORT, self.device), dst, tag), self.backend == "nccl")
 
 

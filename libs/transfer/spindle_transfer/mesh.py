@@ -1,4 +1,4 @@
-"""Mesh: a data plane whose members come and go, one gloo group per pair of processes.
+"""Mesh: a data plane whose members come and go, a gloo group per pair of processes (and NCCL ones between GPUs).
 
 A fixed `torch.distributed` world cannot lose a rank: one dead process breaks it for good. Here each process
 keeps a rank (the launcher's slot for it) and, per start, a fresh random token. Joining appends `rank:token`
@@ -16,8 +16,12 @@ process sending to a peer that is still starting needs. The rendezvous restartin
 loses the store reconnects and appends its entry again (same token: nobody re-forms).
 
 A join also says where the member runs (`rank:token:HOST/DEVICE`, paths.Placement), so each pair knows the
-transport its tensors take (paths.choose_path: gloo between CPUs, host-staged with a GPU on either side, as the
-gloo pairs carry them); `paths()` reports it and the log line of each formed group names it.
+transport its tensors take (paths.choose_path): gloo between CPUs; host-staged (the gloo group carrying host copies)
+with a GPU on one side or both on one GPU; nccl between two different GPUs when both members can and the NCCL groups
+formed (pairs.py: how both sides agree, and fall back to host-staged, logged, when they cannot). `paths()` reports
+it, the log line of each formed group names it, and the instances count it (`dataplane_<transport>_peers`).
+An NCCL pair keeps its gloo group for host tensors; a dead peer fails its NCCL ops only after the group's timeout
+(NCCL does not notice a closed socket as gloo does), or at once when the mesh sees it restart or leave.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -33,7 +38,8 @@ import torch.distributed as dist
 
 from spindle_attention.distributed.p2p import PeerUnreachable
 
-from .paths import Placement, choose_path, describe
+from .pairs import GroupFactory, Pair, carried, default_factories, form_pair
+from .paths import GLOO, NCCL, Placement, describe
 from .store import JOINS
 
 log = logging.getLogger("spindle.transfer.mesh")
@@ -46,7 +52,7 @@ class Peer:
     """What this process knows of one other member."""
 
     token: str
-    group: dist.ProcessGroup | None = None
+    pair: Pair | None = None
     error: str | None = None  # its group could not be formed (it died before meeting us)
     place: Placement | None = None  # where it runs (None: its join did not say; an older member)
 
@@ -54,7 +60,7 @@ class Peer:
     def state(self) -> str:
         if self.token == LEFT:
             return "left"
-        if self.group is not None:
+        if self.pair is not None:
             return "ready"
         return "failed" if self.error is not None else "forming"
 
@@ -63,6 +69,7 @@ class Peer:
 class MeshStats:
     formed: int = 0  # groups formed by this process
     replaced: int = 0  # groups dropped for a peer's new start
+    nccl_fallbacks: int = 0  # pairs that wanted NCCL and are host-staged instead
 
 
 def parse_joins(log_text: str) -> dict[int, str]:
@@ -96,7 +103,10 @@ class Mesh:
         timeout_s: float = 60.0,
         poll_s: float = POLL_S,
         place: Placement | None = None,
+        factories: Mapping[str, GroupFactory] | None = None,
     ) -> None:
+        """`factories`: the group constructor per transport (pairs.py; default: gloo, and NCCL where this process
+        can), injectable so that a machine without GPUs can test the NCCL pairs' logic."""
         if rank < 0:
             raise ValueError(f"rank {rank} must be >= 0")
         if timeout_s <= 0:
@@ -104,6 +114,9 @@ class Mesh:
         self.host, self.port, self._rank = host, port, rank
         self.token = secrets.token_hex(6)
         self.place = place or Placement.here()
+        self._factories = dict(default_factories(self.place) if factories is None else factories)
+        if GLOO not in self._factories or not set(self._factories) <= {GLOO, NCCL}:
+            raise ValueError(f"factories must be for gloo (and nccl), got {sorted(self._factories)}")
         self.timeout = timedelta(seconds=timeout_s)
         self.stats = MeshStats()
         self._poll_s = poll_s
@@ -124,14 +137,20 @@ class Mesh:
         return self._rank
 
     def route(self, peer: int) -> tuple[dist.ProcessGroup, int]:
+        """The group that reaches `peer` (its gloo group; for an NCCL pair the Pair, which sends CUDA tensors by
+        NCCL) and `peer`'s rank in it."""
+        return self.pair(peer).group, int(peer > self._rank)
+
+    def pair(self, peer: int) -> Pair:
+        """The pair with `peer`, waiting (up to the timeout) for one still forming; PeerUnreachable otherwise."""
         if peer == self._rank:
             raise ValueError(f"rank {peer} is this process")
         deadline = time.monotonic() + self.timeout.total_seconds()
         with self._cond:
             while True:
                 p = self._peers.get(peer)
-                if p is not None and p.group is not None:
-                    return p.group, int(peer > self._rank)
+                if p is not None and p.pair is not None:
+                    return p.pair
                 if p is not None and p.token == LEFT:
                     raise PeerUnreachable(f"rank {peer} left the data plane")
                 if p is not None and p.error is not None:
@@ -152,7 +171,16 @@ class Mesh:
     def paths(self) -> dict[int, str]:
         """rank -> the transport of its pair (paths.choose_path), for every peer whose group is ready."""
         with self._cond:
-            return {r: self._path(p) for r, p in sorted(self._peers.items()) if p.group is not None}
+            return {r: p.pair.transport for r, p in sorted(self._peers.items()) if p.pair is not None}
+
+    def placement(self, rank: int) -> Placement | None:
+        """Where member `rank` runs, as its join said (this process's own for `rank`; None: not seen, or it did not
+        say)."""
+        if rank == self._rank:
+            return self.place
+        with self._cond:
+            peer = self._peers.get(rank)
+            return peer.place if peer is not None else None
 
     def wait_formed(self, timeout_s: float) -> dict[int, str]:
         """Wait until no group is still forming (or `timeout_s`); returns the peers not ready then."""
@@ -175,8 +203,11 @@ class Mesh:
         except Exception as e:  # the rendezvous is gone: the others find out from their ops
             log.debug("leaving: %s", e)
         with self._cond:
+            dropped = [p.pair for p in self._peers.values() if p.pair is not None and p.pair.nccl]
             self._peers.clear()
             self._cond.notify_all()
+        for pair in dropped:
+            pair.abort()
 
     # ---- internals ----
 
@@ -219,10 +250,12 @@ class Mesh:
                 known = self._peers.get(rank)
                 if known is not None and known.token == token:
                     continue
-                if known is not None and known.group is not None:
+                if known is not None and known.pair is not None:
                     self.stats.replaced += 1
                     log.info("rank %d: peer %d %s; dropping its group", self._rank, rank,
                              "left" if token == LEFT else "restarted")  # fmt: skip
+                    if known.pair.nccl:  # its pending NCCL ops end now, not at their timeout
+                        threading.Thread(target=known.pair.abort, name="spindle-mesh-abort", daemon=True).start()
                 self._peers[rank] = Peer(token, place=place)
                 if token != LEFT:
                     threading.Thread(
@@ -233,29 +266,35 @@ class Mesh:
     def _form(self, peer: int, token: str) -> None:
         lo, hi = sorted([(self._rank, self.token), (peer, token)])
         prefix = f"mesh/pair/{lo[0]}.{lo[1]}/{hi[0]}.{hi[1]}"
+        with self._cond:
+            known = self._peers.get(peer)
+            # a peer that did not say where it runs is taken for a CPU rank on this host (what every member was)
+            there = (known.place if known is not None else None) or Placement(self.place.host)
         t0 = time.perf_counter()
-        group, error = None, None
+        pair, error, fallback = None, None, None
         try:
             store = self._connect()  # its own connection: a formation that waits must not hold the shared one
-            group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), int(self._rank > peer), 2, self.timeout)
+            pair, fallback = form_pair(store, prefix, int(self._rank > peer), self.place, there, self._factories,
+                                       self.timeout)  # fmt: skip
         except Exception as e:
             error = str(e).splitlines()[0] if str(e) else type(e).__name__
         seconds = time.perf_counter() - t0
         with self._cond:
             current = self._peers.get(peer)
             if current is None or current.token != token or self._closed.is_set():
-                return  # superseded by a newer start of the peer (or we left): drop it
-            if group is not None:
-                current.group = group
+                current = None  # superseded by a newer start of the peer (or we left): drop it
+            elif pair is not None:
+                current.pair = pair
                 self.stats.formed += 1
-                how = describe(self.place, current.place or Placement(self.place.host))
+                if fallback is not None:
+                    self.stats.nccl_fallbacks += 1
+                    log.warning("rank %d: no NCCL pair with rank %d (%s); host-staged", self._rank, peer, fallback)
+                how = describe(self.place, there, carried(pair.nccl))
                 log.info("rank %d: group with rank %d formed in %.1f ms; path %s", self._rank, peer, seconds * 1e3,
                          how)  # fmt: skip
             else:
                 current.error = error
                 log.warning("rank %d: no group with rank %d (%s)", self._rank, peer, error)
             self._cond.notify_all()
-
-    def _path(self, peer: Peer) -> str:
-        # a peer that did not say where it runs is taken for a CPU rank on this host (what every member was)
-        return choose_path(self.place, peer.place or Placement(self.place.host))
+        if current is None and pair is not None and pair.nccl:
+            pair.abort()

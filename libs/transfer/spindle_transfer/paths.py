@@ -8,8 +8,9 @@
 NCCL cannot run two ranks of one communicator on one device, so two processes sharing a GPU (the only layout a
 one-GPU machine has) need CUDA IPC or a copy through host memory. `host-staged` is gloo carrying host copies: the
 sender copies a GPU tensor into pinned host memory and the receiver copies it from there onto its device
-(staging.py). A transport that is not available falls back to the next one in its row; the mesh carries gloo
-pairs only (`MESH_TRANSPORTS`), so there every GPU pair is host-staged for now, and the logs say which.
+(staging.py). A transport that is not available falls back to the next one in its row. The mesh carries gloo,
+host-staged and nccl (`MESH_TRANSPORTS`; not cuda-ipc, so two processes on one GPU are host-staged), nccl only where
+both members of the pair can (pairs.py), and the logs say which.
 
 Everything here is pure (no torch.cuda): a placement is the host's name and a device string.
 """
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 GLOO, NCCL, CUDA_IPC, HOST_STAGED = "gloo", "nccl", "cuda-ipc", "host-staged"
 TRANSPORTS = (GLOO, NCCL, CUDA_IPC, HOST_STAGED)
-MESH_TRANSPORTS = frozenset({GLOO, HOST_STAGED})  # what mesh.py's gloo pairs carry
+MESH_TRANSPORTS = frozenset({GLOO, NCCL, HOST_STAGED})  # what mesh.py's pairs carry
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda)(?::(\d{1,4}))?$")
 _HOST_RE = re.compile(r"^[A-Za-z0-9._-]{1,253}$")

@@ -61,11 +61,13 @@ def test_candidates_per_pair(a: Placement, b: Placement, want: tuple[str, ...]) 
     assert choose_path(a, b, ALL) == choose_path(b, a, ALL) == want[0]
 
 
-def test_the_mesh_carries_gloo_and_host_staged_only() -> None:
-    assert {GLOO, HOST_STAGED} == MESH_TRANSPORTS
+def test_the_mesh_carries_gloo_host_staged_and_nccl_but_not_cuda_ipc() -> None:
+    assert {GLOO, NCCL, HOST_STAGED} == MESH_TRANSPORTS
     assert choose_path(CPU_A, CPU_B) == GLOO
-    for a, b in [(CPU_A, GPU0), (GPU0, GPU0), (GPU0, GPU1), (GPU0, OTHER_HOST_GPU0)]:
+    for a, b in [(CPU_A, GPU0), (GPU0, GPU0)]:
         assert choose_path(a, b) == choose_path(b, a) == HOST_STAGED
+    for a, b in [(GPU0, GPU1), (GPU0, OTHER_HOST_GPU0)]:
+        assert choose_path(a, b) == choose_path(b, a) == NCCL
 
 
 def test_a_same_gpu_pair_without_cuda_ipc_is_host_staged_even_with_nccl() -> None:
@@ -82,7 +84,8 @@ def test_choose_path_errors() -> None:
 def test_describe_names_the_choice_and_what_was_not_available() -> None:
     assert describe(CPU_A, CPU_A) == "gloo (cpu and cpu)"
     assert describe(GPU0, GPU0) == "host-staged (cuda:0 and cuda:0 on one GPU; cuda-ipc not available)"
-    assert describe(GPU0, GPU1) == "host-staged (cuda:0 and cuda:1; nccl not available)"
+    assert describe(GPU0, GPU1) == "nccl (cuda:0 and cuda:1)"
+    assert describe(GPU0, GPU1, MESH_TRANSPORTS - {NCCL}) == "host-staged (cuda:0 and cuda:1; nccl not available)"
     assert describe(GPU0, OTHER_HOST_GPU0, ALL) == "nccl (a/cuda:0 and b/cuda:0)"
 
 

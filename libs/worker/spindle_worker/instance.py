@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -281,6 +282,11 @@ class Instance:
         k = self.engine.cache.k  # [layers here, blocks, block_size, kv_heads, head_dim]
         return self.engine.model_config.num_layers * k.shape[3] * k.shape[4] * 2 * k.element_size()
 
+    @functools.cached_property
+    def device(self) -> str:
+        """Where the engine runs, as its heartbeats report it: "cpu" or "cuda:N" (a bare "cuda" with its index)."""
+        return str(check_device(self.config.device))
+
     def info(self) -> InstanceInfo:
         snap = self.thread.snapshot
         return InstanceInfo(
@@ -301,6 +307,7 @@ class Instance:
             tp_size=self.config.tp_size,
             spp_size=self.config.spp_size,
             kv_bytes_per_token=self.kv_bytes_per_token(),
+            device=self.device,
         )
 
     def start_job(self, spec: RequestSpec, raw: Msg, job_type: type[Job] = Job) -> Job | None:

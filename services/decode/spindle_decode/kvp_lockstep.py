@@ -128,7 +128,15 @@ def member_info(inst: DecodeInstance, engine: KVPLeaderEngine, member: int) -> I
         updated_at=time.time(),
         kvp_size=engine.kvp_size,
         kvp_group=inst.id,
+        device=base.device if member == 0 else member_device(inst, member),
     )
+
+
+def member_device(inst: DecodeInstance, member: int) -> str:
+    """Where follower `member` runs, as its mesh join said ("" when not known: a fixed world, or not joined yet)."""
+    mesh = inst.dp.mesh
+    place = mesh.placement(inst.config.rank + member) if mesh is not None else None
+    return place.device if place is not None else ""
 
 
 def member_stats(inst: DecodeInstance, engine: KVPLeaderEngine, member: int) -> InstanceStats:

@@ -131,7 +131,7 @@ class SeesawGroup(Instance):
             kv_blocks_used=snap.num_used_blocks, block_size=g.config.block_size, num_running=snap.num_running,
             num_waiting=snap.num_waiting, max_model_len=g.max_model_len, node=self.node, tp_size=par.tp,
             spp_size=par.pp, kv_bytes_per_token=g.tier.bytes_per_token(), parallel=label(par),
-            reshard_plan=f"{label(self.plan.prefill)}:{label(self.plan.decode)}",
+            reshard_plan=f"{label(self.plan.prefill)}:{label(self.plan.decode)}", device=self.device,
         )  # fmt: skip
 
     def tier_info(self) -> InstanceInfo:
@@ -142,7 +142,7 @@ class SeesawGroup(Instance):
             instance_id=self.tier_id, role="kvstore", rank=self.config.rank, pid=os.getpid(),
             started_at=self.started_at, updated_at=time.time(), kv_blocks_total=tier.capacity_tokens,
             kv_blocks_used=tier.used_tokens, block_size=1, kv_bytes_total=tier.capacity_tokens * per_token,
-            kv_bytes_used=tier.used_tokens * per_token, node=self.node,
+            kv_bytes_used=tier.used_tokens * per_token, node=self.node, device="cpu",  # the tier is host memory
         )  # fmt: skip
 
     async def _on_stats(self, msg: StatsQuery, raw: Msg) -> InstanceStats:

@@ -167,6 +167,7 @@ class KVStoreService:
             kv_bytes_used=self.store.bytes_used,
             num_running=len(self.receiving),
             node=self.config.node or socket.gethostname(),
+            device="cpu",  # host memory only
         )
 
     # ---- handlers ----

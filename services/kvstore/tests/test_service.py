@@ -248,7 +248,7 @@ def test_registry_heartbeat(stack: Stack) -> None:
         return decode((await kv_bucket.get(IID)).value, InstanceInfo)
 
     info = run(stack, scenario)
-    assert info.role == "kvstore" and info.rank == 0 and info.kv_bytes_total == BUDGET
+    assert info.role == "kvstore" and info.rank == 0 and info.kv_bytes_total == BUDGET and info.device == "cpu"
     assert time.time() - info.updated_at < 3
 
 

@@ -298,9 +298,11 @@ class StackConfig:
         found = re.search(r"(?:^|[:,])chunk[_-]size=(\d+)(?:,|$)", self.strategy)
         return int(found.group(1)) if found else DEFAULT_CHUNK_TOKENS
 
-    def rank_devices(self) -> dict[int, str]:
-        """rank -> "cpu" or "cuda:N" for every rank of the plan (gpus.rank_devices)."""
-        return rank_devices(self.world_size, self.device, self.gpus or ((0,) if self.device == "cuda" else ()))
+    def rank_devices(self, ranks: int | None = None) -> dict[int, str]:
+        """rank -> "cpu" or "cuda:N" for every rank of the plan, or for ranks 0..ranks-1 (gpus.rank_devices: ranks
+        added at run time, past the plan's, continue its rule)."""
+        world = self.world_size if ranks is None else ranks
+        return rank_devices(world, self.device, self.gpus or ((0,) if self.device == "cuda" else ()))
 
     def decode_rank(self, i: int) -> int:
         """The leader rank of decode instance `i`; its followers take the next decode_ranks - 1 ranks."""
@@ -370,11 +372,19 @@ def plan_ranks(specs: list[ServiceSpec]) -> dict[int, str]:
     return ranks
 
 
-def added_instance(template: ServiceSpec, instance_id: str, rank: int) -> ServiceSpec:
-    """A further instance like `template` (a one-process prefill or decode instance of the plan), with its own id
-    and data-plane rank."""
+def added_instance(config: StackConfig, template: ServiceSpec, instance_id: str, rank: int) -> ServiceSpec:
+    """A further instance like `template` (a one-process prefill or decode instance of `config`'s plan), with its
+    own id and data-plane rank. On a CUDA stack it runs where `build_plan` would put that rank: its GPU by the rule
+    of gpus.rank_devices, and (unless the KV size is given) the KV share of that GPU split between the ranks on it
+    up to this one; on a CPU stack it passes no device flags, as the plan does not."""
     argv = list(template.argv)
-    for flag, value in (("--instance-id", instance_id), ("--rank", str(rank))):
+    flags = [("--instance-id", instance_id), ("--rank", str(rank))]
+    if config.device != "cpu":
+        devices = config.rank_devices(rank + 1)
+        flags.append(("--device", devices[rank]))
+        if "--kv-memory-fraction" in argv:
+            flags.append(("--kv-memory-fraction", _num(kv_memory_fraction(devices, rank))))
+    for flag, value in flags:
         argv[argv.index(flag) + 1] = value
     return replace(template, name=instance_id, argv=tuple(argv), unit="")
 

@@ -267,7 +267,7 @@ class Stack:
         added = []
         for _ in range(count):
             index = next(i for i in range(len(taken) + 1) if f"{role}-{i}" not in taken)
-            spec = added_instance(template, f"{role}-{index}", self._next_rank)
+            spec = added_instance(self.config, template, f"{role}-{index}", self._next_rank)
             self._next_rank += 1
             taken.add(spec.name)
             self.specs.append(spec)

@@ -15,7 +15,7 @@ from spindle_launcher.gpus import (
     rank_devices,
     sharers,
 )
-from spindle_launcher.plan import Runtime, StackConfig, build_plan, plan_ranks
+from spindle_launcher.plan import Runtime, StackConfig, added_instance, build_plan, plan_ranks
 from spindle_launcher.stack import StackError, check_cuda
 
 RT = Runtime(nats_url="nats://127.0.0.1:4333", dist_init="mesh://127.0.0.1:29777", port=8123, parent_pid=4242)
@@ -92,6 +92,38 @@ def test_a_cuda_plan_passes_devices_and_splits_kv_memory_between_sharers() -> No
 def test_a_cpu_plan_is_unchanged() -> None:
     for config in (StackConfig(), StackConfig(prefill=1, decode=2, decode_tp=2), StackConfig(device="cpu")):
         assert all("--device" not in s.args and "--kv-memory-fraction" not in s.args for s in build_plan(config, RT))
+
+
+def test_an_added_instance_gets_the_gpu_its_rank_maps_to() -> None:
+    config = StackConfig(prefill=2, decode=1, device="cuda", gpus=(0, 1))  # ranks 1-3: cuda:0, cuda:1, cuda:0
+    specs = {s.name: s for s in build_plan(config, RT)}
+    for role in ("prefill", "decode"):
+        template = specs[f"{role}-0"]
+        added = [added_instance(config, template, f"{role}-{9 + i}", rank) for i, rank in enumerate((4, 5, 6))]
+        assert [flag(s.args, "--device") for s in added] == ["cuda:1", "cuda:0", "cuda:1"]
+        assert [flag(s.args, "--device") for s in added] == [config.rank_devices(7)[r] for r in (4, 5, 6)]
+        # rank 4 shares cuda:1 with rank 2; rank 5 shares cuda:0 with ranks 1 and 3; rank 6 is cuda:1's third
+        assert [flag(s.args, "--kv-memory-fraction") for s in added] == ["0.25", "0.166667", "0.166667"]
+        assert [(flag(s.args, "--instance-id"), flag(s.args, "--rank")) for s in added] == [
+            (f"{role}-9", "4"), (f"{role}-10", "5"), (f"{role}-11", "6")]  # fmt: skip
+        for spec in added:  # otherwise the template's command, flag for flag
+            assert len(spec.argv) == len(template.argv) and spec.name == flag(spec.args, "--instance-id")
+            differ = {template.argv[i - 1] for i, a in enumerate(spec.argv) if a != template.argv[i]}
+            assert differ <= {"--instance-id", "--rank", "--device", "--kv-memory-fraction"}
+    sized = StackConfig(prefill=2, decode=1, device="cuda", gpus=(0, 1), kv_cache_tokens=4096)
+    spec = added_instance(sized, next(s for s in build_plan(sized, RT) if s.name == "prefill-0"), "prefill-2", 4)
+    assert flag(spec.args, "--device") == "cuda:1" and "--kv-memory-fraction" not in spec.args
+    one = StackConfig(prefill=1, decode=1, device="cuda")  # --gpus left out: GPU 0, for added ranks too
+    spec = added_instance(one, next(s for s in build_plan(one, RT) if s.name == "decode-0"), "decode-1", 3)
+    assert flag(spec.args, "--device") == "cuda:0" and flag(spec.args, "--kv-memory-fraction") == "0.166667"
+
+
+def test_an_instance_added_to_a_cpu_stack_passes_no_device() -> None:
+    config = StackConfig(prefill=2, decode=1)
+    template = next(s for s in build_plan(config, RT) if s.name == "prefill-0")
+    spec = added_instance(config, template, "prefill-2", 4)
+    assert "--device" not in spec.args and "--kv-memory-fraction" not in spec.args
+    assert spec.argv == tuple("prefill-2" if a == "prefill-0" else "4" if a == "1" else a for a in template.argv)
 
 
 def test_the_gpu_map_in_words() -> None:

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from spindle_protocol import Bus, subjects
-from spindle_protocol.messages import InstanceStats, StatsQuery
+from spindle_protocol import Bus, decode, subjects
+from spindle_protocol.messages import InstanceInfo, InstanceStats, StatsQuery
 from spindle_protocol.nats_server import NatsServer, start_nats_server
+from spindle_protocol.registry import registry_bucket
 from spindle_transfer import DataPlane
 from spindle_transfer.testing import free_port
 
@@ -53,6 +54,20 @@ def stats(nats: NatsServer) -> InstanceStats | None:
     return asyncio.run(_stats(nats.url))
 
 
+async def _heartbeat(url: str) -> InstanceInfo | None:
+    bus = await Bus.connect(url, "device-test")
+    try:
+        return decode((await (await registry_bucket(bus)).get(IID)).value, InstanceInfo)
+    except Exception:  # not registered yet
+        return None
+    finally:
+        await bus.close()
+
+
+def heartbeat(nats: NatsServer) -> InstanceInfo | None:
+    return asyncio.run(_heartbeat(nats.url))
+
+
 @pytest.fixture
 def nats() -> Iterator[NatsServer]:
     server = start_nats_server()
@@ -76,6 +91,8 @@ def test_an_instance_started_with_device_cpu_serves_and_names_its_paths(nats: Na
     try:
         _wait("stats", lambda: stats(nats) is not None, READY_S, proc, log)
         assert "ready (rank 0 on cpu" in log.read_text()
+        _wait("a heartbeat", lambda: heartbeat(nats) is not None, 10, proc, log)
+        assert heartbeat(nats).device == "cpu"  # type: ignore[union-attr]
 
         plane = DataPlane.init(1, 2, f"mesh://127.0.0.1:{port}", device="cuda:0", timeout_s=30)
         _wait("a host-staged pair", lambda: (s := stats(nats)) is not None and s.counters == {

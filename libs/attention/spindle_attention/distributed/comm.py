@@ -2,7 +2,8 @@
 
 Everything here is plain `torch.distributed` and runs unchanged on gloo (CPU) and NCCL (GPU): metadata is
 exchanged with `all_gather` of small int64 tensors on the data's device, tensors of several dtypes travel as
-one byte buffer (`pack`/`unpack`) so each peer exchange is a single operation.
+one byte buffer (`pack`/`unpack`) so each peer exchange is a single operation. On a gloo group, CUDA tensors go
+through host memory (`staging`): point-to-point ops in `p2p`, the collectives of a process group here.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import p2p
+from . import p2p, staging
 
 
 @dataclass(frozen=True)
@@ -148,9 +149,15 @@ def exchange(sends: list[Tensor], recvs: list[Tensor], group: Group, tag: int) -
 
 
 def all_to_all_bytes(recv: Tensor, send: Tensor, recv_sizes: list[int], send_sizes: list[int], group: Group) -> None:
-    """`all_to_all_single` on flat uint8 buffers; over point-to-point ops for a RankGroup."""
+    """`all_to_all_single` on flat uint8 buffers; over point-to-point ops for a RankGroup; through host buffers for
+    CUDA tensors on a gloo process group."""
     if not isinstance(group, RankGroup):
-        dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
+        if staging.stages(send, group):
+            host = staging.recv_buffer(recv)
+            dist.all_to_all_single(host, staging.to_host(send), recv_sizes, send_sizes, group=group)
+            recv.copy_(host, non_blocking=host.is_pinned())  # the caching host allocator keeps `host` till done
+        else:
+            dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
         return
     rank, _ = group_rank_size(group)
     send_parts, recv_parts = list(send.split(send_sizes)), list(recv.split(recv_sizes))
@@ -168,6 +175,8 @@ def all_gather_ints(values: list[int], group: Group, device: torch.device, stats
     """All-gather a short list of ints from every rank; returns one list per rank (rank order)."""
     rank, size = group_rank_size(group)
     mine = torch.tensor(values, dtype=torch.int64, device=device)
+    if not isinstance(group, RankGroup) and staging.stages(mine, group):
+        mine = staging.to_host(mine)  # gathered on the host, where the ints are read: no copy back
     out = [torch.empty_like(mine) for _ in range(size)]
     if isinstance(group, RankGroup):
         out[rank] = mine

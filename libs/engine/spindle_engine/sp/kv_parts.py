@@ -34,14 +34,14 @@ def assemble_kv(parts: list[tuple[Tensor, Tensor]], num_tokens: int) -> Tensor:
     if not parts:
         raise ValueError("no KV parts to assemble")
     shape = parts[0][1].shape
-    out = torch.empty(2, shape[1], num_tokens, shape[3], shape[4], dtype=parts[0][1].dtype)
+    out = torch.empty(2, shape[1], num_tokens, shape[3], shape[4], dtype=parts[0][1].dtype, device=parts[0][1].device)
     seen = torch.zeros(num_tokens, dtype=torch.int64)
     for pos, kv in parts:
         if kv.dim() != 5 or kv.shape[:2] != shape[:2] or kv.shape[3:] != shape[3:] or kv.shape[2] != pos.numel():
             raise ValueError(f"KV part {tuple(kv.shape)} does not fit {tuple(shape)} with {pos.numel()} positions")
         if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= num_tokens):
             raise ValueError(f"KV part positions fall outside [0, {num_tokens})")
-        out.index_copy_(2, pos, kv)
+        out.index_copy_(2, pos.to(out.device), kv)
         seen.index_add_(0, pos, torch.ones_like(pos))
     if not bool((seen == 1).all()):
         bad = (seen != 1).nonzero().flatten()

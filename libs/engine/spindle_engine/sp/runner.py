@@ -92,7 +92,7 @@ class SPPrefill:
         self.csa = csa_levels_for(self.plan, self.csa_drop, self.csa_levels) if self.csa_drop is not None else None
         self.held = HeldKV(self.cache, self.allocator, self.request_id)
         self.steps = self.plan.steps()
-        self._ids = torch.tensor(self.token_ids, dtype=torch.int64)
+        self._ids = torch.tensor(self.token_ids, dtype=torch.int64, device=self.model.device)
 
     @property
     def chunk_indices(self) -> list[int]:

@@ -30,7 +30,7 @@ from torch import Tensor
 from spindle_attention.csa import max_levels
 from spindle_model import CausalAttention, LlamaModel, load_state_dict, resolve_model
 
-from ..config import DTYPES, EngineConfig
+from ..config import DTYPES, EngineConfig, check_device
 from ..engine import Engine
 from ..kvp import parse_bounds
 from ..sampling_params import SamplingParams
@@ -183,9 +183,9 @@ def check_shared(specs: list[VerifySpec]) -> None:
     """ValueError unless `specs` can share one launch: the same model, dtype and threads."""
     if not specs:
         raise ValueError("no specs to run")
-    kinds = {(s.model, s.dtype, s.threads) for s in specs}
+    kinds = {(s.model, s.dtype, s.threads, s.device) for s in specs}
     if len(kinds) > 1:
-        raise ValueError(f"specs of one launch need the same model, dtype and threads, got {sorted(kinds)}")
+        raise ValueError(f"specs of one launch need the same model, dtype, threads and device, got {sorted(kinds)}")
 
 
 def run_ranks(
@@ -334,6 +334,18 @@ def compare(
     if decode_diff is not None:
         ok = ok and decode_diff <= tol
     return VerifyResult(ok, diff, scale, tokens, ref_tokens, kv_diff, seconds, reports, decode_diff)
+
+
+def check_verify_device(args: argparse.Namespace) -> str:
+    """`--device` as the spec carries it ("cpu", "cuda" or "cuda:N"); ValueError for a bad one, for one this machine
+    does not have, or with a mode that runs on the CPU only."""
+    device = args.device.strip().lower()
+    if device != "cpu":
+        check_device(device)  # the spelling, CUDA here, the index in range
+        only_cpu = [flag for flag, on in (("--kvp", args.kvp), ("--csa-drop", args.csa_drop is not None)) if on]
+        if only_cpu:
+            raise ValueError(f"--device {device} runs SP plans with --decode-tp or --retain; not with {only_cpu[0]}")
+    return device
 
 
 def read_prompt(path: Path, model: str) -> list[int]:
@@ -499,6 +511,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=int, default=8, help="greedy tokens to compare")
     ap.add_argument("--dump-kv", action="store_true", help="also compare the whole prompt KV the decode side got")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="where the ranks run: cpu, cuda (rank r on GPU r mod the GPUs torch sees; several ranks may share one) "
+        "or cuda:N (every rank on GPU N); SP plans with --decode-tp or --retain only. Tensors between ranks cross "
+        "gloo through host memory; the single-instance reference runs on the CPU here (default: cpu)",
+    )
     ap.add_argument("--json", type=Path, help="write the result (with per-chunk bytes and times) here")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are killed")
     return ap
@@ -506,6 +525,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    other = next((flag for flag, on in (("--reshard", args.reshard), ("--kvp-prefill", args.kvp_prefill),
+                                         ("--spp", args.spp)) if on), None)  # fmt: skip
+    if other and args.device.strip().lower() != "cpu":
+        print(f"spindle verify: error: --device {args.device} runs SP plans; {other} runs on the CPU only",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if args.reshard:
         return _main_reshard(args)
     if args.kvp_prefill:
@@ -527,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = VerifySpec(
             args.model, args.dtype, args.plan, args.layout, ids, args.decode_tp, retain, args.max_new_tokens,
             args.dump_kv, args.threads, args.kvp, split, args.scale_up_at, args.scale_down_at, args.scale_down_member,
-            args.csa_drop, args.csa_levels,
+            args.csa_drop, args.csa_levels, device=check_verify_device(args),
         )  # fmt: skip
         check_kvp(spec)
         check_csa(spec)

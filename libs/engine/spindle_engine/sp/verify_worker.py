@@ -27,6 +27,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import Tensor
 
+from spindle_attention.distributed import p2p
 from spindle_model import LlamaModel, ModelConfig, load_state_dict, resolve_model
 
 from ..config import DTYPES, EngineConfig
@@ -61,6 +62,10 @@ class VerifySpec:
     scale_down_member: int | None = None  # which one; default the last prompt holder (kvp - 1)
     csa_drop: float | None = None  # CSA over a one-chunk all-to-all plan (0: exact; > 0: an approximation)
     csa_levels: int | None = None
+
+    # where every rank runs: "cpu", "cuda" (rank r on GPU r mod the GPUs torch sees) or "cuda:N" (all on GPU N);
+    # tensors between ranks cross the gloo group through host memory (p2p staging)
+    device: str = "cpu"
 
     def parsed_plan(self) -> SPPlan:
         return SPPlan.parse(self.plan, len(self.token_ids), self.layout)
@@ -119,8 +124,8 @@ class _Shared:
     Every spec of a launch has the same model and dtype (checked by `verify_many`), and no run changes a model.
     """
 
-    def __init__(self, spec: VerifySpec, config: ModelConfig, path: Path) -> None:
-        self.dtype, self.config, self.path = DTYPES[spec.dtype], config, path
+    def __init__(self, spec: VerifySpec, config: ModelConfig, path: Path, device: torch.device) -> None:
+        self.dtype, self.config, self.path, self.device = DTYPES[spec.dtype], config, path, device
         self.groups: dict[tuple[int, int], dist.ProcessGroup | None] = {}
         self.models: dict[int, LlamaModel] = {}
 
@@ -133,7 +138,7 @@ class _Shared:
     def model(self, tp_group: dist.ProcessGroup | None) -> LlamaModel:
         key = id(tp_group)
         if key not in self.models:
-            model = LlamaModel(self.config, dtype=self.dtype, tp_group=tp_group)
+            model = LlamaModel(self.config, dtype=self.dtype, tp_group=tp_group, device=self.device)
             model.load_weights(load_state_dict(self.path, dtype=self.dtype))
             self.models[key] = model.eval()
         return self.models[key]
@@ -143,7 +148,8 @@ def _decode(spec: VerifySpec, model: LlamaModel, kv: Tensor, first: int) -> list
     """Greedy continuation on an engine that imports the prompt's KV, as a decode instance does."""
     n = len(spec.token_ids)
     room = n + spec.max_new_tokens + BLOCK_SIZE
-    cfg = EngineConfig(dtype=spec.dtype, block_size=BLOCK_SIZE, kv_cache_tokens=room + BLOCK_SIZE, max_model_len=room)
+    cfg = EngineConfig(dtype=spec.dtype, block_size=BLOCK_SIZE, kv_cache_tokens=room + BLOCK_SIZE, max_model_len=room,
+                       device=str(model.device))  # fmt: skip
     engine = Engine(cfg, model=model)
     params = SamplingParams(max_tokens=spec.max_new_tokens, temperature=0.0, ignore_eos=True)
     assert engine.reserve("verify", n)
@@ -161,7 +167,8 @@ def run_prefill(spec: VerifySpec, member: int, ranks: dict[int, int], config: Mo
     model = load(None)
     n = plan.num_tokens
     num_blocks = 2 * (-(-n // BLOCK_SIZE)) + 2  # history + chunk + retention copies never exceed 2x the prompt
-    cache = KVCache(len(model.layers), num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim, DTYPES[spec.dtype])
+    cache = KVCache(len(model.layers), num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim, DTYPES[spec.dtype],
+                    device=model.device)  # fmt: skip
     allocator = BlockAllocator(num_blocks, BLOCK_SIZE)
     retain = retention_targets(n, tuple(spec.retain)) if spec.retain is not None else None
     sp = SPPrefill(model, cache, allocator, "verify", spec.token_ids, plan, member, ranks, retain,
@@ -191,10 +198,10 @@ def run_prefill(spec: VerifySpec, member: int, ranks: dict[int, int], config: Mo
     if spec.decode_in_place:
         owner = spec.retain[0]
         if member == first_holder and member != owner:
-            dist.send(first, ranks[owner], tag=TAG_FIRST)
+            p2p.isend(first, ranks[owner], tag=TAG_FIRST).wait()
         if member == owner:
             if member != first_holder:
-                dist.recv(first, ranks[first_holder], tag=TAG_FIRST)
+                p2p.irecv(first, ranks[first_holder], tag=TAG_FIRST).wait()
             full = assemble_kv([(sp.held.positions, kv)], n)
             sp.release()
             tensors["tokens"] = torch.tensor(_decode(spec, model, full, int(first[0])))
@@ -205,10 +212,10 @@ def run_prefill(spec: VerifySpec, member: int, ranks: dict[int, int], config: Mo
             sent = kv.numel() * kv.element_size()
         elif len(sp.held):
             for t, part in enumerate(split_for_decode(kv, decode_heads(config, spec.decode_tp))):
-                works.append(dist.isend(part, P + t, tag=TAG_KV))
+                works.append(p2p.isend(part, P + t, tag=TAG_KV))
                 sent += part.numel() * part.element_size()
         if member == first_holder:
-            works += [dist.isend(first, P + t, tag=TAG_FIRST) for t in range(world - P)]
+            works += [p2p.isend(first, P + t, tag=TAG_FIRST) for t in range(world - P)]
         for w in works:
             w.wait()
         report["transfer_bytes"] = sent
@@ -236,11 +243,13 @@ def run_decode(
     parts, works = [], []
     for m, pos in spec.placement().items():
         if pos.numel():
-            buf = torch.empty(2, len(model.layers), pos.numel(), hi - lo, config.head_dim, dtype=dtype)
-            works.append(dist.irecv(buf, ranks[m], tag=TAG_KV))
+            buf = torch.empty(
+                2, len(model.layers), pos.numel(), hi - lo, config.head_dim, dtype=dtype, device=model.device
+            )
+            works.append(p2p.irecv(buf, ranks[m], tag=TAG_KV))
             parts.append((pos, buf))
     first = torch.empty(1, dtype=torch.int64)
-    works.append(dist.irecv(first, ranks[first_holder], tag=TAG_FIRST))
+    works.append(p2p.irecv(first, ranks[first_holder], tag=TAG_FIRST))
     for w in works:
         w.wait()
     kv = assemble_kv(parts, n)
@@ -268,7 +277,7 @@ def run_spec(spec: VerifySpec, rank: int, shared: _Shared, out: Path) -> None:
         tensors, report = run_decode(spec, rank - len(members), ranks, config, shared.model, tp_group)
     out.mkdir(parents=True, exist_ok=True)
     if tensors:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / f"rank{rank}.safetensors"))
+        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(out / f"rank{rank}.safetensors"))
     (out / f"rank{rank}.json").write_text(json.dumps(report))
 
 
@@ -292,6 +301,18 @@ def join_gloo(args: argparse.Namespace, threads: int) -> None:
     dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world_size)
 
 
+def rank_device(device: str, rank: int) -> torch.device:
+    """The device of `rank` for a spec's `device`: "cuda" spreads the ranks over the GPUs torch sees (round-robin),
+    "cuda:N" puts every rank on GPU N; the process's current CUDA device is set to it."""
+    if device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available here (torch {torch.__version__})")
+    index = rank % torch.cuda.device_count() if device == "cuda" else torch.device(device).index
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = worker_args(argv, "spindle verify", "a VerifySpec as JSON, or a JSON list of them")
     raw = json.loads(args.spec.read_text())
@@ -299,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     join_gloo(args, specs[0].threads)
     try:
         source = resolve_model(specs[0].model)
-        shared = _Shared(specs[0], source.config, source.path)
+        shared = _Shared(specs[0], source.config, source.path, rank_device(specs[0].device, args.rank))
         for i, spec in enumerate(specs):
             run_spec(spec, args.rank, shared, args.out / str(i) if isinstance(raw, list) else args.out)
             dist.barrier()  # the next spec's traffic starts only after every rank is done with this one
