@@ -31,16 +31,18 @@ for stage in "$@"; do
            python3 bench/gpu_stack_check.py --kit .gpu/model-kit --make-model /tmp/gpu-model ;;
     staging) timeout 300 python3 -m pytest -q -rs -p no:cacheprovider libs/attention/tests/test_distributed_staging.py \
                libs/attention/tests/test_distributed_comm_staging.py libs/transfer/tests/test_staging.py \
-               libs/worker/tests/test_heartbeat.py libs/engine/tests/test_sp_verify.py -k "cuda or staging or device" \
+               libs/worker/tests/test_heartbeat.py libs/engine/tests/test_sp_verify.py libs/engine/tests/test_kvp_verify.py \
+               -k "cuda or staging or device" \
                2>&1 | tail -30 ;;
     verify) python3 -c "import json,random;r=random.Random(0);print(json.dumps([r.randrange(1000,40000) for _ in range(1537)]))" \
               > /tmp/gpu-prompt.json
-            for plan in "0:700@0;700:@0,1" "0:500@0,1;500:@0,1,2"; do
+            for run in "0:700@0;700:@0,1 --decode-tp 2" "0:500@0,1;500:@0,1,2 --decode-tp 2" "0:700@0;700:@0,1 --kvp 2"; do
+              plan=${run%% *}; name=$(echo "$run" | tr -c '0-9a-z' _)
               timeout 240 python3 -m spindle_engine.sp.verify --model /tmp/gpu-model --prompt-file /tmp/gpu-prompt.json \
-                --plan "$plan" --decode-tp 2 --device cuda --dump-kv --max-new-tokens 8 --json "$out/verify_${plan//[^0-9]/_}.json" \
+                --plan "$plan" ${run#* } --device cuda --dump-kv --max-new-tokens 8 --json "$out/verify_$name.json" \
                 2>&1 | tail -4
             done ;;
-    stack) timeout 420 python3 bench/gpu_stack_check.py --device cuda --model /tmp/gpu-model \
+    stack) timeout 480 python3 bench/gpu_stack_check.py --device cuda --model /tmp/gpu-model --layouts pd,sp-tp,kvp \
              --out "$out/stack_cuda.json" 2>&1 | grep -v "it/s\]\|req/s\]" | tail -40 ;;
     backends) timeout 300 python3 bench/bench_backends.py --device cuda --budget-s 240 --out "$out/backends_cuda.json" \
                 2>&1 | grep -v "it/s\\]" | tail -60 ;;

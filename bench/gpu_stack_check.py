@@ -1,19 +1,24 @@
-"""The stack on one device: `spindle up` with 1 prefill + 1 decode instance serves the `openai` client with the
-single engine's tokens, and then carries a load (`bench_serve.py --url`).
+"""The stack on one device: `spindle up` serves the `openai` client with the single engine's tokens, and then
+carries a load (`bench_serve.py --url`).
 
-    python bench/gpu_stack_check.py --device cuda --kit .gpu/model-kit --out $OUT/stack_cuda.json
+    python bench/gpu_stack_check.py --device cuda --kit .gpu/model-kit --layouts pd,sp-tp,kvp --out $OUT/stack.json
     .venv/bin/python bench/gpu_stack_check.py --device cpu --kit .gpu/model-kit      # the same run on this CPU
+
+Layouts (--layouts): `pd` 1 prefill + 1 decode instance (the KV hand-off; the load runs here), `sp-tp` 2 prefill
+instances running every prompt as one SP 2 group (`fixed-sp:sp=2`: ring passes) and a TP 2 decode instance (the
+hand-off split by heads, TP all-reduces), `kvp` a KV-parallel decode group of 2 (the longest prompt's KV split over
+both: the q/out exchange). On one GPU every process shares it, so every pair is host-staged.
 
 `--kit DIR`: a model directory without weights (config, tokenizer: `bench/gpu_kit.sh` makes one from the default
 model); the script writes seeded random weights into a copy of it, as the GPU machine cannot receive the model's
 538 MB. `--model` uses a model as it is instead. Steps:
 
 1. the single engine (`LLM(..., device=D)`) generates --max-tokens greedy tokens for each prompt, one at a time;
-2. `Stack(StackConfig(device=D, prefill=1, decode=1))` starts (nats-server, kvstore, scheduler, gateway, the two
-   instances), and the `openai` client sends the same prompts, one at a time and then all at once; every
-   completion must be the engine's text (float32 by default: the comparison is exact);
-3. the cluster status and each instance's stats (device, data-plane transports) are recorded;
-4. unless --no-load: `bench_serve.py --url` runs its load scenario against the stack (`vllm bench serve`'s fields).
+2. per layout, `Stack(StackConfig(device=D, ...))` starts (nats-server, kvstore, scheduler, gateway, instances), and
+   the `openai` client sends the same prompts, one at a time and then all at once; every completion must be the
+   engine's text (float32 by default: the comparison is exact);
+3. the instances' stats and the transport of each data-plane pair (from the logs) are recorded;
+4. on `pd`, unless --no-load: `bench_serve.py --url` runs its load scenario (`vllm bench serve`'s fields).
 
 Writes a JSON summary; exit status 1 when a completion differs or a step fails.
 """
@@ -41,6 +46,13 @@ KIT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeniz
 PROMPT_LENGTHS = (5, 37, 300, 1500)
 
 
+def _layouts(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names or not set(names) <= set(LAYOUTS):
+        raise argparse.ArgumentTypeError(f"layouts must be among {', '.join(LAYOUTS)}, got {text!r}")
+    return names
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", default="cuda", help="where every engine runs: cpu or cuda (default: cuda)")
@@ -53,7 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts (default: 0)")
     p.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per prompt (default: 16)")
-    p.add_argument("--no-load", action="store_true", help="skip the bench_serve.py load")
+    p.add_argument("--layouts", type=_layouts, default=["pd"],
+                   help=f"stack shapes to check, comma-separated, of: {', '.join(LAYOUTS)} (default: pd)")  # fmt: skip
+    p.add_argument("--no-load", action="store_true", help="skip the bench_serve.py load (run on layout pd)")
     p.add_argument("--num-prompts", type=int, default=64, help="load: requests (default: 64)")
     p.add_argument("--input-len", type=int, default=1024, help="load: prompt tokens (default: 1024)")
     p.add_argument("--output-len", type=int, default=64, help="load: output tokens (default: 64)")
@@ -74,34 +88,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _weight_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """The HF Llama tensors of a config, as spindle_model loads them."""
-    hidden, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
-    q_rows, kv_rows = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg["vocab_size"], hidden)}
-    shapes["model.norm.weight"] = (hidden,)
-    if not cfg.get("tie_word_embeddings", False):
-        shapes["lm_head.weight"] = (cfg["vocab_size"], hidden)
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "self_attn.q_proj.weight": (q_rows, hidden),
-            p + "self_attn.k_proj.weight": (kv_rows, hidden),
-            p + "self_attn.v_proj.weight": (kv_rows, hidden),
-            p + "self_attn.o_proj.weight": (hidden, q_rows),
-            p + "mlp.gate_proj.weight": (inter, hidden),
-            p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
-            p + "input_layernorm.weight": (hidden,),
-            p + "post_attention_layernorm.weight": (hidden,),
-        }
-    return shapes
-
-
 def random_model(kit: Path, out_dir: Path, seed: int) -> Path:
     """A copy of `kit` with seeded random weights (normal, std 0.02; norms 1) in model.safetensors."""
     from safetensors.torch import save_file
+
+    from spindle_model.gguf_convert import hf_weight_shapes
 
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in KIT_FILES:
@@ -110,7 +101,7 @@ def random_model(kit: Path, out_dir: Path, seed: int) -> Path:
     cfg = json.loads((kit / "config.json").read_text())
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
-    for name, shape in _weight_shapes(cfg).items():
+    for name, shape in hf_weight_shapes(cfg).items():
         if name.endswith("norm.weight"):
             tensors[name] = torch.ones(shape)
         else:
@@ -173,6 +164,22 @@ def transport_lines(log_dir: Path) -> list[str]:
     return lines
 
 
+def what_ran(timeline: Any) -> dict[str, Any]:
+    """From the gateway's live timeline: the scheduler's decisions, the largest SP group a prefill chunk ran on, and
+    the most KV blocks each instance held (a KVP follower above 0: a request's KV was split onto it)."""
+    if not isinstance(timeline, dict) or "spans" not in timeline:
+        return {"error": f"no timeline: {str(timeline)[:200]}"}
+    prefill = [sp for sp in timeline["spans"] if sp.get("kind") == "prefill"]
+    peak: dict[str, int] = {}
+    for instance, _, used, _ in timeline.get("kv", []):
+        peak[instance] = max(peak.get(instance, 0), used)
+    return {
+        "decisions": sorted({d.get("text", "") for d in timeline.get("decisions", [])}),
+        "max_prefill_sp": max((sp.get("sp", 1) for sp in prefill), default=0),
+        "kv_blocks_peak": dict(sorted(peak.items())),
+    }
+
+
 def run_load(url: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     cmd = [
         sys.executable, str(BENCH / "bench_serve.py"), "--url", url, "--scenarios", "load",
@@ -193,28 +200,44 @@ def machine(device: str) -> dict[str, Any]:
     return info
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.make_model is not None:
-        print(f"wrote {random_model(args.kit, args.make_model, args.seed)}")
-        return 0
+# stack shapes: each runs the same prompts; "pd" also the load. The profile is an assumed one (SP 2 half of SP 1's
+# time): fixed-sp only ranks groups by it.
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "pd": dict(prefill=1, decode=1),  # the prefill -> decode hand-off
+    "sp-tp": dict(prefill=2, decode=1, decode_tp=2, strategy="fixed-sp:sp=2"),  # ring passes, TP heads
+    "kvp": dict(prefill=1, decode=1, decode_kvp=2, kvp_tokens=1024),  # KVP q/out exchange: the 1,500 one splits
+}
+ASSUMED_PROFILE = {
+    "version": 1,
+    "source": "gpu_stack_check: assumed",
+    "prefill": {
+        "1": {"coeffs": [0.08, 0.002, 9e-7, 1.2e-6], "fit_error": 0.0, "history_inferred": False},
+        "2": {"coeffs": [0.04, 0.001, 4.5e-7, 6e-7], "fit_error": 0.0, "history_inferred": False},
+    },
+    "batch_prefill": None,
+    "decode": [{"tp": 1, "kvp": 1, "coeffs": [0.04, 0.01, 1.6e-05], "fit_error": 0.0}],
+    "transfer": {"latency_s": 0.001, "bandwidth_bytes_per_s": 1.5e9},
+}
+
+
+def check_layout(
+    name: str, model: str, args: argparse.Namespace, batch: list[list[int]], expected: list[str], work: Path
+) -> dict[str, Any]:
+    """Start the stack of layout `name`, send the prompts with the `openai` client, compare, stop it."""
     from openai import OpenAI
 
     from spindle_launcher.stack import Stack, StackConfig
 
-    work = Path(tempfile.mkdtemp(prefix="spindle-stack-check-"))
-    log_dir = args.log_dir or work / "logs"
-    model = str(random_model(args.kit, work / "model", args.seed)) if args.kit else args.model
-    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"] if args.kit else 40000
-    batch = prompts(args.seed, vocab)
-    result: dict[str, Any] = {"machine": machine(args.device), "model": "random weights" if args.kit else model}
-    result |= {"dtype": args.dtype, "prompt_lengths": list(PROMPT_LENGTHS), "max_tokens": args.max_tokens}
-    print(f"single engine on {args.device} ...", flush=True)
-    expected, engine_s = engine_outputs(model, args, batch)
-    result["engine_s"] = round(engine_s, 3)
-    config = StackConfig(model=model, dtype=args.dtype, device=args.device, prefill=1, decode=1, port=0,
-                         ready_timeout=args.stack_timeout, log_dir=str(log_dir))  # fmt: skip
-    print(f"starting the stack on {args.device} (logs in {log_dir}) ...", flush=True)
+    log_dir = (args.log_dir or work / "logs") / name
+    shape = dict(LAYOUTS[name])
+    if str(shape.get("strategy", "")).startswith("fixed-sp"):
+        profile = work / "profile.json"
+        profile.write_text(json.dumps({"model": ASSUMED_PROFILE}))
+        shape["profile"] = str(profile)
+    config = StackConfig(model=model, dtype=args.dtype, device=args.device, port=0, ready_timeout=args.stack_timeout,
+                         log_dir=str(log_dir), **shape)  # fmt: skip
+    print(f"[{name}] starting the stack on {args.device}: {LAYOUTS[name]} (logs in {log_dir}) ...", flush=True)
+    result: dict[str, Any] = {"stack": LAYOUTS[name]}
     ok = True
     stack = Stack(config)
     try:
@@ -229,20 +252,41 @@ def main(argv: list[str] | None = None) -> int:
             same = [g == e for g, e in zip(got, expected, strict=True)]
             ok &= all(same)
             result[mode] = {"same_as_engine": same, "seconds": round(time.perf_counter() - t0, 3)}
-            print(f"{mode}: {sum(same)}/{len(same)} completions equal the single engine's", flush=True)
+            print(f"[{name}] {mode}: {sum(same)}/{len(same)} completions equal the single engine's", flush=True)
         result["instances"] = _get_json(stack.url + "/v1/spindle/instances")
+        result["what_ran"] = what_ran(_get_json(stack.url + "/v1/spindle/timeline?since=0"))
         result["transports"] = transport_lines(log_dir)
-        if not args.no_load:
+        if name == "pd" and not args.no_load:
             result["load"] = run_load(stack.url, args, work / "serve.json")
             ok &= "error" not in result["load"]
     except Exception as e:
         ok = False
         result["error"] = repr(e)
-        print(f"FAILED: {e!r}; service logs in {log_dir}", file=sys.stderr, flush=True)
+        print(f"[{name}] FAILED: {e!r}; service logs in {log_dir}", file=sys.stderr, flush=True)
     finally:
         stack.stop()
         if not ok and log_dir.is_dir():
             result["log_tails"] = {f.name: f.read_text(errors="replace")[-3000:] for f in sorted(log_dir.glob("*.log"))}
+    result["ok"] = ok
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.make_model is not None:
+        print(f"wrote {random_model(args.kit, args.make_model, args.seed)}")
+        return 0
+    work = Path(tempfile.mkdtemp(prefix="spindle-stack-check-"))
+    model = str(random_model(args.kit, work / "model", args.seed)) if args.kit else args.model
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"] if args.kit else 40000
+    batch = prompts(args.seed, vocab)
+    result: dict[str, Any] = {"machine": machine(args.device), "model": "random weights" if args.kit else model}
+    result |= {"dtype": args.dtype, "prompt_lengths": list(PROMPT_LENGTHS), "max_tokens": args.max_tokens}
+    print(f"single engine on {args.device} ...", flush=True)
+    expected, engine_s = engine_outputs(model, args, batch)
+    result["engine_s"] = round(engine_s, 3)
+    result["layouts"] = {name: check_layout(name, model, args, batch, expected, work) for name in args.layouts}
+    ok = all(r["ok"] for r in result["layouts"].values())
     result["ok"] = ok
     out = args.out or BENCH / "results" / f"stack_{args.device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -159,7 +160,56 @@ def _group(chunks: list[PrefillChunk], paged: bool, device: torch.device) -> _Gr
     )
 
 
-class TritonPagedAttentionContext:
+class ChunkSpan(Protocol):
+    """Chunks attended in one call: their span of the flat batch, and their block table when the keys are read
+    from the paged cache (None: this step's contiguous K/V)."""
+
+    start: int
+    end: int
+    block_table: Tensor | None
+
+
+class ThreeCallContext:
+    """A GPU context's layer: decodes in one call, chunks without history in one over this step's contiguous K/V,
+    chunks continuing a cached history in one over the paged cache. Subclasses set `cache`, `first_layer`,
+    `slot_mapping`, `num_decodes` and the two groups (`fresh`, `continued`: a span `start:end` of the flat batch
+    and whatever their kernel takes, `block_table` None for contiguous K/V), and run the calls."""
+
+    cache: KVCache
+    first_layer: int
+    slot_mapping: Tensor  # [T] flat cache slot of every token in the batch
+    num_decodes: int
+    fresh: ChunkSpan | None
+    continued: ChunkSpan | None
+
+    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q `[T, Hq, D]`, k/v `[T, Hkv, D]` (rotated; written into the cache here) -> out `[T, Hq, D]`."""
+        k_cache, v_cache = write_kv(self.cache, layer - self.first_layer, self.slot_mapping, k, v)
+        nd = self.num_decodes
+        if nd == q.shape[0]:
+            return self._decode(q, k_cache, v_cache)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        for g, keys, values in ((self.fresh, k, v), (self.continued, k_cache, v_cache)):
+            if g is not None:
+                s, e = g.start, g.end
+                if g.block_table is None:
+                    keys, values = keys[s:e], values[s:e]
+                self._chunks(g, q[s:e], keys, values, out[s:e], scale)
+        return out
+
+    def _decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def _chunks(self, g: ChunkSpan, q: Tensor, keys: Tensor, values: Tensor, out: Tensor, scale: float) -> None:
+        """Attend the chunks of `g` (q `[tokens, Hq, D]`; keys/values this step's for them, or the paged cache
+        layer) into `out`."""
+        raise NotImplementedError
+
+
+class TritonPagedAttentionContext(ThreeCallContext):
     """Backend "triton": `spindle_attention.triton` kernels, three launches per layer at most."""
 
     def __init__(
@@ -190,46 +240,31 @@ class TritonPagedAttentionContext:
         self.fresh = _group([c for c in prefills if c.history == 0], False, device)
         self.continued = _group([c for c in prefills if c.history > 0], True, device)
 
-    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def _chunks(self, g: _Group, q: Tensor, keys: Tensor, values: Tensor, out: Tensor, scale: float) -> None:  # type: ignore[override]
         from spindle_attention.triton.attention_fwd import launch_fwd
 
-        k_cache, v_cache = write_kv(self.cache, layer - self.first_layer, self.slot_mapping, k, v)
-        nd = self.num_decodes
-        if nd == q.shape[0]:
-            return self._decode(q, k_cache, v_cache)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache)
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        for g, keys, values in ((self.fresh, k, v), (self.continued, k_cache, v_cache)):
-            if g is None:
-                continue
-            s, e = g.start, g.end
-            lse = torch.empty(q.shape[1], e - s, dtype=torch.float32, device=q.device)  # [Hq, tokens], unused
-            if g.block_table is None:
-                keys, values = keys[s:e], values[s:e]
-            launch_fwd(
-                q[s:e],
-                keys,
-                values,
-                out[s:e],
-                lse,
-                g.cu,
-                g.k_lens,
-                g.q_offsets,
-                g.k_offsets,
-                g.max_len,
-                causal=True,
-                q_stride=1,
-                k_stride=1,
-                scale=scale,
-                block_table=g.block_table,
-                block_m=None,
-                block_n=None,
-                num_warps=None,
-                num_stages=None,
-            )
-        return out
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)  # [Hq, tokens], unused
+        launch_fwd(
+            q,
+            keys,
+            values,
+            out,
+            lse,
+            g.cu,
+            g.k_lens,
+            g.q_offsets,
+            g.k_offsets,
+            g.max_len,
+            causal=True,
+            q_stride=1,
+            k_stride=1,
+            scale=scale,
+            block_table=g.block_table,
+            block_m=None,
+            block_n=None,
+            num_warps=None,
+            num_stages=None,
+        )
 
     def _decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         from spindle_attention.triton import paged_decode as triton_paged_decode

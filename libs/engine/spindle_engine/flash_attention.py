@@ -23,7 +23,6 @@ context (cuda_graphs.graph_mode): flash-attn steps run eagerly.
 from __future__ import annotations
 
 import importlib
-import math
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +31,7 @@ from torch import Tensor
 from spindle_attention.backends import get_backend
 from spindle_attention.backends.flash import DTYPES, MAX_HEAD_DIM, PAGE_MULTIPLE
 
-from .attention import PrefillChunk, host_to_device, write_kv
+from .attention import PrefillChunk, ThreeCallContext, host_to_device
 from .kv_cache import KVCache
 
 
@@ -91,7 +90,7 @@ def _varlen(chunks: list[PrefillChunk], paged: bool, device: torch.device) -> _V
     )
 
 
-class FlashPagedAttentionContext:
+class FlashPagedAttentionContext(ThreeCallContext):
     """Backend "flash-attn": flash-attn's KV-cache and varlen kernels, three calls per layer at most."""
 
     def __init__(
@@ -121,24 +120,12 @@ class FlashPagedAttentionContext:
         self.fresh = _varlen([c for c in prefills if c.history == 0], False, device)
         self.continued = _varlen([c for c in prefills if c.history > 0], True, device)
 
-    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """q `[T, Hq, D]`, k/v `[T, Hkv, D]` (rotated; written into the cache here) -> out `[T, Hq, D]`."""
-        k_cache, v_cache = write_kv(self.cache, layer - self.first_layer, self.slot_mapping, k, v)
-        nd = self.num_decodes
-        if nd == q.shape[0]:
-            return self._decode(q, k_cache, v_cache)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache)
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        for g, keys, values in ((self.fresh, k, v), (self.continued, k_cache, v_cache)):
-            if g is None:
-                continue
-            s, e = g.start, g.end
-            if g.block_table is None:
-                keys, values = _last_dim_contiguous(keys[s:e]), _last_dim_contiguous(values[s:e])
-            out[s:e] = self.flash.flash_attn_varlen_func(
-                _last_dim_contiguous(q[s:e]),
+    def _chunks(self, g: _Varlen, q: Tensor, keys: Tensor, values: Tensor, out: Tensor, scale: float) -> None:  # type: ignore[override]
+        if g.block_table is None:
+            keys, values = _last_dim_contiguous(keys), _last_dim_contiguous(values)
+        out.copy_(
+            self.flash.flash_attn_varlen_func(
+                _last_dim_contiguous(q),
                 keys,
                 values,
                 g.cu_q,
@@ -150,7 +137,7 @@ class FlashPagedAttentionContext:
                 causal=True,  # bottom-right: each chunk ends at its sequence's last key
                 block_table=g.block_table,
             )
-        return out
+        )
 
     def _decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         return self.backend.paged_decode(q, k_cache, v_cache, self.decode_block_table, self.decode_seq_lens)[0]

@@ -87,6 +87,19 @@ def test_tiny_model_kvp_matches_single_instance(tiny_results, plan, kvp, split, 
     assert 0 < master["q_bytes"] + master["kv_bytes"] < master["kv_move_bytes"]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tiny_model_kvp_matches_on_cuda(tiny_dir):
+    """Every rank on GPU 0 (host-staged gloo between them), a scale-up and a scale-down included."""
+    specs = [
+        VerifySpec(tiny_dir, "float32", "0:90@0;90:@0,1", "zigzag", _ids(201, 301), 1, None, 7, dump_kv=True, kvp=2,
+                   kvp_split=[0, 77], scale_up_at=3, device="cuda:0"),
+        VerifySpec(tiny_dir, "float32", "0:@0", "zigzag", _ids(201, 301), 1, None, 7, kvp=3, scale_down_at=2,
+                   scale_down_member=0, device="cuda:0"),
+    ]  # fmt: skip
+    for result in verify_many(specs, timeout_s=240):
+        _check(result)
+
+
 @pytest.mark.parametrize(("kvp", "split", "scale_down_at", "member"), TINY_SCALE_DOWN)
 def test_tiny_model_kvp_scale_down_matches_single_instance(tiny_results, kvp, split, scale_down_at, member):
     result = tiny_results[str((kvp, split, scale_down_at, member))]

@@ -103,8 +103,8 @@ def test_cli_device_is_checked_before_starting_processes(tmp_path, capsys):
         assert main([*argv, "--device", "cuda"]) == 2
         assert "CUDA is not available" in capsys.readouterr().err
     else:
-        assert main([*argv, "--kvp", "2", "--device", "cuda"]) == 2
-        assert "not with --kvp" in capsys.readouterr().err
+        assert main([*argv, "--layout", "all-to-all", "--csa-drop", "0", "--device", "cuda"]) == 2
+        assert "not with --csa-drop" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

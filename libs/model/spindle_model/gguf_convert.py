@@ -180,7 +180,8 @@ def _generation_config(meta: _Metadata, config: dict[str, Any]) -> dict[str, Any
     return gen
 
 
-def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+def hf_weight_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The HF Llama tensors of a `config.json` (with `head_dim`), by name: what a converted directory holds."""
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     q_rows = config["num_attention_heads"] * config["head_dim"]
     kv_rows = config["num_key_value_heads"] * config["head_dim"]
@@ -224,7 +225,7 @@ def _convert_tensors(reader: GGUFReader, config: dict[str, Any], progress: bool)
 
 
 def _check_tensors(tensors: dict[str, np.ndarray], config: dict[str, Any]) -> None:
-    expected = _expected_shapes(config)
+    expected = hf_weight_shapes(config)
     missing = sorted(expected.keys() - tensors.keys())
     extra = sorted(tensors.keys() - expected.keys())
     if missing or extra:

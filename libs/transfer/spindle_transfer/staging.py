@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from spindle_attention.distributed.staging import to_host
+
 
 def can_pin() -> bool:
     """Whether this process can allocate pinned host memory (it needs CUDA)."""
@@ -37,9 +39,7 @@ def to_wire(tensor: torch.Tensor, wire: torch.device) -> torch.Tensor:
     if not staged(t.device, wire):
         return t.contiguous()
     if wire.type == "cpu":
-        buffer = host_buffer(t.shape, t.dtype, pin=t.device.type == "cuda")
-        buffer.copy_(t)  # blocking: the bytes are on the host before gloo reads them
-        return buffer
+        return to_host(t)  # the p2p ops' staging copy: pinned for a CUDA tensor, complete before gloo reads it
     return t.to(wire).contiguous()
 
 

@@ -133,8 +133,9 @@ class KVPAttentionContext:
         lost = self.lost or set()
         in_q = {m: rs for m, rs in self.in_q.items() if m not in lost}
         out_q = {h: rs for h, rs in self.out_q.items() if h not in lost}
-        q_in = {m: torch.empty(self._query_numel(rs, self.me), dtype=self.dtype) for m, rs in in_q.items()}
-        r_in = {h: torch.empty(self._result_nbytes(len(rs)), dtype=torch.uint8) for h, rs in out_q.items()}
+        dev = self.shard.cache.k.device  # received q/k/v and states land where they are used (p2p stages them)
+        q_in = {m: torch.empty(self._query_numel(rs, self.me), dtype=self.dtype, device=dev) for m, rs in in_q.items()}
+        r_in = {h: torch.empty(self._result_nbytes(len(rs)), dtype=torch.uint8, device=dev) for h, rs in out_q.items()}
         q_works = [self._post(p2p.irecv, buf, m, query_tag(layer)) for m, buf in q_in.items()]
         r_works = [self._post(p2p.irecv, buf, h, result_tag(layer)) for h, buf in r_in.items()]
         sends = []
@@ -158,7 +159,7 @@ class KVPAttentionContext:
             ta = time.perf_counter()
             own = None
             if self.own_local:
-                rows = torch.tensor(self.own_local)
+                rows = torch.tensor(self.own_local, device=q.device)
                 own = self.shard.attend(li, [self.batch[i].request_id for i in self.own_local], q[rows])
             self.stats.attention_s += time.perf_counter() - ta
         sends += self._serve(li, layer, q_works, q_in, in_q)
@@ -180,7 +181,7 @@ class KVPAttentionContext:
                 states[(self.me, self.batch[i].request_id)] = (own[0][j], own[1][:, j])
         depth = max(len(r.holders) for r in self.batch)
         outs = q.new_zeros(depth, len(self.batch), self.hq, self.d)
-        lses = torch.full((depth, self.hq, len(self.batch)), float("-inf"))
+        lses = torch.full((depth, self.hq, len(self.batch)), float("-inf"), device=q.device)
         for i, r in enumerate(self.batch):
             for s, h in enumerate(r.holders):
                 state = states.get((h, r.request_id))

@@ -104,7 +104,8 @@ class KVPMember:
         self.me = member
         self.ranks = dict(ranks)
         self.plan = KVPPlan(sorted(ranks))
-        cache = KVCache(len(model.layers), num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, model.dtype)
+        cache = KVCache(len(model.layers), num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, model.dtype,
+                        device=model.device)  # fmt: skip
         self.shard = KVShard(cache, BlockAllocator(num_blocks, block_size))
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len or cfg.max_position_embeddings
@@ -219,8 +220,8 @@ class KVPMember:
         outputs: list[KVPOutput] = []
         if ctx.batch:
             seqs = [self.seqs[r.request_id] for r in ctx.batch]
-            ids = torch.tensor([s.token_ids[-1] for s in seqs])
-            positions = torch.tensor([r.num_tokens - 1 for r in ctx.batch])
+            ids = torch.tensor([s.token_ids[-1] for s in seqs], device=self.model.device)
+            positions = torch.tensor([r.num_tokens - 1 for r in ctx.batch], device=self.model.device)
             hidden = self.model(positions, ctx, input_ids=ids)
             logits = self.model.compute_logits(hidden)
             sampled = sample(logits, seqs, self.generator, self.eos_token_ids, self.grammars)
@@ -259,7 +260,8 @@ class KVPMember:
                 self.stats.scale_down_bytes += kv.numel() * kv.element_size()
                 self.stats.scale_down_tokens += mv.num_tokens
             elif mv.receiver == self.me:
-                buf = torch.empty(2, layers, mv.num_tokens, hkv, d, dtype=self.shard.cache.k.dtype)
+                buf = torch.empty(2, layers, mv.num_tokens, hkv, d, dtype=self.shard.cache.k.dtype,
+                                  device=self.shard.cache.k.device)  # fmt: skip
                 rank = self.ranks[mv.leaver]
                 works.append(post(lambda buf=buf, rank=rank, i=i: p2p.irecv(buf, rank, tag=move_tag(i)), mv.leaver,
                                   self._lost))  # fmt: skip

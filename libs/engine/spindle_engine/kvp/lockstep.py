@@ -75,7 +75,7 @@ def member_blocks(config: EngineConfig, model_config: ModelConfig) -> int:
 
 def load_member(config: EngineConfig, member: int, ranks: dict[int, int], timeout_s: float) -> KVPMember:
     source = resolve_model(config.model)
-    model = LlamaModel(source.config, dtype=config.torch_dtype)
+    model = LlamaModel(source.config, dtype=config.torch_dtype, device=config.torch_device)
     model.load_weights(load_state_dict(source.path, dtype=config.torch_dtype))
     return KVPMember(
         model, member, ranks, num_blocks=member_blocks(config, source.config), block_size=config.block_size,

@@ -66,9 +66,10 @@ class KVShard:
         layer by layer with `write`). Raises OutOfBlocksError when the blocks are not free."""
         r = self._ranges[request_id]
         self.allocator.allocate(request_id, r.num_tokens + n, r.table)
-        local = torch.arange(r.num_tokens, r.num_tokens + n)
+        device = self.cache.k.device  # index ops on a GPU cache take indices on the GPU
+        local = torch.arange(r.num_tokens, r.num_tokens + n, device=device)
         r.num_tokens += n
-        blocks = torch.tensor(r.table, dtype=torch.long)[local // self.block_size]
+        blocks = torch.tensor(r.table, dtype=torch.long, device=device)[local // self.block_size]
         return blocks * self.block_size + local % self.block_size
 
     def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
@@ -87,6 +88,7 @@ class KVShard:
         for i, r in enumerate(ranges):
             table[i, : len(r.table)] = torch.tensor(r.table, dtype=torch.int64)
         lens = torch.tensor([r.num_tokens for r in ranges], dtype=torch.int64)
+        table, lens = table.to(q.device), lens.to(q.device)  # the kernel's metadata beside q and the cache
         out, lse = paged_decode(q.contiguous(), self.cache.k[layer], self.cache.v[layer], table, lens, return_lse=True)
         assert lse is not None
         return out, lse

@@ -28,7 +28,8 @@ class HeldKV:
         hi = len(self) if hi is None else hi
         bs = self.cache.block_size
         i = torch.arange(lo, hi)
-        return torch.tensor(self.table, dtype=torch.int64)[i // bs] * bs + i % bs if hi > lo else i
+        slots = torch.tensor(self.table, dtype=torch.int64)[i // bs] * bs + i % bs if hi > lo else i
+        return slots.to(self.cache.k.device)  # index ops on a GPU cache take indices on the GPU
 
     def grow(self, positions: Tensor) -> Tensor:
         """Append entries for `positions` (allocating blocks); returns their slots. Values are written later."""

@@ -53,7 +53,7 @@ class Rebalance:
                 self.bytes_sent += buf.numel() * buf.element_size()
             offset = 0
             for mv in mine_in:
-                buf = torch.empty(2, mv.count, hkv, d, dtype=dtype)
+                buf = torch.empty(2, mv.count, hkv, d, dtype=dtype, device=held.cache.k.device)
                 work = p2p.irecv(buf, ranks[mv.src], tag=tag)
                 self._recvs[layer].append((work, buf, in_slots[offset : offset + mv.count]))
                 self.bytes_received += buf.numel() * buf.element_size()

@@ -342,9 +342,10 @@ def check_verify_device(args: argparse.Namespace) -> str:
     device = args.device.strip().lower()
     if device != "cpu":
         check_device(device)  # the spelling, CUDA here, the index in range
-        only_cpu = [flag for flag, on in (("--kvp", args.kvp), ("--csa-drop", args.csa_drop is not None)) if on]
-        if only_cpu:
-            raise ValueError(f"--device {device} runs SP plans with --decode-tp or --retain; not with {only_cpu[0]}")
+        if args.csa_drop is not None:
+            raise ValueError(
+                f"--device {device} runs SP plans with --decode-tp, --retain or --kvp; not with --csa-drop"
+            )
     return device
 
 
@@ -515,8 +516,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--device",
         default="cpu",
         help="where the ranks run: cpu, cuda (rank r on GPU r mod the GPUs torch sees; several ranks may share one) "
-        "or cuda:N (every rank on GPU N); SP plans with --decode-tp or --retain only. Tensors between ranks cross "
-        "gloo through host memory; the single-instance reference runs on the CPU here (default: cpu)",
+        "or cuda:N (every rank on GPU N); SP plans with --decode-tp, --retain or --kvp only. Tensors between ranks "
+        "cross gloo through host memory; the single-instance reference runs on the CPU here (default: cpu)",
     )
     ap.add_argument("--json", type=Path, help="write the result (with per-chunk bytes and times) here")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are killed")

@@ -17,9 +17,9 @@ import os
 from itertools import pairwise
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
+from spindle_attention.distributed import p2p
 from spindle_model import LlamaModel, ModelConfig
 
 from ..config import DTYPES
@@ -75,12 +75,18 @@ def send_kvp_parts(kv: Tensor, positions: Tensor, bounds: list[int], first_rank:
     for j, (lo, hi) in enumerate(pairwise(bounds)):
         mask = (positions >= lo) & (positions < hi)
         if bool(mask.any()):
-            works.append(dist.isend(kv[:, :, mask].contiguous(), first_rank + j, tag=TAG_KVP_PART))
+            works.append(p2p.isend(kv[:, :, mask].contiguous(), first_rank + j, tag=TAG_KVP_PART))
     return works
 
 
 def receive_kvp_range(
-    placement: dict[int, Tensor], ranks: dict[int, int], lo: int, hi: int, shape: tuple[int, int, int], dtype
+    placement: dict[int, Tensor],
+    ranks: dict[int, int],
+    lo: int,
+    hi: int,
+    shape: tuple[int, int, int],
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> tuple[Tensor, int]:
     """Decode side: this member's range `[lo, hi)` from every prefill holder -> (`[2, L, hi-lo, Hkv, D]`, bytes)."""
     layers, hkv, d = shape
@@ -88,8 +94,8 @@ def receive_kvp_range(
     for m, pos in placement.items():
         mine = pos[(pos >= lo) & (pos < hi)]
         if mine.numel():
-            buf = torch.empty(2, layers, mine.numel(), hkv, d, dtype=dtype)
-            works.append(dist.irecv(buf, ranks[m], tag=TAG_KVP_PART))
+            buf = torch.empty(2, layers, mine.numel(), hkv, d, dtype=dtype, device=device)
+            works.append(p2p.irecv(buf, ranks[m], tag=TAG_KVP_PART))
             parts.append((mine - lo, buf))
     for w in works:
         w.wait()
@@ -114,11 +120,11 @@ def run_kvp_decode(
     bounds = kvp_bounds(n, spec.kvp, spec.kvp_split)
     size = kvp_members(spec.kvp, spec.scale_up_at)
     first = torch.empty(1, dtype=torch.int64)
-    first_work = dist.irecv(first, ranks[spec.parsed_plan().last_token_member()], tag=tag_first)
+    first_work = p2p.irecv(first, ranks[spec.parsed_plan().last_token_member()], tag=tag_first)
     kv, received = None, 0
     if j < spec.kvp:
         shape = (len(model.layers), config.num_kv_heads, config.head_dim)
-        kv, received = receive_kvp_range(spec.placement(), ranks, bounds[j], bounds[j + 1], shape, dtype)
+        kv, received = receive_kvp_range(spec.placement(), ranks, bounds[j], bounds[j + 1], shape, dtype, model.device)
     first_work.wait()
     room = n + spec.max_new_tokens + 16
     dec = KVPMember(

@@ -75,7 +75,7 @@ def tp_engine_config(config: EngineConfig, model_config: ModelConfig, tp_size: i
 def load_tp_model(config: EngineConfig, group: RankGroup) -> LlamaModel:
     """This rank's shard of `config.model` (dist must be initialised: the group names global ranks)."""
     source = resolve_model(config.model)
-    model = LlamaModel(source.config, dtype=config.torch_dtype, tp_group=group)
+    model = LlamaModel(source.config, dtype=config.torch_dtype, tp_group=group, device=config.torch_device)
     model.load_weights(load_state_dict(source.path, dtype=config.torch_dtype))
     return model
 
