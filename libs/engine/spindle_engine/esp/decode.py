@@ -95,10 +95,11 @@ class MultiMasterContext:
             qpos.append(torch.arange(first, first + w.tokens))
             cu_q.append(cu_q[-1] + w.tokens)
             cu_k.append(cu_k[-1] + pos.numel())
+        dev = q.device  # the positions and offsets beside q (no-ops on the CPU)
         out, lse = attention_fwd(
-            q, torch.cat(ks), torch.cat(vs), q_positions=torch.cat(qpos), k_positions=torch.cat(kpos),
-            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32), cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32),
-            return_lse=True,
+            q, torch.cat(ks), torch.cat(vs), q_positions=torch.cat(qpos).to(dev), k_positions=torch.cat(kpos).to(dev),
+            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=dev),
+            cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=dev), return_lse=True,
         )  # fmt: skip
         assert lse is not None
         return out, lse
@@ -111,9 +112,11 @@ class MultiMasterContext:
 
     def _exchange(self, layer: int, q: Tensor | None, k: Tensor | None, v: Tensor | None) -> Tensor | None:
         li = layer - self.first_layer
-        q_in = {m: torch.empty(sum(w.tokens for w in ws), self.hq, self.d, dtype=self.dtype)
+        dev = self.cache.k.device  # received queries and states land where they are used (p2p stages them)
+        q_in = {m: torch.empty(sum(w.tokens for w in ws), self.hq, self.d, dtype=self.dtype, device=dev)
                 for m, ws in self.served.items()}  # fmt: skip
-        r_in = {h: torch.empty(self._state_bytes(r.numel()), dtype=torch.uint8) for h, r in self.rows.items()}
+        r_in = {h: torch.empty(self._state_bytes(r.numel()), dtype=torch.uint8, device=dev)
+                for h, r in self.rows.items()}  # fmt: skip
         recv_q = [p2p.irecv(buf, self.ranks[m], tag=self.tags.query(layer)) for m, buf in q_in.items()]
         recv_r = [p2p.irecv(buf, self.ranks[h], tag=self.tags.result(layer)) for h, buf in r_in.items()]
         sends, keep = [], []
@@ -122,7 +125,7 @@ class MultiMasterContext:
             assert q is not None and k is not None and v is not None and q.shape[0] == self.new_slots.numel()
             parts.write(self.cache, li, self.new_slots, k, v)
             for h, r in self.rows.items():
-                keep.append(q.index_select(0, r).contiguous())
+                keep.append(q.index_select(0, r.to(q.device)).contiguous())
                 sends.append(p2p.isend(keep[-1], self.ranks[h], tag=self.tags.query(layer)))
             own = self._attend(li, self.mine, q)
         self.waiter.wait_all(recv_q, f"layer {layer} queries")
@@ -137,7 +140,7 @@ class MultiMasterContext:
         self.waiter.wait_all(recv_r, f"layer {layer} partial states")
         t = q.shape[0]
         outs = q.new_zeros(len(self.ranks), t, self.hq, self.d)
-        lses = torch.full((len(self.ranks), self.hq, t), float("-inf"))
+        lses = torch.full((len(self.ranks), self.hq, t), float("-inf"), device=q.device)
         outs[self.me], lses[self.me] = own
         for h, buf in r_in.items():
             r = self.rows[h]

@@ -56,17 +56,19 @@ def room_for(engine: Engine, seq: Sequence, tokens: int) -> bool:
 def read(cache: KVCache, layer: int, entry_slots: Tensor) -> tuple[Tensor, Tensor]:
     """k, v `[n, Hkv, D]` of the given slots in `layer` (local layer index)."""
     k, v = cache.k[layer], cache.v[layer]  # [blocks, bs, Hkv, D]
+    entry_slots = entry_slots.to(k.device)  # index ops on a GPU cache take indices on the GPU
     return k.flatten(0, 1).index_select(0, entry_slots), v.flatten(0, 1).index_select(0, entry_slots)
 
 
 def write(cache: KVCache, layer: int, entry_slots: Tensor, k: Tensor, v: Tensor) -> None:
+    entry_slots = entry_slots.to(cache.k.device)
     cache.k[layer].flatten(0, 1).index_copy_(0, entry_slots, k)
     cache.v[layer].flatten(0, 1).index_copy_(0, entry_slots, v)
 
 
 def export_kv(engine: Engine, seq: Sequence) -> tuple[Tensor, Tensor]:
     """The entries held here: positions `[n]` and KV `[2, layers, n, Hkv, D]` (a copy)."""
-    s = slots(seq, engine.config.block_size)
+    s = slots(seq, engine.config.block_size).to(engine.cache.k.device)
     k = engine.cache.k.flatten(1, 2).index_select(1, s)
     v = engine.cache.v.flatten(1, 2).index_select(1, s)
     return positions(seq).clone(), torch.stack([k, v])
