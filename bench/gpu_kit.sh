@@ -29,12 +29,16 @@ $PY -m pip download -q --no-deps --only-binary=:all: --python-version "$GPU_PY" 
 KIT=$KIT $PY - <<'PYEOF'
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from spindle_model import resolve_model
 
+sys.path.insert(0, "bench")
+from gpu_stack_check import KIT_FILES  # what a random-weight copy takes from the kit
+
 src = resolve_model("smollm2").path
-for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+for name in KIT_FILES:
     if (src / name).is_file():
         shutil.copy(src / name, Path(os.environ["KIT"]) / "model-kit" / name)
 PYEOF
