@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, as run on a lent H100/H200 (see bench/README.md). Usage, from the repo root:
 #   bash bench/gpu_run.sh STAGE...     STAGE: env | tests | attention | sweep | sp | kvp | engine | engine1b
-#                                             | setup | staging | verify | stack | backends   (the stack on a GPU)
+#                                             | setup | staging | verify | stack | checks | backends | pack
 # Results go to $OUT when set (the device tool's folder), else bench/results/. Each stage has its own time limit.
-# The stack's stages need `setup` first in the same run, and .gpu/ (bench/gpu_kit.sh) carried; two device calls
-# (each under the 10-minute limit of one):
-#   bash bench/gpu_run.sh env setup staging verify stack     (carry: [".gpu"]; about 6-7 minutes)
-#   bash bench/gpu_run.sh backends                           (no setup needed; at most 5 minutes)
+# The stack's stages need `setup` first (it installs once per machine, then only sets the paths) and .gpu/
+# (bench/gpu_kit.sh) carried. One device call of under 10 minutes runs them all:
+#   DEADLINE=$(($(date +%s)+570)) bash bench/gpu_run.sh env setup checks backends pack     (carry: [".gpu"])
+# `checks` runs staging, verify and stack side by side (logs in $LOGS; each cut at $CHECKS_S, default 440 s), `backends` alone after them, its budget
+# cut to end by $DEADLINE (epoch seconds), `pack` puts the logs and verify summaries in $OUT/logs.tgz.
+# DEV=cpu rehearses the stack's stages on a machine without a GPU.
 set -u
 export PYTHONPATH=libs/attention:libs/model:libs/engine${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 out=${OUT:-bench/results}
-mkdir -p "$out"
+DEV=${DEV:-cuda}
+LOGS=${LOGS:-/tmp/gpu-logs}
+mkdir -p "$out" "$LOGS"
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
@@ -26,28 +30,38 @@ for stage in "$@"; do
     engine) timeout 300 python3 bench/bench_engine_gpu.py --out "$out/engine_gpu.json" ;;
     engine1b) timeout 300 python3 bench/bench_engine_gpu.py --shape llama-1b --out "$out/engine_gpu_llama1b.json" ;;
     setup) [ -d .gpu/wheels ] || { echo "no .gpu/wheels: run bench/gpu_kit.sh here and carry .gpu"; exit 2; }
-           python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-             .gpu/wheels/*.whl || exit 2
+           if [ ! -f /tmp/site/.spindle-kit ]; then
+             python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+               .gpu/wheels/*.whl && touch /tmp/site/.spindle-kit || exit 2
+           fi
            paths=/tmp/site; for d in libs/* services/*; do paths=$paths:$d; done
            export PYTHONPATH=$paths PATH=/tmp/site/bin:$PATH
-           python3 bench/gpu_stack_check.py --kit .gpu/model-kit --make-model /tmp/gpu-model ;;
+           [ -f /tmp/gpu-model/model.safetensors ] || python3 bench/gpu_stack_check.py --kit .gpu/model-kit \
+             --make-model /tmp/gpu-model ;;
     staging) timeout 300 python3 -m pytest -q -rs -p no:cacheprovider libs/attention/tests/test_distributed_staging.py \
                libs/attention/tests/test_distributed_comm_staging.py libs/transfer/tests/test_staging.py \
                libs/worker/tests/test_heartbeat.py libs/engine/tests/test_sp_verify.py libs/engine/tests/test_kvp_verify.py \
+               libs/engine/tests/test_decode_graphs_cuda.py libs/engine/tests/test_engine_device.py \
                -k "cuda or staging or device" \
                2>&1 | tail -30 ;;
     verify) python3 -c "import json,random;r=random.Random(0);print(json.dumps([r.randrange(1000,40000) for _ in range(1537)]))" \
               > /tmp/gpu-prompt.json
             for run in "0:700@0;700:@0,1 --decode-tp 2" "0:500@0,1;500:@0,1,2 --decode-tp 2" "0:700@0;700:@0,1 --kvp 2"; do
               plan=${run%% *}; name=$(echo "$run" | tr -c '0-9a-z' _)
-              timeout 240 python3 -m spindle_engine.sp.verify --model /tmp/gpu-model --prompt-file /tmp/gpu-prompt.json \
-                --plan "$plan" ${run#* } --device cuda --dump-kv --max-new-tokens 8 --json "$out/verify_$name.json" \
+              timeout 140 python3 -m spindle_engine.sp.verify --model /tmp/gpu-model --prompt-file /tmp/gpu-prompt.json \
+                --plan "$plan" ${run#* } --device "$DEV" --dump-kv --max-new-tokens 8 --json "$LOGS/verify_$name.json" \
                 2>&1 | tail -4
             done ;;
-    stack) timeout 480 python3 bench/gpu_stack_check.py --device cuda --model /tmp/gpu-model --layouts pd,sp-tp,kvp \
-             --out "$out/stack_cuda.json" 2>&1 | grep -v "it/s\]\|req/s\]" | tail -40 ;;
-    backends) timeout 300 python3 bench/bench_backends.py --device cuda --budget-s 200 --out "$out/backends_cuda.json" \
-                2>&1 | grep -v "it/s\\]" | tail -60 ;;
+    stack) timeout 420 python3 bench/gpu_stack_check.py --device "$DEV" --model /tmp/gpu-model --layouts pd,sp-tp,kvp \
+             --log-dir "$LOGS/stack" --out "$out/stack_$DEV.json" 2>&1 | grep -v "it/s\]\|req/s\]" | tail -40 ;;
+    checks) for s in stack verify staging; do timeout "${CHECKS_S:-440}" bash "$0" setup $s > "$LOGS/$s.log" 2>&1 & done; wait
+            for s in stack verify staging; do echo "--- $s"; grep -v "^=== " "$LOGS/$s.log" | tail -40; done ;;
+    backends) budget=200; [ -n "${DEADLINE:-}" ] && budget=$((DEADLINE - $(date +%s) - 45))
+              [ "$budget" -gt 200 ] && budget=200
+              [ "$budget" -lt 20 ] && { echo "backends: no time left before DEADLINE"; continue; }
+              timeout $((budget + 40)) python3 bench/bench_backends.py --device "$DEV" --budget-s $budget \
+                --out "$out/backends_$DEV.json" 2>&1 | grep -v "it/s\\]" | tail -60 ;;
+    pack) tar czf "$out/logs.tgz" -C "$LOGS" . 2>/dev/null; ls -la "$out" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

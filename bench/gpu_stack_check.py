@@ -285,12 +285,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"single engine on {args.device} ...", flush=True)
     expected, engine_s = engine_outputs(model, args, batch)
     result["engine_s"] = round(engine_s, 3)
-    result["layouts"] = {name: check_layout(name, model, args, batch, expected, work) for name in args.layouts}
-    ok = all(r["ok"] for r in result["layouts"].values())
-    result["ok"] = ok
     out = args.out or BENCH / "results" / f"stack_{args.device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    result["layouts"], ok = {}, True
+    for name in args.layouts:  # the summary is rewritten after each layout: a run cut short keeps what it did
+        result["layouts"][name] = check_layout(name, model, args, batch, expected, work)
+        result["ok"] = ok = all(r["ok"] for r in result["layouts"].values())
+        out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"{'OK' if ok else 'MISMATCH or FAILURE'}; wrote {out}", flush=True)
     if ok:
         shutil.rmtree(work, ignore_errors=True)

@@ -134,7 +134,7 @@ def _as_positions(
     explicit: Tensor | None, offset: int | Tensor, stride: int, starts: list[int], lengths: list[int], device
 ) -> list[Tensor]:
     if explicit is not None:
-        return [explicit[s : s + n].to(torch.int64) for s, n in zip(starts, lengths, strict=True)]
+        return [explicit[s : s + n].to(device=device, dtype=torch.int64) for s, n in zip(starts, lengths, strict=True)]
     offsets = offset.tolist() if isinstance(offset, Tensor) else [offset] * len(lengths)
     if len(offsets) != len(lengths):
         raise ValueError(f"got {len(offsets)} offsets for {len(lengths)} sequences")

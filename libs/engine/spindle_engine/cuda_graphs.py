@@ -22,6 +22,7 @@ switched on with SPINDLE_DECODE_GRAPHS_EMULATE=1 (when real capture does not app
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -34,6 +35,7 @@ from .attention import PagedAttentionContext, TritonPagedAttentionContext
 from .kv_cache import KVCache
 
 EMULATE_ENV = "SPINDLE_DECODE_GRAPHS_EMULATE"
+log = logging.getLogger("spindle.engine.cuda_graphs")
 
 
 def decode_buckets(max_batch: int) -> list[int]:
@@ -143,13 +145,17 @@ class DecodeGraphRunner:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # "thread_local": a service's other threads (the KV receiver) keep copying to the GPU during a capture;
+        # the default "global" mode fails their calls (cudaErrorStreamCaptureUnsupported)
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             self.forward(b)
         torch.cuda.synchronize(self.device)
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[b] = graph
         self.capture_s[b] = time.perf_counter() - t0
+        log.info("decode graph for batch bucket %d captured in %.3f s (the step that needed it waited)", b,
+                 self.capture_s[b])  # fmt: skip
 
     def run(
         self, ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int], tables: list[list[int]]

@@ -66,6 +66,13 @@ def test_model_on_another_device_is_rejected():
         Engine(EngineConfig(model="tiny", block_size=4, kv_cache_tokens=512), model=meta)
 
 
+def test_rotary_factors_move_host_positions_to_the_model_device():
+    # SP/PP plans hand a rank host positions; its model may sit on a GPU (meta stands in for one here)
+    meta = LlamaModel(tiny_llama(0, num_layers=1)[1].config, device="meta")
+    factors = meta.rotary.factors(torch.arange(5))  # [T, 1, D/2]
+    assert factors.device.type == "meta" and factors.shape == (5, 1, meta.config.head_dim // 2)
+
+
 def test_model_built_on_a_device_matches_the_default():
     hf, model = tiny_llama(0, num_layers=2)
     other = LlamaModel(model.config, device="cpu")

@@ -74,9 +74,9 @@ class RotaryEmbedding(nn.Module):
         return torch.polar(torch.ones_like(freqs), freqs)  # [T, D/2] complex64: cos + i sin
 
     def factors(self, positions: Tensor) -> Tensor:
-        """Rotation factors for `positions` `[T]`: `[T, 1, D/2]` complex64."""
-        if self.table is None or positions.device.type != "cpu":
-            return self._factors(positions).unsqueeze(1)
+        """Rotation factors for `positions` `[T]` (on the host or the model's device): `[T, 1, D/2]` complex64."""
+        if self.table is None or positions.device.type != "cpu":  # plans hand SP/PP ranks host positions
+            return self._factors(positions.to(self.inv_freq.device)).unsqueeze(1)
         if positions.numel() and int(positions.max()) >= self.table.shape[0]:
             return self._factors(positions).unsqueeze(1)
         return self.table[positions].unsqueeze(1)

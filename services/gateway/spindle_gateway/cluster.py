@@ -13,7 +13,7 @@ from nats.errors import Error as NatsError
 from spindle_protocol import subjects
 from spindle_protocol.bus import Bus
 from spindle_protocol.codec import ProtocolError
-from spindle_protocol.messages import ClusterStatus, InstanceStats, StatsQuery, StatusQuery
+from spindle_protocol.messages import ClusterStatus, InstanceInfo, InstanceStats, StatsQuery, StatusQuery
 
 log = logging.getLogger("spindle.gateway")
 
@@ -78,13 +78,14 @@ class ClusterView:
         if status is None:
             raise ConnectionError(self._error)
 
-        async def one(instance_id: str) -> dict[str, Any]:
+        async def one(info: InstanceInfo) -> dict[str, Any]:
+            where = {"device": info.device}  # from its heartbeat: "cpu", "cuda:N" ("" from older instances)
             try:
                 stats = await self._bus.request(
-                    subjects.instance_stats(instance_id), StatsQuery(), InstanceStats, timeout=1.0
+                    subjects.instance_stats(info.instance_id), StatsQuery(), InstanceStats, timeout=1.0
                 )
             except (NatsError, TimeoutError, ProtocolError, ValueError) as e:
-                return {"instance_id": instance_id, "error": f"{type(e).__name__}: {e}".rstrip(": ")}
-            return msgspec.to_builtins(stats)
+                return {"instance_id": info.instance_id, **where, "error": f"{type(e).__name__}: {e}".rstrip(": ")}
+            return msgspec.to_builtins(stats) | where
 
-        return list(await asyncio.gather(*(one(inst.instance_id) for inst in status.instances)))
+        return list(await asyncio.gather(*(one(inst) for inst in status.instances)))

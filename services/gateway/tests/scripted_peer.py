@@ -101,7 +101,9 @@ def token_events(
     return events
 
 
-def instance(instance_id: str, role: str, rank: int, used: int = 0, total: int = 100) -> InstanceInfo:
+def instance(
+    instance_id: str, role: str, rank: int, used: int = 0, total: int = 100, device: str = "cpu"
+) -> InstanceInfo:
     now = time.time()
     return InstanceInfo(
         instance_id=instance_id,
@@ -114,13 +116,14 @@ def instance(instance_id: str, role: str, rank: int, used: int = 0, total: int =
         kv_blocks_used=used,
         block_size=16,
         max_model_len=8192,
+        device=device,
     )
 
 
 def healthy_status() -> ClusterStatus:
     insts = [
         instance("prefill-0", "prefill", 1, used=10),
-        instance("decode-0", "decode", 2, used=30),
+        instance("decode-0", "decode", 2, used=30, device="cuda:1"),
         instance("kvstore-0", "kvstore", 0),
     ]
     return ClusterStatus(

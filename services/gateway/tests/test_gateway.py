@@ -475,6 +475,7 @@ def test_instances_endpoint(gateway_url: str, peer: ScriptedPeer) -> None:
         "kv_blocks_total": 100,
         "kv_blocks_used": 0,
         "requests": {},
+        "device": "cuda:1",  # from its heartbeat
     }
     peer.status = None
     assert get(gateway_url + "/v1/spindle/instances", timeout=5).status_code == 503

@@ -35,7 +35,7 @@ class HeldKV:
         """Append entries for `positions` (allocating blocks); returns their slots. Values are written later."""
         lo = len(self)
         self.allocator.allocate(self.owner, lo + positions.numel(), self.table)
-        self.positions = torch.cat([self.positions, positions.to(torch.int64)])
+        self.positions = torch.cat([self.positions, positions.to(device="cpu", dtype=torch.int64)])  # host bookkeeping
         return self.slots(lo)
 
     def read(self, layer: int, lo: int = 0, hi: int | None = None) -> tuple[Tensor, Tensor]:
