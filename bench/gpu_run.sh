@@ -42,6 +42,7 @@ for stage in "$@"; do
                libs/attention/tests/test_distributed_comm_staging.py libs/transfer/tests/test_staging.py \
                libs/worker/tests/test_heartbeat.py libs/engine/tests/test_sp_verify.py libs/engine/tests/test_kvp_verify.py \
                libs/engine/tests/test_decode_graphs_cuda.py libs/engine/tests/test_engine_device.py \
+               services/kvstore/tests/test_service.py \
                -k "cuda or staging or device" \
                2>&1 | tail -30 ;;
     verify) python3 -c "import json,random;r=random.Random(0);print(json.dumps([r.randrange(1000,40000) for _ in range(1537)]))" \
