@@ -8,6 +8,8 @@ SDPA over the same context stored contiguously (a bound for what paging costs).
     python bench/bench_attention_gpu.py                      # full run, writes bench/results/attention_gpu.json
     python bench/bench_attention_gpu.py --quick              # a few small shapes
     python bench/bench_attention_gpu.py --sweep              # also try other tile configs for the prefill kernel
+    python bench/bench_attention_gpu.py --sweep --dtypes fp32 --head-dims 64 128 --seqlens 4096 16384 --skip-decode
+                                                             # fp32 (IEEE dots): its own, smaller tiles
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from torch import Tensor
 from spindle_attention import triton as tri
 
 DEVICE = "cuda"
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # (block_q, block_k, num_warps, num_stages) tried by --sweep; None is the kernel's default.
 SWEEP_CONFIGS: list[tuple[int, int, int, int] | None] = [
     None,
@@ -44,6 +46,20 @@ SWEEP_CONFIGS: list[tuple[int, int, int, int] | None] = [
     (128, 64, 8, 4),
     (256, 64, 8, 2),
     (256, 128, 8, 2),
+]
+
+
+# fp32 tiles take twice the registers and shared memory: smaller tiles and more warps. On an H200 the default
+# (64, 32, 4, 2) ran prefill at 1 TFLOP/s at head_dim 128 (10 at 64; bench/results/backends_cuda.json).
+FP32_SWEEP_CONFIGS: list[tuple[int, int, int, int] | None] = [
+    None,
+    (64, 32, 8, 2),
+    (32, 32, 4, 2),
+    (32, 32, 8, 2),
+    (32, 64, 4, 2),
+    (64, 16, 4, 2),
+    (64, 64, 8, 2),
+    (16, 32, 4, 2),
 ]
 
 
@@ -112,7 +128,8 @@ def _prefill_case(args: argparse.Namespace, dtype_name: str, d: int, t: int) -> 
         ref = (sdpa_flash() if ms_flash is not None else sdpa_gqa())[0].transpose(0, 1).float()  # [T, Hq, D]
 
     results: list[tuple[tuple[int, int, int, int] | None, float | None]] = []
-    for cfg in SWEEP_CONFIGS if args.sweep else [None]:
+    configs = FP32_SWEEP_CONFIGS if dtype == torch.float32 else SWEEP_CONFIGS
+    for cfg in configs if args.sweep else [None]:
         kw = {} if cfg is None else dict(zip(("block_q", "block_k", "num_warps", "num_stages"), cfg, strict=True))
         fn = functools.partial(tri.attention_fwd, q, k, v, causal=True, **kw)
         results.append((cfg, _try(lambda fn=fn: _bench_ms(fn, args.warmup, args.rep))))

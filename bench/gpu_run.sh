@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, as run on a lent H100/H200 (see bench/README.md). Usage, from the repo root:
-#   bash bench/gpu_run.sh STAGE...     STAGE: env | tests | attention | sweep | sp | kvp | engine | engine1b
+#   bash bench/gpu_run.sh STAGE...     STAGE: env | tests | attention | sweep | sweep32 | sp | kvp | engine | engine1b
 #                                             | setup | staging | verify | stack | checks | backends | pack
 # Results go to $OUT when set (the device tool's folder), else bench/results/. Each stage has its own time limit.
 # The stack's stages need `setup` first (it installs once per machine, then only sets the paths) and .gpu/
@@ -25,6 +25,8 @@ for stage in "$@"; do
     attention) timeout 300 python3 bench/bench_attention_gpu.py --out "$out/attention_gpu.json" ;;
     sweep) timeout 400 python3 bench/bench_attention_gpu.py --sweep --dtypes bf16 --seqlens 8192 32768 \
              --contexts 32768 131072 --batches 1 32 --out "$out/attention_gpu_sweep.json" ;;
+    sweep32) timeout 300 python3 bench/bench_attention_gpu.py --sweep --dtypes fp32 --head-dims 64 128 \
+               --seqlens 4096 16384 --skip-decode --out "$out/attention_gpu_sweep_fp32.json" ;;
     sp) timeout 300 python3 bench/bench_sp_attention_gpu.py --out "$out/sp_attention_gpu.json" ;;
     kvp) timeout 300 python3 bench/bench_kvp_attention_gpu.py --out "$out/kvp_attention_gpu.json" ;;
     engine) timeout 300 python3 bench/bench_engine_gpu.py --out "$out/engine_gpu.json" ;;

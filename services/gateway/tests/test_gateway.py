@@ -149,7 +149,9 @@ def test_no_live_workers_is_503(gateway_url: str, peer: ScriptedPeer) -> None:
 
 
 def test_no_scheduler_is_503_after_waiting_for_one(harness: Any, peer: ScriptedPeer) -> None:
-    gw = harness.start_gateway(scheduler_wait=0.6)
+    # admit_timeout bounds the other way to a 503: a request that gets neither NoResponders nor a reply (seen once in
+    # CI, under load: 5.0 s, the default admit_timeout)
+    gw = harness.start_gateway(scheduler_wait=0.6, admit_timeout=1.0)
     harness.call(peer.set_admitting(False))
     for body in (COMPLETION, {**COMPLETION, "stream": True}):
         t0 = time.monotonic()
