@@ -57,7 +57,7 @@ def test_sp_parts_park_and_decode_exactly(sp_small_stack, reference_engine, toke
     prompt_a, prompt_b = words[:150], words[150:250]
     stack = sp_small_stack
 
-    async def scenario() -> tuple[Watcher, dict[str, str], dict[str, list[str]], dict]:
+    async def scenario() -> tuple[Watcher, dict[str, str], dict[str, list[str]], dict, bool]:
         w = await Watcher.start(stack.nats_url)
         texts: dict[str, list[str]] = {"a": [], "b": []}
         try:
@@ -69,20 +69,22 @@ def test_sp_parts_park_and_decode_exactly(sp_small_stack, reference_engine, toke
                 await w.until(lambda: len(_parked(w)) == 2, 60)
                 rid_b = _parked(w)[0].request_id
                 blocks = await asyncio.to_thread(instance_blocks, stack)
+                a_running = not w.of(rid_a, RequestFinished)  # B cannot leave the kvstore before A finishes
                 await asyncio.wait_for(asyncio.gather(ta, tb), 120)
             await w.until(lambda: w.of(rid_b, RequestFinished), 10)
             await _wait_no_leaks(stack, 10)
-            return w, {"a": rid_a, "b": rid_b}, texts, blocks
+            return w, {"a": rid_a, "b": rid_b}, texts, blocks, a_running
         finally:
             await w.bus.nc.close()
 
-    w, rids, texts, blocks = asyncio.run(scenario())
+    w, rids, texts, blocks, a_running = asyncio.run(scenario())
     rid_a, rid_b = rids["a"], rids["b"]
     parked = _parked(w)
     assert {e.request_id for e in parked} == {rid_b}, parked
     assert len({e.src_instance for e in parked}) == 2, "each SP holder parks its own part"
     assert not [e for e in w.of(rid_b, TransferDone) if not e.parked], "no part went to the decode instance"
-    assert rid_b in blocks["kvstore-0"] and rid_b not in blocks["decode-0"], blocks
+    if a_running:  # under load A can finish before the snapshot, and B has moved on to decode (seen once in CI)
+        assert rid_b in blocks["kvstore-0"] and rid_b not in blocks["decode-0"], blocks
     # B's blocks come only from A's: it starts decoding after A has finished
     order = [(type(e), e.request_id) for e in w.events if isinstance(e, (DecodeStarted, RequestFinished))]
     assert order.index((RequestFinished, rid_a)) < order.index((DecodeStarted, rid_b)), order
