@@ -117,7 +117,7 @@ def test_every_victim_restarts_and_only_its_requests_fail(healing, reference_eng
         assert wait_until(lambda: not any(instance_blocks(stack).values()), 5), (victim, instance_blocks(stack))
         rows.append((victim, len(failed), LOAD, back_s, sorted({m[:70] for _, m in failed})))
         if victim.startswith("prefill"):  # only the other one serves until it is back: /health says so
-            assert "degraded" in seen, seen
+            assert "degraded" in seen, (victim, seen, back_s, rows)
     # the launcher re-sends its totals every 2 s: the one sent across nats-server's restart may have been lost
     counted = [
         f'spindle:worker_restarts_total{{model_name="smollm2",role="{role}"}} {3 if role == "prefill" else 1}.0'
