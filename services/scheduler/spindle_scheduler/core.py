@@ -80,15 +80,23 @@ class SchedulerCore:
 
     # ---- instances ----
 
-    def on_heartbeat(self, info: InstanceInfo) -> None:
-        if (
-            info.instance_id in self.state.dead
-            and info.updated_at <= self.state.instances[info.instance_id].info.updated_at
-        ):
-            return
+    def on_heartbeat(self, info: InstanceInfo, now: float | None = None) -> list[Action]:
+        """Take an instance's heartbeat. One from a new process under a live id (restarted faster than
+        `dead_after_s`) first loses the old process's requests, as its death would have: the returned actions."""
+        known = self.state.instances.get(info.instance_id)
+        actions: list[Action] = []
+        if known is not None and (info.pid, info.started_at) != (known.info.pid, known.info.started_at):
+            if info.started_at < known.info.started_at:
+                return []  # a late heartbeat of the process that was replaced
+            if known.alive:
+                why = f"restarted (pid {known.info.pid} -> {info.pid})"
+                actions = self._lose(info.instance_id, info.updated_at if now is None else now, why)
+        elif info.instance_id in self.state.dead and known is not None and info.updated_at <= known.info.updated_at:
+            return []
         if info.instance_id in self.state.dead:
             log.info("instance %s is back", info.instance_id)
         self.state.update_instance(info)
+        return actions
 
     def on_instance_left(self, instance_id: str, now: float) -> list[Action]:
         inst = self.state.instances.get(instance_id)

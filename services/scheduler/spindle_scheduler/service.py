@@ -123,8 +123,8 @@ class SchedulerService:
     def _on_registry(self, info: InstanceInfo | None, key: str) -> None:
         if info is None:
             self._spawn(self._execute(self.core.on_instance_left(key, time.time())))
-        else:
-            self.core.on_heartbeat(info)
+        elif actions := self.core.on_heartbeat(info, time.time()):
+            self._spawn(self._execute(actions))
 
     async def _tick_loop(self) -> None:
         while True:

@@ -129,6 +129,22 @@ def test_dead_instance_fails_its_requests_and_is_not_planned_onto():
     assert core.state.dead == {"kvstore-0"}  # it did not beat either
 
 
+def test_a_new_process_under_a_live_id_loses_the_old_ones_requests_at_once():
+    # prefill-1 restarted faster than dead_after_s: its new pid's first heartbeat is the only sign
+    core = create_scheduler()
+    core.admit(spec("a"), 100.0)  # prefill-1 (prefill-0 is busy) -> decode-1
+    assert core.state.requests["a"].prefill_instances == ("prefill-1",)
+    restarted = msgspec.structs.replace(info("prefill-1", "prefill", 2, 100.6), pid=2, started_at=100.5)
+    actions = core.on_heartbeat(restarted, 100.6)
+    rerun = [a for a in actions if isinstance(a, RunPrefill)]
+    assert [a.spec.request_id for a in rerun] == ["a"] and rerun[0].prefill_instances == ("prefill-0",)
+    assert core.state.instances["prefill-1"].alive and core.state.instances["prefill-1"].info.pid == 2
+    # a late heartbeat of the replaced process changes nothing; the new one's next heartbeat neither
+    assert core.on_heartbeat(info("prefill-1", "prefill", 2, 100.7), 100.7) == []
+    assert core.state.instances["prefill-1"].info.pid == 2
+    assert core.on_heartbeat(msgspec.structs.replace(restarted, updated_at=101.0), 101.0) == []
+
+
 def test_a_prefill_lost_before_its_hand_off_runs_again_elsewhere():
     core = create_scheduler()
     core.admit(spec("a"), 100.0)  # prefill-1 (prefill-0 is busy) -> decode-1
