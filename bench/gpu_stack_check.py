@@ -71,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=64, help="load: requests (default: 64)")
     p.add_argument("--input-len", type=int, default=1024, help="load: prompt tokens (default: 1024)")
     p.add_argument("--output-len", type=int, default=64, help="load: output tokens (default: 64)")
+    p.add_argument("--load-runs", type=int, default=2,
+                   help="load: times to run it on the same stack; runs after the first find the decode graphs\n"
+                        "captured (default: 2)")  # fmt: skip
     p.add_argument("--stack-timeout", type=float, default=240.0, help="seconds to wait for the stack (default: 240)")
     p.add_argument("--log-dir", type=Path, help="service logs (default: a temp dir, printed)")
     p.add_argument("--out", type=Path, help="JSON summary (default: bench/results/stack_<device>.json)")
@@ -85,6 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--make-model needs --kit")
     if args.max_tokens < 1:
         p.error("--max-tokens must be >= 1")
+    if args.load_runs < 1:
+        p.error("--load-runs must be >= 1")
     return args
 
 
@@ -161,6 +166,15 @@ def transport_lines(log_dir: Path) -> list[str]:
     for f in sorted(log_dir.glob("*.log")):
         lines += [f"{f.stem}: {line.strip()[-200:]}" for line in f.read_text(errors="replace").splitlines()
                   if any(m in line for m in marks)]  # fmt: skip
+    return lines
+
+
+def graph_captures(log_dir: Path) -> list[str]:
+    """The decode instances' CUDA-graph capture lines (cuda_graphs.py logs each bucket's capture time)."""
+    lines = []
+    for f in sorted(log_dir.glob("decode*.log")):
+        lines += [f"{f.stem}: {line.strip()[-160:]}" for line in f.read_text(errors="replace").splitlines()
+                  if "decode graph for batch bucket" in line]  # fmt: skip
     return lines
 
 
@@ -257,8 +271,11 @@ def check_layout(
         result["what_ran"] = what_ran(_get_json(stack.url + "/v1/spindle/timeline?since=0"))
         result["transports"] = transport_lines(log_dir)
         if name == "pd" and not args.no_load:
-            result["load"] = run_load(stack.url, args, work / "serve.json")
-            ok &= "error" not in result["load"]
+            for run in range(args.load_runs):  # "load", then "load_2", ...: later runs find every graph captured
+                key = "load" if run == 0 else f"load_{run + 1}"
+                result[key] = run_load(stack.url, args, work / f"serve_{run + 1}.json")
+                result[f"{key}_graph_captures"] = graph_captures(log_dir)
+                ok &= "error" not in result[key]
     except Exception as e:
         ok = False
         result["error"] = repr(e)

@@ -108,7 +108,12 @@ def test_a_dead_leader_fails_its_requests_and_takes_the_group_down_cleanly(kvp_s
 
 def test_supervised_the_whole_group_comes_back_and_splits_a_request_again(kvp_stack, reference_engine, tokenizer):
     """As under `spindle up`: the dead leader's group restarts as a unit (leader and both followers, the follower
-    killed earlier too), its members re-form their pairs on the data plane, and a request split over them is exact."""
+    killed earlier too), its members re-form their pairs on the data plane, and a request split over them is exact.
+    Run alone (the group still whole), it kills the leader first, as the test before it does."""
+    leader = kvp_stack.processes["decode-0"]
+    if leader.poll() is None:
+        leader.kill()
+        assert wait_until(lambda: all(kvp_stack.processes[m].poll() is not None for m in MEMBERS), 30)
     supervise(kvp_stack)
     back_s = back_in_service(kvp_stack, "decode", 1)
     assert wait_until(lambda: sum(i.startswith("decode") for i in _instances(kvp_stack)) == len(MEMBERS), 30)

@@ -33,6 +33,11 @@ def sp_small_stack(tmp_path_factory, sp_profile):
         profile=sp_profile,
     )
     try:
+        # a first SP prefill on a fresh stack is slower (the members' first ring pass): warm it up, so that a
+        # test's SP prefill finishes while its long request still holds the decode instance
+        body = {"model": "smollm2", "prompt": list(range(100, 160)), "max_tokens": 2, "temperature": 0}
+        r = httpx.post(s.base_url + "/completions", timeout=120, json=body)
+        assert r.status_code == 200, r.text
         yield s
     finally:
         s.stop()
@@ -52,6 +57,29 @@ def _parked(w: Watcher) -> list[TransferDone]:
     return [e for e in w.events if isinstance(e, TransferDone) and e.parked]
 
 
+async def _behind_a_long_request(
+    w: Watcher, client: httpx.AsyncClient, stack, prompts: tuple[list[int], list[int]], max_tokens: tuple[int, int]
+) -> tuple[dict[str, list[str]], asyncio.Task, asyncio.Task, str, str]:
+    """Stream A, then, once A decodes, X: X's SP parts park while A holds the decode instance's blocks. Under load A
+    can finish before X's SP prefill does, and X then decodes without parking: the premise did not hold, and the
+    pair runs again (up to 3 times; each attempt ends with nothing held). Returns the texts, both stream tasks and
+    both request ids, with X parked."""
+    for attempt in range(3):
+        texts: dict[str, list[str]] = {"a": [], "x": []}
+        started, parked = len(w.started()), len(_parked(w))
+        ta = asyncio.create_task(_stream(client, stack.base_url, prompts[0], max_tokens[0], texts["a"]))
+        await w.until(lambda n=started: len(w.started()) == n + 1, 60)
+        rid_a = w.started()[started]
+        tx = asyncio.create_task(_stream(client, stack.base_url, prompts[1], max_tokens[1], texts["x"]))
+        await w.until(lambda n=started, m=parked: len(_parked(w)) == m + 2 or len(w.started()) > n + 1, 60)
+        if len(_parked(w)) == parked + 2:
+            return texts, ta, tx, rid_a, _parked(w)[parked].request_id
+        print(f"attempt {attempt + 1}: A finished before the second request's SP prefill; again")
+        await asyncio.wait_for(asyncio.gather(ta, tx), 120)
+        await _wait_no_leaks(stack, 10)
+    raise AssertionError("the second request never parked in 3 attempts: A always finished first")
+
+
 def test_sp_parts_park_and_decode_exactly(sp_small_stack, reference_engine, tokenizer, words):
     # A (150 tokens, reserving 10 of the 16 blocks and growing) decodes; B (100 tokens, 7 blocks) cannot fit
     prompt_a, prompt_b = words[:150], words[150:250]
@@ -59,15 +87,12 @@ def test_sp_parts_park_and_decode_exactly(sp_small_stack, reference_engine, toke
 
     async def scenario() -> tuple[Watcher, dict[str, str], dict[str, list[str]], dict, bool]:
         w = await Watcher.start(stack.nats_url)
-        texts: dict[str, list[str]] = {"a": [], "b": []}
         try:
             async with httpx.AsyncClient(timeout=120) as client:
-                ta = asyncio.create_task(_stream(client, stack.base_url, prompt_a, 90, texts["a"]))
-                await w.until(lambda: len(w.started()) == 1, 60)
-                rid_a = w.started()[0]
-                tb = asyncio.create_task(_stream(client, stack.base_url, prompt_b, 12, texts["b"]))
-                await w.until(lambda: len(_parked(w)) == 2, 60)
-                rid_b = _parked(w)[0].request_id
+                texts, ta, tb, rid_a, rid_b = await _behind_a_long_request(
+                    w, client, stack, (prompt_a, prompt_b), (90, 12)
+                )
+                texts["b"] = texts.pop("x")
                 blocks = await asyncio.to_thread(instance_blocks, stack)
                 a_running = not w.of(rid_a, RequestFinished)  # B cannot leave the kvstore before A finishes
                 await asyncio.wait_for(asyncio.gather(ta, tb), 120)
@@ -102,14 +127,9 @@ def test_abort_of_a_parked_sp_request_frees_everything(sp_small_stack, reference
 
     async def scenario() -> tuple[Watcher, str, dict[str, list[str]], dict]:
         w = await Watcher.start(stack.nats_url)
-        texts: dict[str, list[str]] = {"a": [], "c": []}
         try:
             async with httpx.AsyncClient(timeout=120) as client:
-                ta = asyncio.create_task(_stream(client, stack.base_url, prompt_a, 90, texts["a"]))
-                await w.until(lambda: len(w.started()) == 1, 60)
-                tc = asyncio.create_task(_stream(client, stack.base_url, prompt_c, 12, texts["c"]))
-                await w.until(lambda: len(_parked(w)) == 2, 60)
-                rid_c = _parked(w)[0].request_id
+                texts, ta, tc, _, rid_c = await _behind_a_long_request(w, client, stack, (prompt_a, prompt_c), (90, 12))
                 blocks = await asyncio.to_thread(instance_blocks, stack)
                 tc.cancel()  # the client goes away while C's parts wait in the kvstore
                 with pytest.raises(asyncio.CancelledError):

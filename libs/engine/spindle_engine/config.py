@@ -85,6 +85,9 @@ class EngineConfig:
     # decode-only steps replay a CUDA graph per batch bucket (CUDA with the triton backend only; see cuda_graphs.py)
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 256  # largest bucket: min(max_num_seqs, this); larger decode steps run eagerly
+    # capture every bucket's graph when the engine starts (start takes seconds longer; no step ever waits for a
+    # capture), else each on its first use; the decode service captures at start
+    cuda_graphs_at_start: bool = False
     # CPU, float32, torch attention backend: decode-only steps of up to 32 sequences run the layer stack in one
     # native call (cpu_decode.py)
     fused_cpu_decode: bool = True

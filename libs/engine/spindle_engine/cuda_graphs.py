@@ -12,8 +12,10 @@ captures the whole forward (embedding .. fp32 logits) once per bucket (1, 2, 4, 
   are computed and never returned.
 - The attention launch has fixed parameters: `max_seq_len` = max_model_len and a num_splits chosen per bucket
   for that length, so its grid never depends on the step and nothing reads back to the host.
-- Graphs are captured lazily, on a bucket's first use (warm-up run, then capture; `capture_s` records the
-  time), all in one memory pool: only one graph runs at a time, and their outputs are outside the pool.
+- Graphs are captured on a bucket's first use (warm-up run, then capture; `capture_s` records the time), or
+  all at once by `capture_all` (the engine's `cuda_graphs_at_start`: a burst of new batch sizes then never
+  waits 0.1-1.5 s per capture), all in one memory pool: only one graph runs at a time, and their outputs are
+  outside the pool.
 
 Mode "emulate" (tests, CPU): the same buffers, padding and slicing, but the "replay" runs the forward eagerly
 over the static buffers, so everything but `torch.cuda.graph` itself is testable without a GPU. It is
@@ -156,6 +158,16 @@ class DecodeGraphRunner:
         self.capture_s[b] = time.perf_counter() - t0
         log.info("decode graph for batch bucket %d captured in %.3f s (the step that needed it waited)", b,
                  self.capture_s[b])  # fmt: skip
+
+    def capture_all(self) -> None:
+        """Capture every bucket not captured yet, largest first (the pool is sized by the largest)."""
+        assert self.mode == "cuda"
+        t0 = time.perf_counter()
+        todo = [b for b in reversed(self.buckets) if b not in self.graphs]
+        for b in todo:
+            self.capture(b)
+        log.info("decode graphs for %d batch buckets (1 .. %d) captured in %.1f s", len(todo), self.max_batch,
+                 time.perf_counter() - t0)  # fmt: skip
 
     def run(
         self, ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int], tables: list[list[int]]

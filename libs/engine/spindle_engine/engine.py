@@ -130,6 +130,8 @@ class Engine:
                 attention_backend=self.attention_backend,
                 mode=graphs,
             )
+            if config.cuda_graphs_at_start and graphs == "cuda":
+                decode_graphs.capture_all()
         cpu_decode = None
         fused = config.fused_cpu_decode and self.attention_backend == "torch"
         if fused and unsupported_reason(model, self.cache) is None:

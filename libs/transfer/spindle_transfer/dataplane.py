@@ -46,7 +46,7 @@ from .errors import HeaderMismatchError, TransferError
 from .mesh import Mesh
 from .pairs import Pair
 from .paths import Placement
-from .staging import check_landing, land, receive_buffer, to_wire
+from .staging import check_landing, land, receive_buffer, staged, to_wire
 from .store import serve_store
 from .waits import Pending, block, wait_for
 from .wire import (
@@ -125,7 +125,7 @@ class DataPlane:
             plane.mesh = Mesh(url.hostname, url.port, rank, timeout_s, place=place)
             p2p.install(plane.mesh)
             return plane
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        backend = backend or fixed_world_backend(place)
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         timeout = timedelta(seconds=timeout_s)
@@ -223,7 +223,7 @@ class DataPlane:
         if out is not None and (out.dtype != dtype or list(out.shape) != expect.shape or not out.is_contiguous()):
             raise ValueError(f"out {out.dtype}{list(out.shape)} on {out.device} cannot hold {expect}")
         landing = check_landing(out.device if out is not None else (device or self.device))
-        if out is not None and device is not None and check_landing(device) != landing:
+        if out is not None and device is not None and staged(check_landing(device), landing):  # "cuda" is cuda:0
             raise ValueError(f"out is on {out.device}, not on device {device}")
         what = f"receive of {expect.dtype}{expect.shape} from rank {src} (tag {tag})"
         deadline = time.monotonic() + timeout_s
@@ -373,6 +373,13 @@ class DataPlane:
             work = self._post(self._payload_op(pair, True), payload, dst, tag)
             block(work, self.backend == "nccl" or payload.is_cuda)
         block(self._post(p2p.isend, encode_signal(ABORT, self.device), dst, tag), self.backend == "nccl")
+
+
+def fixed_world_backend(place: Placement) -> str:
+    """A fixed world's backend when none is named: NCCL for a rank on a GPU, gloo for one whose tensors are in host
+    memory (a kvstore) even on a machine with GPUs. Every rank of a fixed world must agree: a world that mixes
+    devices uses a mesh:// plane (a backend per pair)."""
+    return "nccl" if place.on_gpu else "gloo"
 
 
 def _loopback_store(port: int, rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:

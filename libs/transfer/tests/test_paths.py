@@ -108,3 +108,11 @@ def test_join_log_entries_with_and_without_placements() -> None:
         3: ("t4", None),  # a malformed placement is ignored, not fatal
     }
     assert parse_joins(text) == {0: "t0", 1: "t3", 2: "-", 3: "t4"}
+
+
+def test_a_fixed_worlds_default_backend_follows_the_ranks_device_not_the_machine() -> None:
+    # a kvstore keeps host memory on a machine with GPUs: gloo, as its CPU peers (NCCL cannot carry host tensors)
+    from spindle_transfer.dataplane import fixed_world_backend
+
+    assert fixed_world_backend(CPU_A) == "gloo"
+    assert fixed_world_backend(GPU0) == "nccl" and fixed_world_backend(GPU1) == "nccl"

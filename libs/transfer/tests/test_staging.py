@@ -24,6 +24,7 @@ def test_staged_compares_devices_without_needing_them() -> None:
     assert staged(torch.device("cuda", 0), HOST) and staged(HOST, torch.device("cuda", 1))
     assert staged(torch.device("cuda", 0), torch.device("cuda", 1))
     assert not staged(torch.device("cuda", 1), torch.device("cuda", 1))
+    assert not staged(torch.device("cuda"), torch.device("cuda", 0))  # a bare "cuda" is the current device (0 here)
 
 
 def test_host_buffers_pin_only_where_the_process_can() -> None:

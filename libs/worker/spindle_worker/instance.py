@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -136,6 +136,8 @@ class InstanceConfig:
     @classmethod
     def from_args(cls, role: str, args: argparse.Namespace) -> InstanceConfig:
         engine = engine_config_from_args(args)
+        if role == "decode":  # a burst of new batch sizes then never waits on graph captures
+            engine = replace(engine, cuda_graphs_at_start=True)
         return cls(
             role,
             args.instance_id,

@@ -52,6 +52,13 @@ def test_instance_config_carries_the_device() -> None:
     assert config.device == "cpu" and config.engine.device == "cpu"
 
 
+def test_a_decode_instance_captures_its_decode_graphs_at_start() -> None:
+    # a burst of new batch sizes must not wait on captures; a prefill instance never runs decode steps
+    args = parse("--device", "cpu", "--instance-id", "x-0")
+    assert InstanceConfig.from_args("decode", args).engine.cuda_graphs_at_start
+    assert not InstanceConfig.from_args("prefill", args).engine.cuda_graphs_at_start
+
+
 @pytest.mark.parametrize("bad", ["gpu", "cuda:x", "cuda:-1", "tpu:0", ""])
 def test_a_malformed_device_is_a_value_error(bad: str) -> None:
     with pytest.raises(ValueError, match="device must be"):

@@ -8,6 +8,7 @@ import torch
 
 from spindle_engine import Engine, EngineConfig
 from spindle_engine.engine_thread import EngineThread
+from spindle_model import LlamaModel
 from spindle_model.testing import tiny_llama
 from spindle_protocol import decode, encode
 from spindle_protocol.messages import InstanceInfo
@@ -18,7 +19,9 @@ class TinyInstance(Instance):
     """An instance whose engine runs a tiny model (no model files); nothing here joins NATS or a data plane."""
 
     def make_engine(self) -> Engine:
-        _, model = tiny_llama()
+        hf, cpu_model = tiny_llama()
+        model = LlamaModel(cpu_model.config, device=self.config.engine.torch_device)  # where the engine runs
+        model.load_weights(hf.state_dict())
         return Engine(self.config.engine, model=model)
 
 

@@ -218,8 +218,8 @@ def default_blocks(head_dim: int, dtype: torch.dtype, device: torch.device) -> t
     """(BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_M counts rows (query tokens x heads of a KV group)."""
     if device.type != "cuda":
         return 64, 32, 4, 1  # the interpreter: small tiles
-    if dtype == torch.float32:  # 4-byte tiles: stay within shared memory
-        return 64, 32, 4, 2
+    if dtype == torch.float32:  # IEEE dots: small tiles (H200 sweep, bench/results/attention_gpu_sweep_fp32.json:
+        return 32, 32, 4, 2  # 8.1-8.5 TFLOP/s at head_dim 128 where (64, 32, 4, 2) spilled to 0.9-1.0)
     if head_dim <= 64:  # H100 sweeps (bench/results/attention_gpu.json): within noise of the best at 8k-32k
         return 128, 64, 8, 3
     return 128, 128, 8, 3
