@@ -135,7 +135,7 @@ class DecodeGraphRunner:
         self.meta[b].copy_(torch.tensor([[0] * b, [0] * b, [self.scratch_slot] * b, [1] * b]))
         self.block_table[:b, 0] = self.scratch_block
 
-    def capture(self, b: int) -> None:
+    def capture(self, b: int, *, at_start: bool = False) -> None:
         """Warm up (compiles kernels, sets up cuBLAS) and capture bucket `b`, over padding-only inputs."""
         assert self.mode == "cuda" and b not in self.graphs
         t0 = time.perf_counter()
@@ -156,8 +156,11 @@ class DecodeGraphRunner:
             self.pool = graph.pool()
         self.graphs[b] = graph
         self.capture_s[b] = time.perf_counter() - t0
-        log.info("decode graph for batch bucket %d captured in %.3f s (the step that needed it waited)", b,
-                 self.capture_s[b])  # fmt: skip
+        if at_start:
+            log.debug("decode graph for batch bucket %d captured in %.3f s", b, self.capture_s[b])
+        else:
+            log.info("decode graph for batch bucket %d captured in %.3f s (the step that needed it waited)", b,
+                     self.capture_s[b])  # fmt: skip
 
     def capture_all(self) -> None:
         """Capture every bucket not captured yet, largest first (the pool is sized by the largest)."""
@@ -165,7 +168,7 @@ class DecodeGraphRunner:
         t0 = time.perf_counter()
         todo = [b for b in reversed(self.buckets) if b not in self.graphs]
         for b in todo:
-            self.capture(b)
+            self.capture(b, at_start=True)
         log.info("decode graphs for %d batch buckets (1 .. %d) captured in %.1f s", len(todo), self.max_batch,
                  time.perf_counter() - t0)  # fmt: skip
 
