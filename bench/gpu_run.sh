@@ -7,9 +7,8 @@
 # (bench/gpu_kit.sh) carried. One device call of under 10 minutes runs them all:
 #   DEADLINE=$(($(date +%s)+570)) bash bench/gpu_run.sh env setup checks backends pack     (carry: [".gpu"])
 # `checks` runs $CHECKS (default: stack verify staging) side by side (logs in $LOGS; each cut at $CHECKS_S, default
-# 440 s; the stack on $LAYOUTS, default pd,sp-tp,kvp),
-# `backends` alone after them, its budget cut to end by $DEADLINE (epoch seconds); `pack` puts the logs and verify
-# summaries in $OUT/logs.tgz.
+# 440 s; the stack on $LAYOUTS, default pd,sp-tp,kvp); `backends` runs alone after them, its budget cut to end by
+# $DEADLINE (epoch seconds); `pack` puts the logs and verify summaries in $OUT/logs.tgz.
 # DEV=cpu rehearses the stack's stages on a machine without a GPU.
 set -u
 export PYTHONPATH=libs/attention:libs/model:libs/engine${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TRITON_INTERPRET=0

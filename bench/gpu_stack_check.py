@@ -159,23 +159,24 @@ def _get_json(url: str) -> Any:
         return {"error": repr(e)}
 
 
-def transport_lines(log_dir: Path) -> list[str]:
-    """The instances' log lines naming the transport of each data-plane pair (mesh.py logs one per group)."""
-    marks = ("gloo (", "host-staged (", "nccl (", "cuda-ipc (")
+def _log_lines(log_dir: Path, marks: tuple[str, ...], files: str = "*.log", width: int = 200) -> list[str]:
+    """The services' log lines holding any of `marks`, each as "<service>: <its last `width` characters>"."""
     lines = []
-    for f in sorted(log_dir.glob("*.log")):
-        lines += [f"{f.stem}: {line.strip()[-200:]}" for line in f.read_text(errors="replace").splitlines()
+    for f in sorted(log_dir.glob(files)):
+        lines += [f"{f.stem}: {line.strip()[-width:]}" for line in f.read_text(errors="replace").splitlines()
                   if any(m in line for m in marks)]  # fmt: skip
     return lines
 
 
+def transport_lines(log_dir: Path) -> list[str]:
+    """The instances' log lines naming the transport of each data-plane pair (mesh.py logs one per group)."""
+    return _log_lines(log_dir, ("gloo (", "host-staged (", "nccl (", "cuda-ipc ("))
+
+
 def graph_captures(log_dir: Path) -> list[str]:
-    """The decode instances' CUDA-graph capture lines (cuda_graphs.py logs each bucket's capture time)."""
-    lines = []
-    for f in sorted(log_dir.glob("decode*.log")):
-        lines += [f"{f.stem}: {line.strip()[-160:]}" for line in f.read_text(errors="replace").splitlines()
-                  if "decode graph for batch bucket" in line]  # fmt: skip
-    return lines
+    """The decode instances' CUDA-graph capture lines (cuda_graphs.py: one per bucket captured on first use, one
+    summary for those captured at start)."""
+    return _log_lines(log_dir, ("decode graph for batch bucket", "decode graphs for"), "decode*.log", 160)
 
 
 def what_ran(timeline: Any) -> dict[str, Any]:
