@@ -54,6 +54,9 @@ class Strategy(ABC):
     # How its SP prefill groups exchange (a `spindle_costmodel` SP kind): a named cluster in the simulator prices
     # its groups so (ring for the ring layouts, ulysses for all-to-all)
     sp_kind: str = "ring"
+    # a colocated instance's per-step token budget where the strategy plans at arrival (`chunked`): the prompt tokens
+    # and decodes one engine step takes (vLLM's max_num_batched_tokens); the launcher's elastic default too
+    step_token_budget: int = 2048
 
     @classmethod
     def spreads_kv(cls, options: dict[str, object]) -> bool:

@@ -8,11 +8,14 @@ from ..latency import LatencyModel
 from .cluster import SimConfig, SimDecode, SimInstance
 from .events import EventQueue
 from .metrics import RequestRecord
+from .step_price import StepPrice
 
 
 class SimBase:
     config: SimConfig
     latency: LatencyModel
+    prices: StepPrice  # the one price of a single-instance iteration
+    step_budget: int  # a colocated instance's per-step token budget (colocated_side.py)
     core: SchedulerCore
     instances: dict[str, SimInstance]
     queue: EventQueue

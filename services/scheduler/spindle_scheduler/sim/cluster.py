@@ -227,20 +227,23 @@ class SimDecode(SimInstance):
 
 @dataclass(eq=False)
 class SimColocated(SimDecode):
-    """An elastic instance: each step runs the running decodes plus, when one is ready, the head prefill chunk
-    (Sarathi-style mixed batch). A request takes blocks for its whole sequence when its first chunk starts."""
+    """An elastic instance. Under a plan-at-arrival strategy each step runs the running decodes and pieces of
+    prompts under a token budget (colocated_side.py); a request takes blocks for its whole sequence when it is
+    admitted. Per-iteration strategies send it `RunBatch` iterations instead (iteration_side.py)."""
 
     kvp_group: str = ""
     spp: int = 1  # sequence-pipeline stages (SimConfig.colocated_spp; a re-sharding group's: its configuration's PP)
     parallel: str = ""  # a re-sharding group's configuration now (tier_side.py); "" = it does not re-shard
-    prefills: deque[ChunkJob] = field(default_factory=deque)
-    queued_tokens: int = 0
-    step_chunk: ChunkJob | None = None  # the chunk in the step now running
+    prompts: deque[RequestRecord] = field(default_factory=deque)  # placed here, not admitted yet (FCFS)
+    prefilling: list[RequestRecord] = field(default_factory=list)  # admitted, prompt not done, in admission order
+    computed: dict[str, int] = field(default_factory=dict)  # request id -> prompt tokens computed (prefilling)
+    queued_tokens: int = 0  # prompt tokens placed here and not computed yet
+    step_chunks: list[tuple[RequestRecord, int, int]] = field(default_factory=list)  # (request, start, tokens)
     step_batch: list[RequestRecord] = field(default_factory=list)  # the decodes in the step now running
 
     def _load(self) -> dict[str, int]:
         return {
-            "num_running": len(self.running),
-            "num_waiting": len(self.prefills),
+            "num_running": len(self.running) + len(self.prefilling),
+            "num_waiting": len(self.prompts),
             "queued_tokens": self.queued_tokens,
         }

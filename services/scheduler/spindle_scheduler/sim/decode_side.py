@@ -1,6 +1,6 @@
 """The simulator's decode side: transfer arrival, FIFO joins when blocks fit (on every holder of a split
 request; a split request's tail without room for its outputs scales up onto another member of its group),
-continuous-batching steps (with a prefill chunk mixed in on colocated instances), and leaving."""
+continuous-batching steps (on colocated instances with pieces of prompts, colocated_side.py), and leaving."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from spindle_protocol.messages import DecodeStarted, KVPShards, RequestFinished,
 
 from ..actions import KVShard, shard_specs
 from .base import SimBase
-from .cluster import ChunkJob, SimColocated, SimDecode
+from .cluster import SimColocated, SimDecode
 from .events import EventKind
 from .metrics import RequestRecord
 
@@ -154,32 +154,23 @@ class DecodeSide(SimBase):
     def _start_step(self, d: SimDecode, now: float) -> None:
         if d.stepping:
             return
-        chunk = self._next_colocated_chunk(d, now) if isinstance(d, SimColocated) else None
-        if not d.running and chunk is None:
-            return
-        seconds = 0.0
-        if d.running:
-            seconds = self._decode_step_seconds(d)
-        if chunk is not None:
-            assert isinstance(d, SimColocated)
-            c = chunk.chunk
-            chunk_s = self.latency.prefill.predict(1, c.start, c.num_tokens)  # type: ignore[union-attr]
-            d.busy_spans.append((now, now + chunk_s))
-            seconds += chunk_s
-            d.step_chunk = chunk
-            self._running.add(chunk.rec.request_id)
-        d.stepping = True
         if isinstance(d, SimColocated):
-            d.step_batch = list(d.running)
+            seconds = self._colocated_step(d, now)  # type: ignore[attr-defined]  # colocated_side.py
+            if seconds is None:
+                return
+        elif d.running:
+            seconds = self._decode_step_seconds(d)
+        else:
+            return
+        d.stepping = True
         self.queue.push(now + seconds, EventKind.DECODE_STEP, d)
 
     def _decode_step_seconds(self, d: SimDecode) -> float:
         """The step of `d`'s batch over its local KV; with split requests in the batch, the step also waits
         for the other holders' partial attention over their shards (run in parallel: the slowest counts)."""
-        model = self.latency.decode
-        if model is None:
-            return self.config.decode_step_s
-        seconds = model.predict(len(d.running), d.kv_tokens, tp=d.tp)
+        seconds = self.prices.decode(d.tp, len(d.running), d.kv_tokens)
+        if self.latency.decode is None:
+            return seconds
         remote: dict[str, tuple[int, int]] = {}  # holder -> (split requests of this batch, their tokens there)
         for r in d.running:
             if self.plans[r.request_id].decode_shards:
@@ -188,26 +179,8 @@ class DecodeSide(SimBase):
                         n, t = remote.get(inst.id, (0, 0))
                         remote[inst.id] = (n + 1, t + tokens)
         for n, tokens in remote.values():
-            seconds = max(seconds, model.predict(n, tokens, tp=d.tp))
+            seconds = max(seconds, self.prices.decode(d.tp, n, tokens))
         return seconds
-
-    def _next_colocated_chunk(self, c: SimColocated, now: float) -> ChunkJob | None:
-        """Pop the head prefill chunk if it can run now (its request's whole-sequence blocks fit)."""
-        while c.prefills:
-            job = c.prefills[0]
-            rid = job.rec.request_id
-            if job.rec.state != "pending":
-                c.prefills.popleft()
-                c.queued_tokens -= job.chunk.num_tokens
-                continue
-            if job.index == 0:
-                blocks = self._decode_blocks(job.rec)
-                if c.free_blocks < blocks:
-                    return None  # FCFS: wait for running requests to finish
-                c.alloc(rid, blocks)
-                job.rec.prefill_start = now
-            return c.prefills.popleft()
-        return None
 
     def _on_step(self, now: float, d: SimDecode) -> None:
         d.stepping = False
@@ -239,9 +212,8 @@ class DecodeSide(SimBase):
                 ),
                 now,
             )
-        if colocated and d.step_chunk is not None:
-            self._colocated_chunk_done(d, d.step_chunk, now)
         if colocated:
+            self._colocated_chunks_done(d, now)  # type: ignore[attr-defined]  # colocated_side.py
             d.step_batch = []
         else:
             for rid in d.preempt_after_step:
@@ -255,24 +227,6 @@ class DecodeSide(SimBase):
         self._start_step(d, now)
         if ended and (self._split_masters or self._freed):
             self._retry_split_joins(now)
-
-    def _colocated_chunk_done(self, c: SimColocated, job: ChunkJob, now: float) -> None:
-        rec, rid = job.rec, job.rec.request_id
-        c.step_chunk = None
-        c.queued_tokens -= job.chunk.num_tokens
-        self._running.discard(rid)
-        self._next_chunk[rid] = job.index + 1
-        if rec.state != "pending":
-            c.free(rid)
-        elif not job.is_last:
-            self._chunk_progress(rec, c.id, job.chunk.end, now)
-        else:
-            self._prefill_finished(rec, c.id, now)
-            if rec.state == "pending":
-                rec.transfer_end = now  # the KV is already where it decodes
-                self._start_decoding(c, rec, now)
-            else:
-                c.free(rid)
 
     def _leave_decode(self, d: SimDecode, rec: RequestRecord) -> None:
         if rec in d.running:

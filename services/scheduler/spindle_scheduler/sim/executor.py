@@ -8,8 +8,8 @@ chunk runs when its whole group is free (first token after the last chunk) -> KV
 in parallel -> wait (parked, FIFO) for decode blocks -> continuous-batching decode steps -> finished. A
 `Preempt` swaps a decoding request's KV out to the kvstore and queues it again; it resumes (after the KV
 comes back) when its blocks are free.
-Colocated lifecycle (plan and decode on one elastic instance): chunks are mixed one per step into the
-instance's decode batches; the KV never moves.
+Colocated lifecycle (plan and decode on one elastic instance): the instance batches as the engine does, its
+decodes and pieces of several prompts per step under a token budget (colocated_side.py); the KV never moves.
 Per-iteration lifecycle (an `elastic` strategy, LoongServe): arrival -> Admit without placement -> the
 strategy sends each group of colocated instances its next iteration (RunBatch) as the last one ends
 (iteration_side.py).
@@ -18,9 +18,11 @@ Re-sharding lifecycle (a `reshards` strategy, Seesaw): as per-iteration, on grou
 configuration (`Reshard`), prefill iterations that offload prompts to the kvstore's host tier and onboarding back
 (`MigrateKV` from the kvstore) before decode iterations (tier_side.py).
 
+Every single-instance iteration is priced by what it holds, whichever strategy sent it (step_price.py).
+
 This file holds the loop, arrivals and failures; the prefill side is in prefill_side.py, the decode side in
-decode_side.py, preemption and moves of parked requests in swaps.py, re-sharding in tier_side.py (mixins over
-the state in base.py).
+decode_side.py, colocated batching in colocated_side.py, preemption and moves of parked requests in swaps.py,
+re-sharding in tier_side.py (mixins over the state in base.py).
 """
 
 from __future__ import annotations
@@ -55,11 +57,13 @@ from ..latency import LatencyModel
 from ..strategy import Strategy, create_strategy
 from ..workloads import TraceRequest
 from .cluster import ChunkJob, SimColocated, SimConfig, SimDecode, SimInstance, SimPrefill, pack_nodes
+from .colocated_side import ColocatedSide
 from .decode_side import DecodeSide
 from .events import EventKind, EventQueue
 from .iteration_side import IterationSide
 from .metrics import RequestRecord, SimSummary, Slo, summarize
 from .prefill_side import PrefillSide
+from .step_price import StepPrice
 from .swaps import Swaps
 from .tier_side import TierSide
 
@@ -100,12 +104,11 @@ class TimedCore(SchedulerCore):
             self.plan_ns.append(time.perf_counter_ns() - started)
 
 
-class Simulator(PrefillSide, DecodeSide, Swaps, IterationSide, TierSide):
-    """One simulated run. A chunk takes `latency.prefill.predict(sp, start, length)`; decode steps use
-    `latency.decode` at (config.decode_tp, 1) — (config.colocated_tp, 1) on colocated instances — or
-    `config.decode_step_s` when it is absent; a mixed colocated step costs its chunk (the SP-1 prefill model,
-    whatever the instance's TP: one prefill model serves the run) plus its decodes; transfers use
-    `latency.transfer` per source instance, in parallel (instant when absent)."""
+class Simulator(PrefillSide, DecodeSide, ColocatedSide, Swaps, IterationSide, TierSide):
+    """One simulated run. A chunk on a prefill instance or SP group takes `latency.prefill.predict(sp, start,
+    length)`; every single-instance iteration (a decode step, a colocated step, a `RunBatch` on one instance) takes
+    `StepPrice.step` of what it holds (step_price.py); transfers use `latency.transfer` per source instance, in
+    parallel (instant when absent)."""
 
     def __init__(self, strategy: Strategy | str, latency: LatencyModel, config: SimConfig | None = None) -> None:
         self.config = cfg = config or SimConfig()
@@ -123,6 +126,8 @@ class Simulator(PrefillSide, DecodeSide, Swaps, IterationSide, TierSide):
                 f"{strategy.name}'s groups are priced by the cost model: simulate a named cluster (--hardware)"
             )
         self.core = TimedCore(strategy, cfg.scheduler)
+        self.prices = StepPrice(latency, cfg.decode_step_s)
+        self.step_budget = strategy.step_token_budget
         ctx, bs = cfg.context_len(), cfg.block_size
         n_p, n_d, tp_c = cfg.num_prefill, cfg.num_decode, cfg.colocated_tp
         prefills = [
@@ -304,13 +309,12 @@ class Simulator(PrefillSide, DecodeSide, Swaps, IterationSide, TierSide):
         rec.decode_instance, rec.max_sp = a.decode_instance, max(c.sp for c in a.chunks)
         self.plans[rec.request_id] = a
         self._next_chunk[rec.request_id] = 0
-        jobs = [ChunkJob(rec, a, i) for i in range(len(a.chunks))]
         if isinstance(dst, SimColocated):
             assert all(m is dst for m in members), f"a colocated plan runs on its decode instance: {a}"
-            dst.prefills.extend(jobs)
-            dst.queued_tokens += rec.num_prefill_tokens
+            self._queue_prompt(dst, rec)
             self._start_step(dst, now)
             return
+        jobs = [ChunkJob(rec, a, i) for i in range(len(a.chunks))]
         assert isinstance(dst, SimDecode) and all(isinstance(m, SimPrefill) for m in members), f"bad placement {a}"
         holders = [self.instances.get(h.instance) for h in a.decode_holders]
         assert all(isinstance(h, SimDecode) and not isinstance(h, SimColocated) for h in holders), f"bad shards {a}"
@@ -339,6 +343,7 @@ class Simulator(PrefillSide, DecodeSide, Swaps, IterationSide, TierSide):
         if isinstance(d, SimColocated):
             if rid in self._running or rec in d.step_batch:
                 return  # the step in flight frees it
+            self._drop_prompt(d, rec)
             self._leave_decode(d, rec)
             self._start_step(d, now)
             return

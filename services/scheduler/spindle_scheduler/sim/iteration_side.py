@@ -7,9 +7,9 @@ decode adds a token's KV on its master. When it ends: a part that ends the promp
 (PrefillDone, then DecodeStarted), a decode whose last token it was finishes (RequestFinished, its KV freed on
 every holder), and the group reports IterationDone, after which the strategy sends the next iteration.
 
-Times (virtual): an iteration on one instance whose prefill parts continue cached prompts or run beside decodes
-takes the mixed-batch step where the latency model has one (`MixedBatchModel`: the batch in one pass, not the
-sum of its parts' times). Otherwise a prefill batch on a group of s takes the Eq. 7 form at s
+Times (virtual): an iteration on one instance takes the price of what it holds (`StepPrice.step`, step_price.py:
+the mixed-batch step, the batch in one pass; decodes alone, the decode step), the price every strategy's
+single-instance iterations pay. On a group of s > 1 a prefill batch takes the Eq. 7 form at s
 (`latency.batch_prefill`; parts after cached tokens, or sizes it lacks, take the Eq. 1 form per part); a decode
 batch of b requests over K cached tokens on a group of k takes the decode step at (TP, KVP = k) (fitted to
 multi-master decoding on a named elastic cluster; without that key, k masters each step b/k requests over K/k
@@ -180,10 +180,9 @@ class IterationSide(SimBase):
             return self._kvp_iteration_seconds(a, prefills, decodes)
         if self._member(a.instances[0]).parallel:  # a re-sharding group (tier_side.py)
             return self._config_seconds(a, prefills, decodes)
-        mixed = decodes or any(p.start for p in prefills)
-        if s == 1 and prefills and mixed and lat.mixed is not None and tp in lat.mixed.fits:
-            kv = sum(sum(self._elastic_kv[d.request_id].values()) for d in decodes)
-            return lat.mixed.predict(tp, [(p.start, p.num_tokens) for p in prefills], len(decodes), kv)
+        kv = sum(sum(self._elastic_kv[d.request_id].values()) for d in decodes) + len(decodes)  # with the new tokens
+        if s == 1:  # one instance: the price of what it holds, as for every strategy (step_price.py)
+            return self.prices.step(tp, [(p.start, p.num_tokens) for p in prefills], len(decodes), kv)
         seconds = 0.0
         if prefills:
             batch = lat.batch_prefill
@@ -193,7 +192,6 @@ class IterationSide(SimBase):
                 assert lat.prefill is not None
                 seconds += sum(lat.prefill.predict(s, p.start, p.num_tokens) for p in prefills)
         if decodes:
-            kv = sum(sum(self._elastic_kv[d.request_id].values()) for d in decodes)
             b = len(decodes)
             if lat.decode is None:
                 seconds += self.config.decode_step_s

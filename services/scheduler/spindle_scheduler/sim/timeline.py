@@ -25,6 +25,7 @@ from ..strategy import Strategy
 from ..workloads import TraceRequest
 from .cluster import ChunkJob, SimColocated, SimConfig, SimDecode
 from .executor import SimResult, Simulator
+from .metrics import RequestRecord
 
 
 class RecordingSimulator(Simulator):
@@ -32,7 +33,8 @@ class RecordingSimulator(Simulator):
         super().__init__(strategy, latency, config)
         self.timeline = TimelineBuilder()
         self._strategy = self.core.strategy.describe()
-        self._steps: dict[str, tuple[float, list[str], ChunkJob | None]] = {}  # instance -> the step it runs now
+        # instance -> the step it runs now: its start, decodes and prompt pieces (colocated)
+        self._steps: dict[str, tuple[float, list[str], list[tuple[RequestRecord, int, int]]]] = {}
         for inst in self.instances.values():
             row = InstanceRow(id=inst.id, role=inst.role, rank=inst.rank, node=inst.node,
                               kv_blocks_total=inst.total_blocks)  # fmt: skip
@@ -83,18 +85,17 @@ class RecordingSimulator(Simulator):
         if d.stepping and not stepping:
             colocated = isinstance(d, SimColocated)
             batch = d.step_batch if colocated else d.running
-            chunk = d.step_chunk if colocated else None  # type: ignore[attr-defined]
-            self._steps[d.id] = (now, [r.request_id for r in batch], chunk)
+            chunks = list(d.step_chunks) if colocated else []  # type: ignore[attr-defined]
+            self._steps[d.id] = (now, [r.request_id for r in batch], chunks)
 
     def _on_step(self, now: float, d: SimDecode) -> None:
         if (started := self._steps.pop(d.id, None)) is not None:
-            t0, rids, job = started
+            t0, rids, chunks = started
             if rids:
                 self.timeline.decode_step(d.id, t0, now, rids)
-            if job is not None:  # a chunk mixed into the step (colocated): the step's time is the chunk's too
-                c, rid = job.chunk, job.rec.request_id
-                self.timeline.chunk(Span(instance=d.id, start=t0, end=now, kind="prefill", requests=[rid],
-                                         token_start=c.start, token_end=c.end))  # fmt: skip
+            for rec, start, n in chunks:  # prompt pieces in the step (colocated): the step's time is theirs too
+                self.timeline.chunk(Span(instance=d.id, start=t0, end=now, kind="prefill", requests=[rec.request_id],
+                                         token_start=start, token_end=start + n))  # fmt: skip
         super()._on_step(now, d)
 
     def _run_batch(self, a: RunBatch, now: float) -> None:

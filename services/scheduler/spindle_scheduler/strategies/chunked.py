@@ -1,10 +1,13 @@
-"""`chunked`: colocated (elastic) instances that mix fixed-size prefill chunks into their decode batches,
-FCFS (Sarathi-Serve / vLLM chunked prefill). No sequence parallelism and no KV transfer.
+"""`chunked`: colocated (elastic) instances that mix prompt chunks into their decode batches under a per-step
+token budget, FCFS (Sarathi-Serve / vLLM chunked prefill). No sequence parallelism and no KV transfer.
 
-Each request goes to the elastic instance with the fewest prompt tokens waiting (ties: most free KV); the
-instance runs one `chunk_size`-token chunk of its head request per step alongside its running decodes. On the
-services, `spindle_elastic` is that instance: its engine chunks by its own per-step token budget, which
-`spindle up` sets to the same `chunk_size`.
+Each request goes to the elastic instance with the fewest prompt tokens waiting (ties: most free KV). Each step
+of an instance takes its running decodes first, then pieces of the prompts it is prefilling, then waiting prompts,
+until `chunk_size` tokens (the step's token budget: vLLM's `max_num_batched_tokens`, Sarathi-Serve's token budget)
+are taken, so one step may pack several prompts' chunks. On the services, `spindle_elastic` is that instance: its
+engine batches so, with the budget `spindle up` sets to the same `chunk_size`; the simulator's colocated
+instances do too (sim/colocated_side.py). The plan's chunks name the budget; the instance cuts the prompt by what
+is left of it in each step.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class ChunkedPrefillStrategy(Strategy):
         if chunk_size < 1:
             raise ValueError(f"chunked: chunk_size must be >= 1, got {chunk_size}")
         self.chunk_size = chunk_size
+        self.step_token_budget = chunk_size
 
     def options(self) -> dict[str, object]:
         return {"chunk_size": self.chunk_size}

@@ -1,0 +1,112 @@
+"""One price for the same work: a step's time depends on what it holds, never on which strategy sent it; and
+`chunked` batches as vLLM's scheduler does (decodes first, then several prompts' chunks up to a token budget)."""
+
+import pytest
+
+from spindle_costmodel import CostModel, get_hardware, get_model
+from spindle_costmodel.costs import SINGLE
+from spindle_protocol.messages import IterationDone, RequestSpec, WorkerEvent
+from spindle_scheduler import Admit, SchedulerConfig
+from spindle_scheduler.actions import Action, DecodePart, KVShard, PrefillPart, RunBatch
+from spindle_scheduler.calibration import latency_from_cost_model
+from spindle_scheduler.sim import SimConfig, Simulator
+from spindle_scheduler.sim.invariants import check_invariants
+from spindle_scheduler.sim.step_price import StepPrice
+from spindle_scheduler.state import ClusterState
+from spindle_scheduler.strategy import Strategy
+from spindle_scheduler.workloads import TraceRequest
+
+COST = CostModel(get_model("llama3-8b"), get_hardware("a100-80g"))
+LATENCY = latency_from_cost_model(COST, max_tokens=1 << 14, mixed=[SINGLE])
+CONFIG = SimConfig(num_prefill=0, num_decode=0, num_colocated=1, kv_bytes_per_token=1024,
+                   scheduler=SchedulerConfig(max_num_requests=100))  # fmt: skip
+PRICE = StepPrice(LATENCY, CONFIG.decode_step_s)
+
+
+class Replay(Strategy):
+    """A per-iteration strategy that sends, one after another, the iterations it is given (steps of
+    (prefill parts as (request index, start, end), decoding request indices)) to the one elastic instance."""
+
+    name = "replay"
+    colocated = elastic = keeps_kv_in_place = True
+
+    def __init__(self, steps: list[tuple[list[tuple[int, int, int]], list[int]]]) -> None:
+        super().__init__(None)
+        self.steps, self.specs, self.sent, self.busy = steps, {}, 0, False
+
+    def plan(self, spec: RequestSpec, state: ClusterState, now: float) -> list[Action]:
+        self.specs[int(spec.request_id.split("-")[1])] = spec
+        return [Admit(spec.request_id, (), ""), *self._next()]
+
+    def on_event(self, event: WorkerEvent, state: ClusterState, now: float) -> list[Action]:
+        if isinstance(event, IterationDone):
+            self.busy = False
+        return self._next()
+
+    def _next(self) -> list[Action]:
+        if self.busy or self.sent == len(self.steps):
+            return []
+        parts, decodes = self.steps[self.sent]
+        if any(i not in self.specs for i, _, _ in parts):
+            return []  # its request has not arrived yet
+        self.sent, self.busy = self.sent + 1, True
+        iid = "elastic-0"
+        prefills = tuple(PrefillPart(self.specs[i], a, b, (KVShard(iid, a, b),)) for i, a, b in parts)
+        return [RunBatch(self.sent, (iid,), prefills, tuple(DecodePart(f"req-{i}", iid) for i in decodes))]
+
+
+def test_a_step_is_priced_by_what_it_holds():
+    # decodes alone: the decode step; with chunks: the mixed step, one pass over all of them (not a sum of parts)
+    assert PRICE.step(1, [], 4, 4000) == LATENCY.decode.predict(4, 4000, tp=1)
+    both = PRICE.step(1, [(0, 512), (0, 300)], 2, 3000)
+    assert both == LATENCY.mixed.predict(1, [(0, 512), (0, 300)], 2, 3000)
+    assert both < PRICE.step(1, [(0, 512)]) + PRICE.step(1, [(0, 300)]) + PRICE.step(1, [], 2, 3000)
+    # and it stays within the cost model it is fitted to
+    want = COST.step([], [1000, 2000], SINGLE).total_s
+    assert PRICE.step(1, [], 2, 3000) == pytest.approx(want, rel=0.15)
+
+
+def test_identical_steps_get_identical_times_whichever_strategy_sent_them():
+    reqs = [TraceRequest(0.0, 700, 3), TraceRequest(0.0, 300, 3)]
+    chunked = Simulator("chunked:chunk_size=512", LATENCY, CONFIG)
+    result = chunked.run(reqs)
+    check_invariants(chunked, result)
+    a, b = result.records
+    # what chunked's instance ran: [A 0:512]; [A 512:700, B 0:300] (B joins in what is left of the budget); then
+    # two decode steps of A and B
+    steps = [([(0, 0, 512)], []), ([(0, 512, 700), (1, 0, 300)], []), ([], [0, 1]), ([], [0, 1])]
+    replayed = Simulator(Replay(steps), LATENCY, CONFIG)
+    ra, rb = replayed.run(reqs).records
+    assert ra.token_times == a.token_times and rb.token_times == b.token_times
+    first = PRICE.step(1, [(0, 512)])
+    second = PRICE.step(1, [(512, 188), (0, 300)])
+    assert a.token_times[0] == pytest.approx(first + second) == b.token_times[0]
+    assert a.token_times[1] - a.token_times[0] == pytest.approx(PRICE.step(1, [], 2, 701 + 301))
+
+
+def test_chunked_packs_several_prompts_into_one_step_up_to_its_budget():
+    reqs = [TraceRequest(0.0, 1000, 4)] + [TraceRequest(0.001, 300, 4) for _ in range(3)]
+    sim = Simulator("chunked:chunk_size=2048", LATENCY, CONFIG)
+    result = sim.run(reqs)
+    check_invariants(sim, result)
+    first, *short = result.records
+    t0 = PRICE.step(1, [(0, 1000)])  # the first prompt arrived alone
+    assert first.token_times[0] == pytest.approx(t0)
+    # the three short prompts arrived during it and share the next step with the first prompt's first decode
+    t1 = t0 + PRICE.step(1, [(0, 300)] * 3, 1, 1001)
+    assert [r.token_times[0] for r in short] == pytest.approx([t1] * 3)
+    assert first.token_times[1] == pytest.approx(t1)
+
+
+def test_the_budget_counts_decodes_first_then_prompt_pieces():
+    # a budget of 8: a running decode takes one token, the prompt gets the 7 left in each step it shares with it
+    reqs = [TraceRequest(0.0, 16, 20), TraceRequest(0.0005, 40, 2)]
+    sim = Simulator("chunked:chunk_size=8", LATENCY, CONFIG)
+    result = sim.run(reqs)
+    check_invariants(sim, result)
+    a, b = result.records
+    # a: two steps of 8 prompt tokens; b arrives during the first, waits for the budget, then gets 7 per step
+    # beside a's decode: 40 tokens take 6 steps (5 x 7 + 5)
+    assert a.token_times[0] == pytest.approx(PRICE.step(1, [(0, 8)]) + PRICE.step(1, [(8, 8)]))
+    steps_with_b = [t for t in a.token_times[1:] if t <= b.token_times[0] + 1e-12]
+    assert len(steps_with_b) == 6
