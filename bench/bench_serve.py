@@ -122,8 +122,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     load.add_argument(
         "--trace",
         type=Path,
-        help="replay this trace (.csv: arrived_at,num_prefill_tokens,num_decode_tokens; or .jsonl) instead of "
-        "--num-prompts/--input-len/--output-len/--request-rate/--burstiness",
+        help="replay this trace instead of --num-prompts/--input-len/--output-len/--request-rate/--burstiness: "
+        "Mooncake / AIPerf JSONL (timestamp ms, input_length, output_length), BurstGPT CSV, or Spindle's own .csv "
+        "(arrived_at,num_prefill_tokens,num_decode_tokens) / .jsonl; e.g. examples/traces/mooncake_example.jsonl",
     )
     load.add_argument("--metric-percentiles", type=_percentiles, default=list(DEFAULT_PERCENTILES), help="default: 99")
     over = p.add_argument_group("overhead")

@@ -1,6 +1,7 @@
 """Trace replay for the load generator: each request of a trace file is sent at its `arrived_at` offset.
 
-A request of the trace (`spindle_scheduler.traces`: Vidur-style CSV or vLLM custom-dataset JSONL) becomes a
+A request of the trace (`spindle_scheduler.traces.read_trace`: Mooncake / AIPerf JSONL, BurstGPT CSV, or Spindle's
+own Vidur-style CSV / vLLM custom-dataset JSONL) becomes a
 token-id prompt of exactly `num_prefill_tokens` random ids in [1000, 40000) (seeded; the completions API
 takes a list of ids as `prompt`, so no tokenizer round trip changes the length) with `max_tokens =
 num_decode_tokens` and `ignore_eos`, so the output length is exact too. Arrival offsets are used as they are
@@ -18,19 +19,17 @@ import httpx
 from serve_client import run_schedule
 from serve_stats import RequestResult
 
-from spindle_scheduler.traces import read_csv, read_jsonl
+from spindle_scheduler.traces import read_trace, replay
 from spindle_scheduler.workloads import TraceRequest
 
 
 def load_trace(path: str | Path, model: str = "smollm2") -> list[TraceRequest]:
-    """A `.csv` (Vidur columns) or `.jsonl` trace; plain vLLM JSONL lines are counted with `model`'s tokenizer."""
+    """A trace file in any format `read_trace` reads, its requests in arrival order from 0; plain vLLM JSONL lines
+    are counted with `model`'s tokenizer."""
     path = Path(path)
-    if path.suffix.lower() == ".csv":
-        trace = read_csv(path)
-    elif path.suffix.lower() in (".jsonl", ".json"):
-        trace = read_jsonl(path, count_tokens=_token_counter(model))
-    else:
-        raise ValueError(f"{path}: a trace must be .csv or .jsonl")
+    trace = read_trace(path, count_tokens=_token_counter(model))
+    if trace:
+        trace = replay(trace, len(trace))  # arrival order, the first at 0 (a BurstGPT trace starts seconds in)
     if not trace:
         raise ValueError(f"{path}: the trace is empty")
     return trace

@@ -108,3 +108,14 @@ def test_stream_completion_parses_sse() -> None:
 
     r = _stream(b'{"error": {"message": "bad"}}', status=400)
     assert not r.success and r.error.startswith("HTTP 400")
+
+
+def test_the_load_generator_replays_mooncake_and_burstgpt_traces() -> None:
+    from serve_trace import load_trace, trace_prompts
+
+    examples = Path(__file__).resolve().parents[1] / "examples" / "traces"
+    moon = load_trace(examples / "mooncake_example.jsonl")
+    burst = load_trace(examples / "burstgpt_example.csv")
+    assert len(moon) == 64 and len(burst) == 62
+    assert moon[0].arrived_at == burst[0].arrived_at == 0.0  # BurstGPT's trace starts 5 s in: replayed from 0
+    assert [len(p) for p in trace_prompts(moon[:3], seed=0)] == [r.num_prefill_tokens for r in moon[:3]]

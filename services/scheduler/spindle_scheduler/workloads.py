@@ -76,34 +76,19 @@ Service classes: every request is ``"interactive"`` (latency SLOs apply) unless 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from statistics import NormalDist
 from typing import Protocol
 
 import numpy as np
 
+from .traces import TraceRequest, read_trace, replay
+
 _N = NormalDist()
 _Z999 = _N.inv_cdf(0.999)
-
-
-SERVICE_CLASSES = ("interactive", "batch")  # spindle_protocol's ServiceClass
-
-
-@dataclass(frozen=True)
-class TraceRequest:
-    arrived_at: float
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    service_class: str = "interactive"  # "batch": throughput work without a latency SLO
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.arrived_at) and self.arrived_at >= 0):
-            raise ValueError(f"arrived_at must be finite and >= 0, got {self.arrived_at}")
-        if self.num_prefill_tokens < 1 or self.num_decode_tokens < 1:
-            raise ValueError(f"token counts must be >= 1, got {self.num_prefill_tokens}, {self.num_decode_tokens}")
-        if self.service_class not in SERVICE_CLASSES:
-            raise ValueError(f"service_class must be one of {SERVICE_CLASSES}, got {self.service_class!r}")
 
 
 @dataclass(frozen=True)
@@ -558,19 +543,42 @@ def resolve_workload(name: str) -> Workload | BatchJob:
     )
 
 
+TRACE_PREFIX = "trace:"  # a workload name `trace:PATH` replays a trace file (traces.read_trace)
+
+
+@functools.lru_cache(maxsize=8)
+def _trace_file(path: str, mtime_ns: int) -> tuple[TraceRequest, ...]:
+    return tuple(read_trace(path))
+
+
+def trace_file(path: str) -> tuple[TraceRequest, ...]:
+    """The requests of a trace file, read once while it is unchanged."""
+    try:
+        mtime = Path(path).stat().st_mtime_ns
+    except OSError as e:
+        raise ValueError(f"cannot read the trace {path}: {e}") from e
+    return _trace_file(path, mtime)
+
+
 def make_workload(
     name: str | Workload | BatchJob,
     num_requests: int,
-    rate: float,
+    rate: float | None,
     seed: int,
     arrival: str = "poisson",
     cv: float = 1.0,
 ) -> list[TraceRequest]:
     """``num_requests`` requests of workload ``name`` arriving at ``rate`` req/s, in arrival order; deterministic
     for ``seed``. A ``BatchJob``'s online requests take the arrival process and its batch requests all arrive at
-    the midpoint of their span (sorted in after the online requests arriving at or before it)."""
+    the midpoint of their span (sorted in after the online requests arriving at or before it). ``trace:PATH``
+    replays a trace file (``traces.replay``: its first requests, repeated when it is shorter, scaled to ``rate``;
+    ``rate`` None: at the recorded times; the seed, arrival process and cv do not apply)."""
     if num_requests < 0:
         raise ValueError(f"num_requests must be >= 0, got {num_requests}")
+    if isinstance(name, str) and name.startswith(TRACE_PREFIX):
+        return replay(trace_file(name[len(TRACE_PREFIX) :]), num_requests, rate)
+    if rate is None:
+        raise ValueError(f"workload {name!r} needs an arrival rate (only a trace file has recorded arrival times)")
     workload = resolve_workload(name) if isinstance(name, str) else name
     process = Arrival(arrival, rate, cv)
     # the batch job's lengths get a third child seed, so the online part is the plain workload's trace

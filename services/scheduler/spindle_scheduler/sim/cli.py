@@ -18,7 +18,7 @@ from ..calibration import CALIBRATIONS, load_paper_calibration
 from ..core import SchedulerConfig
 from ..latency import LatencyModel
 from ..strategy import available_strategies, strategy_class
-from ..workloads import make_workload
+from ..workloads import TRACE_PREFIX, make_workload, trace_file
 from .cluster import SimConfig
 from .executor import simulate
 from .loadsearch import MaxLoad, max_sustainable_load
@@ -49,6 +49,15 @@ CLUSTER_HELP = (
 def _add_run_args(p: argparse.ArgumentParser, num_requests: int) -> None:
     """Workload, cluster, latency source and SLO flags shared by `spindle sim`, `sim sweep` and `sim compare`."""
     p.add_argument("--workload", default="tetris-short", help="workload name (spindle_scheduler.workloads)")
+    p.add_argument(
+        "--trace",
+        type=Path,
+        metavar="FILE",
+        help="replay a trace file instead of --workload: Mooncake / AIPerf JSONL (timestamp in ms, input_length, "
+        "output_length, hash_ids), BurstGPT CSV, or Spindle's own JSONL / CSV (`spindle_scheduler.traces`). Its "
+        "first --num-requests requests (the file repeated when shorter), at the recorded times, or scaled to a mean "
+        "of --rate req/s (a max-load search scales it to each rate); --seed, --arrival and --cv do not apply",
+    )
     p.add_argument("--arrival", default="poisson", choices=["poisson", "gamma"])
     p.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of gamma inter-arrivals")
     p.add_argument("--num-requests", type=int, default=num_requests)
@@ -140,7 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sp", type=int, help="strategy option sp (fixed-sp: SP group size)")
     p.add_argument("--max-sp", type=int, help="strategy option max_sp (request-sp: largest SP size)")
     p.add_argument("--chunk-size", type=int, help="strategy option chunk_size (chunked: tokens per chunk)")
-    p.add_argument("--rate", type=float, default=1.0, help="mean arrival rate, requests/s (inf: all at once)")
+    p.add_argument(
+        "--rate",
+        type=float,
+        help="mean arrival rate, requests/s (inf: all at once); default 1, or a --trace file's recorded times",
+    )
     _add_run_args(p, num_requests=1000)
     p.add_argument("--json", type=Path, help="write the summary (with the cluster's shape) here")
     p.add_argument(
@@ -237,6 +250,20 @@ def check_max_load_args(args: argparse.Namespace) -> None:
     flags = (("--light-rate", args.light_rate), ("--max-load-slo", args.max_load_slo))
     if given := [flag for flag, value in flags if value is not None]:
         raise ValueError(f"{' and '.join(given)} belong to the latency rule, not to --max-load-attainment")
+
+
+def use_trace_file(args: argparse.Namespace) -> None:
+    """--trace FILE: the run's workload is `trace:FILE`, read now so a bad file fails before any run."""
+    if args.trace is None:
+        return
+    trace = trace_file(str(args.trace))
+    if not trace:
+        raise ValueError(f"{args.trace}: the trace has no requests")
+    args.workload = f"{TRACE_PREFIX}{args.trace}"
+
+
+def rate_text(rate: float | None) -> str:
+    return "the recorded rate" if rate is None else f"{rate:g} req/s"
 
 
 def _trace_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -428,6 +455,11 @@ def main(argv: list[str] | None = None) -> int:
         return compare_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
+        use_trace_file(args)
+        if args.rate is None and args.trace is None:
+            args.rate = 1.0
+        if args.rate is not None and not args.rate > 0:
+            raise ValueError(f"--rate must be > 0 requests/s, got {args.rate}")
         spec = _strategy_spec(args)
         setup = setups(args, [spec])[spec]
         trace = make_workload(args.workload, args.num_requests, args.rate, args.seed, args.arrival, args.cv)
@@ -436,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from .timeline import run_recorded
 
-            title = f"spindle sim: {spec} on {args.workload} at {args.rate:g} req/s ({setup.shape.text})"
+            title = f"spindle sim: {spec} on {args.workload} at {rate_text(args.rate)} ({setup.shape.text})"
             result = run_recorded(trace, spec, setup.latency, setup.config, args.timeline, title)
         summary = result.summary(args.workload, args.rate, _slo(args))
     except ValueError as e:
@@ -448,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps(d, indent=2) + "\n")
     print(f"cluster: {setup.shape.text}")
-    print(f"{spec} on {args.workload} at {args.rate:g} req/s: {d['completed']}/{d['num_requests']} completed")
+    print(f"{spec} on {args.workload} at {rate_text(args.rate)}: {d['completed']}/{d['num_requests']} completed")
     for key in ("ttft_s", "tbt_s", "e2e_s"):
         s = d[key]
         print(f"  {key:7s} mean {_f(s['mean'])}  p50 {_f(s['p50'])}  p90 {_f(s['p90'])}  p99 {_f(s['p99'])}")
@@ -500,6 +532,7 @@ def sweep_main(argv: list[str]) -> int:
     rows: list[SweepRow] = []
     loads: list[MaxLoad] = []
     try:
+        use_trace_file(args)
         check_max_load_args(args)
         specs = split_specs(args.strategies)
         by_spec = setups(args, specs)

@@ -60,7 +60,9 @@ from .cli import (
     _sim_options,
     _slo,
     check_max_load_args,
+    rate_text,
     split_specs,
+    use_trace_file,
 )
 from .executor import simulate
 from .loadsearch import MaxLoad
@@ -234,7 +236,7 @@ def run_entry(entry: Entry, args: argparse.Namespace, trace: list[TraceRequest] 
             from .timeline import run_recorded, strategy_path
 
             path = strategy_path(args.timeline, entry.spec)
-            title = f"spindle sim compare: {entry.spec} on {args.workload} at {args.rate:g} req/s ({s.shape.text})"
+            title = f"spindle sim compare: {entry.spec} on {args.workload} at {rate_text(args.rate)} ({s.shape.text})"
             result = run_recorded(trace, entry.spec, s.latency, s.config, path, title)
             print(f"timeline of {entry.spec}: {path}")
         if result.records and all(r.state == "rejected" for r in result.records):
@@ -390,10 +392,11 @@ def compare_title(doc: dict[str, Any]) -> str:
 def compare_main(argv: list[str]) -> int:
     p = build_compare_parser()
     args = p.parse_args(argv)
-    if args.rate is None and not args.max_load:
-        p.error("give --rate, --max-load or both")
+    if args.rate is None and not args.max_load and args.trace is None:
+        p.error("give --rate, --max-load or both (or --trace alone: a run at the recorded times)")
     started = time.perf_counter()
     try:
+        use_trace_file(args)
         specs = split_specs(args.strategies) if args.strategies else available_strategies()
         for spec in specs:
             check_spec(spec)
@@ -404,7 +407,7 @@ def compare_main(argv: list[str]) -> int:
         entries = prepare(args, specs)
         _print_shapes({e.spec: e.setup for e in entries if e.setup is not None})
         trace = None
-        if args.rate is not None:
+        if args.rate is not None or (args.trace is not None and not args.max_load):
             trace = make_workload(args.workload, args.num_requests, args.rate, args.seed, args.arrival, args.cv)
         done = []
         for entry in entries:
