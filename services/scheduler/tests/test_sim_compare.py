@@ -12,7 +12,8 @@ from spindle_scheduler.strategy import available_strategies, parse_strategy_spec
 
 SMALL = ["--workload", "tetris-short", "--num-requests", "40", "--seed", "1"]
 GIVEN = ["--instances", "4", "--decode-instances", "2"]
-KEYS = {"completed", "ttft_s", "tpot_s", "e2e_s", "interactive_ttft_s", "interactive_tpot_s", "throughput_tok_s"}
+KEYS = {"completed", "rejected", "ttft_s", "tpot_s", "e2e_s", "interactive_ttft_s", "interactive_tpot_s"}
+KEYS |= {"throughput_tok_s"}
 KEYS |= {"goodput_rps", "slo_attainment", "batch_jct_s", "max_load_rps", "plan_us"}
 STATS = {"mean", "p50", "p90", "p99"}
 
@@ -32,7 +33,7 @@ def test_json_schema_same_keys_for_every_strategy_nulls_where_not_asked(tmp_path
     assert list(d["strategies"]) == ["single", "request-sp", "fixed-sp:sp=2"]
     for spec, s in d["strategies"].items():
         assert set(s) == KEYS, spec
-        assert s["completed"] == 40 and s["throughput_tok_s"] > 0
+        assert s["completed"] == 40 and s["rejected"] == 0 and s["throughput_tok_s"] > 0
         assert all(set(s[k]) == STATS and s[k]["p50"] <= s[k]["p99"] for k in ("ttft_s", "tpot_s", "e2e_s"))
         assert s["goodput_rps"] is None and s["max_load_rps"] is None  # no SLO, no --max-load
         assert s["slo_attainment"] is None and s["batch_jct_s"] is None  # no SLO, no batch job
@@ -85,10 +86,17 @@ def test_named_cluster_and_the_default_calibration(tmp_path: Path, capsys: pytes
 def test_max_load_on_a_small_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--strategies", "single,request-sp", *GIVEN, *SMALL, "--max-load", "--max-rate", "32"]
     d = _compare(tmp_path, *argv)
-    assert "max sustainable load" in capsys.readouterr().out
-    assert d["workload"]["max_load"] == {
-        "metric": "ttft_p50", "slo_scale": 25.0, "slo_s": None, "attainment": None, "window_s": 0.0,
+    printed = capsys.readouterr().out
+    assert "max sustainable load" in printed
+    rule = d["workload"]["max_load"]
+    # one SLO for the cell: 25x the best strategy's light load, told to every strategy; two minutes a probe
+    assert rule | {"slo_s": None} == {
+        "metric": "ttft_p50", "slo_scale": 25.0, "slo_s": None, "attainment": None, "window_s": 120.0,
+        "slo_from": rule["slo_from"],
     }  # fmt: skip
+    assert rule["slo_from"] in d["strategies"] and rule["slo_s"] > 0
+    assert f"SLO for every strategy: ttft_p50 <= {rule['slo_s']:.4g} s" in printed
+    assert printed.count(f"TTFT P50 SLO {rule['slo_s']:.3g} s") == 2  # each strategy's search used it
     for s in d["strategies"].values():
         assert set(s) == KEYS and 0 < s["max_load_rps"] <= 32
         assert s["completed"] is None and s["ttft_s"] is None and s["plan_us"] is None  # no --rate: no run
@@ -171,3 +179,29 @@ def test_help_and_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "spindle sim compare" in capsys.readouterr().out.replace("\n", " ")
+
+
+def test_seeds_give_means_ranges_and_only_the_wins_they_carry(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    argv = ["--strategies", "single", "chunked", *GIVEN, "--workload", "tetris-short", "--num-requests", "40"]
+    d = _compare(tmp_path, *argv, "--rate", "2", "--slo-ttft", "5", "--seeds", "1,2,3")
+    printed = capsys.readouterr().out
+    assert d["workload"]["seeds"] == [1, 2, 3] and d["workload"]["seed"] is None
+    one = {seed: _compare(tmp_path, *argv, "--rate", "2", "--slo-ttft", "5", "--seed", str(seed)) for seed in (1, 2, 3)}
+    for spec, s in d["strategies"].items():
+        goodputs = [one[seed]["strategies"][spec]["goodput_rps"] for seed in (1, 2, 3)]
+        assert s["goodput_rps"] == pytest.approx(sum(goodputs) / 3)
+        assert s["spread"]["goodput_rps"] == [min(goodputs), max(goodputs)]
+        assert s["per_seed"]["2"]["goodput_rps"] == goodputs[1]
+        p50s = [one[seed]["strategies"][spec]["ttft_s"]["p50"] for seed in (1, 2, 3)]
+        assert s["ttft_s"]["p50"] == pytest.approx(sum(p50s) / 3)
+        assert s["spread"]["ttft_s.p50"] == [min(p50s), max(p50s)]
+    for metric, v in d["verdicts"].items():
+        lo, hi = d["strategies"][v["best"]]["spread"][metric]
+        others = [d["strategies"][s]["spread"][metric] for s in d["strategies"] if s != v["best"]]
+        overlap = any(a <= hi and b >= lo for a, b in others)
+        assert v["result"] == ("tie" if overlap else "wins")
+    assert "a win only where the seeds' ranges do not overlap" in printed
+    _compare(tmp_path, *argv, "--rate", "2")
+    assert "one seed: no strategy is called the winner" in capsys.readouterr().out
+    assert main(["compare", *argv, "--rate", "2", "--seeds", "1,1"]) == 2
+    assert "distinct seeds" in capsys.readouterr().err

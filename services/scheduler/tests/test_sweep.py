@@ -18,7 +18,7 @@ from spindle_scheduler.sim.loadsearch import (
 )
 from spindle_scheduler.sim.metrics import RequestRecord, Slo, summarize
 from spindle_scheduler.sim.plot import plot_sweep, sweep_title
-from spindle_scheduler.sim.sweep import format_table, metric_value, sweep
+from spindle_scheduler.sim.sweep import format_table, metric_value, run_point, sweep
 from spindle_scheduler.workloads import make_workload
 
 SMALL = ["--workload", "tetris-short", "--instances", "4", "--decode-instances", "2", "--num-requests", "60"]
@@ -315,14 +315,18 @@ def test_max_load_by_slo_attainment_in_the_simulator(latency):
         "single", "tetris-short", latency, config, start_rate=0.0625, **kw | {"attainment": 0.5}
     )
     assert loose.rate > m.rate
-    # rejected requests make a rate violate whatever the attainment: 2 in flight at most, an SLO nothing misses
+    # a rejected request is a miss: 2 in flight at most and an SLO nothing completed misses, so a rate's
+    # attainment is the share of requests admitted, and the search ends where more than 10 % are refused
     tight = SimConfig(num_prefill=1, num_decode=1, scheduler=SchedulerConfig(max_num_requests=2))
     dropped = max_sustainable_load(
         "single", "tetris-short", latency, tight, start_rate=0.0625, **kw | {"slo": Slo(1e6)}
     )
     assert dropped.saturated and dropped.rate is not None
-    assert all(p.value == 1.0 if p.ok else p.value == -math.inf for p in dropped.points)
-    assert any(not p.ok for p in dropped.points)
+    for p in dropped.points:
+        trace = make_workload("tetris-short", 40, p.rate, 0)
+        summary = run_point(trace, "single", latency, tight, "tetris-short", p.rate, Slo(1e6))
+        assert p.value == summary.completed / 40 and p.ok == (p.value >= 0.9)
+    assert any(not p.ok for p in dropped.points) and min(p.value for p in dropped.points) > 0
     for slo in (None, Slo()):
         with pytest.raises(ValueError, match="TTFT and/or TPOT"):
             max_sustainable_load("single", "tetris-short", latency, config, **kw | {"slo": slo})
@@ -361,3 +365,12 @@ def test_max_load_attainment_flags(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["sweep", "--help"])
     assert "--max-load-attainment A" in capsys.readouterr().out
+
+
+def test_a_strategy_that_fails_its_light_load_has_no_max_load():
+    # a strategy that rejects requests even under light load: its metric is inf there, so "25x its light load"
+    # would be an infinite SLO that it never violates; it gets no max load instead
+    m = search_max_load(lambda rate: math.inf, "rejects", light_rate=1.0)
+    assert m.rate is None and m.next_rate == 1.0 and not m.points[0].ok
+    m = search_max_load(lambda rate: math.nan, "rejects")
+    assert m.rate is None

@@ -219,10 +219,10 @@ def _add_max_load_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-load-window",
         type=float,
-        default=0.0,
+        default=120.0,
         metavar="S",
-        help="each probed rate R replays at least R x S requests (default 0: --num-requests at every rate), so that "
-        "the load is offered for S seconds and a short trace's burst does not pass for a sustainable load",
+        help="each probed rate R replays at least R x S requests (default 120: two minutes of offered load; 0: "
+        "--num-requests at every rate), so that a short trace's burst does not pass for a sustainable load",
     )
     g.add_argument(
         "--max-load-attainment",
@@ -271,8 +271,11 @@ def _trace_args(args: argparse.Namespace) -> dict[str, Any]:
     return {"num_requests": args.num_requests, "seed": args.seed, "arrival": args.arrival, "cv": args.cv}
 
 
-def _max_load(spec: str, setup: SimSetup, args: argparse.Namespace) -> MaxLoad:
-    """`spec`'s max sustainable load on `setup`, the search as the max-load flags say."""
+def _max_load(
+    spec: str, setup: SimSetup, args: argparse.Namespace, slo_s: float | None = None, light_rate: float | None = None
+) -> MaxLoad:
+    """`spec`'s max sustainable load on `setup`, the search as the max-load flags say (`slo_s`, `light_rate`: a
+    comparison's shared SLO and this strategy's light rate, found already)."""
     return max_sustainable_load(
         spec,
         args.workload,
@@ -280,9 +283,9 @@ def _max_load(spec: str, setup: SimSetup, args: argparse.Namespace) -> MaxLoad:
         setup.config,
         metric=args.metric,
         percentile=args.percentile,
-        light_rate=args.light_rate,
+        light_rate=args.light_rate if light_rate is None else light_rate,
         slo_scale=args.slo_scale,
-        slo_s=args.max_load_slo,
+        slo_s=args.max_load_slo if slo_s is None else slo_s,
         start_rate=args.start_rate,
         rel_tol=args.rel_tol,
         max_rate=args.max_rate,

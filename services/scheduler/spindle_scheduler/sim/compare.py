@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import textwrap
 import time
@@ -65,9 +66,10 @@ from .cli import (
     use_trace_file,
 )
 from .executor import simulate
-from .loadsearch import MaxLoad
+from .loadsearch import MaxLoad, Probe, light_load
 from .metrics import SimSummary, Stats, strict_json
 from .named_cluster import ClusterShape, SimSetup, given_shape, named_cluster, reshaped
+from .seeds import merge_seed_docs, parse_seeds, verdict_lines
 
 STATS = ("mean", "p50", "p90", "p99")
 EXAMPLES = (
@@ -133,6 +135,13 @@ def build_compare_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="with --rate: write each strategy's run as one HTML page (as `spindle sim --timeline`), named after "
         "PATH with the strategy in it: out.html -> out.tetris.html",
+    )
+    p.add_argument(
+        "--seeds",
+        metavar="S,S,...",
+        help="run the comparison once per seed (e.g. 1,2,3; overrides --seed): the JSON holds each metric's mean "
+        "with its range (`spread`) and each seed's values (`per_seed`), and a strategy is called the winner of a "
+        "metric only where its range does not overlap another's (else a tie)",
     )
     _add_max_load_args(p)
     return p
@@ -224,8 +233,11 @@ def prepare(args: argparse.Namespace, specs: list[str]) -> list[Entry]:
     return entries
 
 
-def run_entry(entry: Entry, args: argparse.Namespace, trace: list[TraceRequest] | None) -> Entry:
-    """The run at --rate on `trace` (when given), then the max-load search (with --max-load)."""
+def run_entry(
+    entry: Entry, args: argparse.Namespace, trace: list[TraceRequest] | None, shared: SharedSlo | None = None
+) -> Entry:
+    """The run at --rate on `trace` (when given), then the max-load search (with --max-load) under the cell's
+    `shared` SLO (the latency rule without --max-load-slo)."""
     if entry.skipped or entry.setup is None:
         return entry
     s = entry.setup
@@ -243,8 +255,51 @@ def run_entry(entry: Entry, args: argparse.Namespace, trace: list[TraceRequest] 
             return replace(entry, skipped=f"rejects every request ({result.records[0].reason})")
         entry = replace(entry, summary=result.summary(args.workload, args.rate, _slo(args)))
     if args.max_load:
-        entry = replace(entry, max_load=_max_load(entry.spec, s, args))
+        if shared is None:
+            entry = replace(entry, max_load=_max_load(entry.spec, s, args))
+        else:
+            light = shared.light_rates.get(entry.spec)
+            entry = replace(entry, max_load=_max_load(entry.spec, s, args, slo_s=shared.slo_s, light_rate=light))
     return entry
+
+
+@dataclass(frozen=True)
+class SharedSlo:
+    """The latency rule's SLO of a cell, the same for every strategy: `slo_scale` x the best light-load value."""
+
+    slo_s: float  # inf: no strategy served its light load
+    light_value: float
+    strategy: str  # whose light load it is ("" when none served it)
+    light_rates: dict[str, float]  # spec -> its light rate (the search starts there)
+
+
+def shared_slo(entries: list[Entry], args: argparse.Namespace) -> SharedSlo | None:
+    """The cell's SLO under the latency rule with no absolute --max-load-slo (None otherwise): each strategy's
+    light load is found on the same trace, and the SLO is --slo-scale x the lowest light-load value (a strategy that
+    rejects requests at light load has an infinite one). Printed, and the same for every strategy."""
+    if not args.max_load or args.max_load_attainment is not None or args.max_load_slo is not None:
+        return None
+    best, rates = (math.inf, ""), {}
+    for e in entries:
+        if e.skipped or e.setup is None:
+            continue
+        probe = Probe(e.spec, args.workload, e.setup.latency, e.setup.config, args.num_requests, args.seed,
+                      args.arrival, args.cv, args.max_load_window)  # fmt: skip
+        if args.light_rate is not None:
+            rate, value = args.light_rate, probe.latency_at(args.metric, args.percentile)(args.light_rate)
+        else:
+            rate, value = light_load(probe, args.metric, args.percentile, args.start_rate)
+        rates[e.spec] = rate
+        if value < best[0]:
+            best = (value, e.spec)
+    shared = SharedSlo(args.slo_scale * best[0], best[0], best[1], rates)
+    metric = f"{args.metric}_{args.percentile}"
+    if best[1]:
+        print(f"SLO for every strategy: {metric} <= {shared.slo_s:.4g} s ({args.slo_scale:g} x {best[1]}'s light "
+              f"load, the best: {best[0]:.4g} s)")  # fmt: skip
+    else:
+        print("no strategy served the light load without rejecting requests: no SLO, no max load")
+    return shared
 
 
 def _stats(s: Stats) -> dict[str, float]:
@@ -256,6 +311,8 @@ def strategy_dict(entry: Entry) -> dict[str, Any]:
     s, m = entry.summary, entry.max_load
     return {
         "completed": None if s is None else s.completed,
+        # refused or unfinished: every request the run did not complete (each one a miss)
+        "rejected": None if s is None else s.num_requests - s.completed,
         "ttft_s": None if s is None else _stats(s.ttft_s),
         "tpot_s": None if s is None else _stats(s.tpot_s),
         "e2e_s": None if s is None else _stats(s.e2e_s),
@@ -270,7 +327,7 @@ def strategy_dict(entry: Entry) -> dict[str, Any]:
     }
 
 
-def compare_doc(args: argparse.Namespace, entries: list[Entry]) -> dict[str, Any]:
+def compare_doc(args: argparse.Namespace, entries: list[Entry], shared: SharedSlo | None = None) -> dict[str, Any]:
     slo = _slo(args)
     rule = None
     if args.max_load and args.max_load_attainment is not None:
@@ -280,6 +337,9 @@ def compare_doc(args: argparse.Namespace, entries: list[Entry]) -> dict[str, Any
         rule = {"metric": metric, "slo_scale": args.slo_scale, "slo_s": args.max_load_slo, "attainment": None}
     if rule is not None:
         rule["window_s"] = args.max_load_window
+        if shared is not None:  # the same SLO for every strategy, from the best light load
+            rule["slo_s"] = shared.slo_s if math.isfinite(shared.slo_s) else None
+            rule["slo_from"] = shared.strategy or None
     workload = {
         "name": args.workload,
         "num_requests": args.num_requests,
@@ -341,12 +401,22 @@ def _max_load_text(m: MaxLoad | None, rate: float | None) -> str:
     return f"{'>= ' if m.rate is not None and not m.saturated else ''}{rate:.3g}"
 
 
+def _ranged(d: dict[str, Any], key: str, digits: int = 3) -> str:
+    """A number, with its range over the seeds when there are several: '2.41 [2.30-2.52]'."""
+    text = _num(d[key], digits)
+    spread = d.get("spread", {}).get(key)
+    if spread is None or spread[0] == spread[1] or text == "-":
+        return text
+    return f"{text} [{_num(spread[0], digits)}-{_num(spread[1], digits)}]"
+
+
 def format_compare_table(entries: list[Entry], doc: dict[str, Any]) -> str:
     """A fixed-width table, one strategy a row; skipped ones say why. `SLO att.` when an SLO was given, `batch JCT s`
-    when some strategy ran a trace with a batch job."""
+    when some strategy ran a trace with a batch job; `rej.` counts the requests each strategy did not complete. With
+    several seeds each number is the mean, goodput and max load with their range, and the verdicts follow."""
     with_slo = doc["workload"]["slo"] is not None
     with_batch = any(e.summary is not None and e.summary.num_batch for e in entries)
-    head = ["strategy", "GPUs", "done", "ttft p50", "ttft p99", "tpot p50", "tpot p99", "e2e p50", "tok/s"]
+    head = ["strategy", "GPUs", "done", "rej.", "ttft p50", "ttft p99", "tpot p50", "tpot p99", "e2e p50", "tok/s"]
     head += ["goodput req/s", *(["SLO att."] if with_slo else []), *(["batch JCT s"] if with_batch else [])]
     head += ["max load req/s", "plan µs mean/p99"]
     rows, notes = [], []
@@ -357,19 +427,23 @@ def format_compare_table(entries: list[Entry], doc: dict[str, Any]) -> str:
             continue
         d = doc["strategies"][e.spec]
         ttft, tpot, e2e, plan = (d[k] or {} for k in ("ttft_s", "tpot_s", "e2e_s", "plan_us"))
-        done = "-" if d["completed"] is None else f"{d['completed']}/{doc['workload']['num_requests']}"
+        done = "-" if d["completed"] is None else f"{d['completed']:g}/{doc['workload']['num_requests']}"
+        max_load = _max_load_text(e.max_load, d["max_load_rps"])
+        if "spread" in d and max_load != "-":
+            max_load = (">= " if max_load.startswith(">=") else "") + _ranged(d, "max_load_rps")
         rows.append(
             [
                 e.spec,
                 shape,
                 done,
+                "-" if d["rejected"] is None else f"{d['rejected']:g}",
                 *(_num(x.get(p)) for x, p in ((ttft, "p50"), (ttft, "p99"), (tpot, "p50"), (tpot, "p99"))),
                 _num(e2e.get("p50")),
                 _num(d["throughput_tok_s"], 1),
-                _num(d["goodput_rps"]),
+                _ranged(d, "goodput_rps"),
                 *([_percent(d["slo_attainment"])] if with_slo else []),
                 *([_jct_text(e.summary)] if with_batch else []),
-                _max_load_text(e.max_load, d["max_load_rps"]),
+                max_load,
                 "-" if not plan else f"{_num(plan['mean'], 0)}/{_num(plan['p99'], 0)}",
             ]
         )
@@ -377,7 +451,7 @@ def format_compare_table(entries: list[Entry], doc: dict[str, Any]) -> str:
             notes.append(f"{e.spec}: {e.note}")
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     fmt = "  ".join(f"{{:<{w}}}" if i < 2 else f"{{:>{w}}}" for i, w in enumerate(widths))
-    return "\n".join([*(fmt.format(*r) for r in [head, *rows]), *notes])
+    return "\n".join([*(fmt.format(*r) for r in [head, *rows]), *notes, *verdict_lines(doc)])
 
 
 def compare_title(doc: dict[str, Any]) -> str:
@@ -387,6 +461,35 @@ def compare_title(doc: dict[str, Any]) -> str:
         where = f"{c['model']} on {c['nodes']} x {c['gpus_per_node']} {c['hardware']}"
     at = "" if w["rate"] is None else f" at {w['rate']:g} req/s"
     return f"{w['name']}, {w['num_requests']} requests{at} - {where} ({c.get('gpus', '?')} GPUs)"
+
+
+@dataclass(frozen=True)
+class SeedRun(Entry):
+    """An entry run on one seed, with the cell's shared SLO it was searched under."""
+
+    shared: SharedSlo | None = None
+
+
+def done_shared(done: list[Entry]) -> SharedSlo | None:
+    return next((e.shared for e in done if isinstance(e, SeedRun) and e.shared is not None), None)
+
+
+def run_seed(entries: list[Entry], args: argparse.Namespace) -> list[Entry]:
+    """Every entry on `args.seed`: the run at --rate (or a --trace file's recorded times), and the max-load search
+    under the cell's shared SLO."""
+    trace = None
+    if args.rate is not None or (args.trace is not None and not args.max_load):
+        trace = make_workload(args.workload, args.num_requests, args.rate, args.seed, args.arrival, args.cv)
+    shared = shared_slo(entries, args)
+    done: list[Entry] = []
+    for entry in entries:
+        ran = run_entry(entry, args, trace, shared)
+        done.append(SeedRun(**{f: getattr(ran, f) for f in Entry.__dataclass_fields__}, shared=shared))
+        if ran.max_load is not None:
+            print(_describe_max_load(ran.max_load))
+    if all(e.skipped for e in done):
+        raise ValueError("no strategy could run: " + "; ".join(f"{e.spec}: {e.skipped}" for e in done))
+    return done
 
 
 def compare_main(argv: list[str]) -> int:
@@ -406,17 +509,17 @@ def compare_main(argv: list[str]) -> int:
         check_max_load_args(args)
         entries = prepare(args, specs)
         _print_shapes({e.spec: e.setup for e in entries if e.setup is not None})
-        trace = None
-        if args.rate is not None or (args.trace is not None and not args.max_load):
-            trace = make_workload(args.workload, args.num_requests, args.rate, args.seed, args.arrival, args.cv)
-        done = []
-        for entry in entries:
-            done.append(run_entry(entry, args, trace))
-            if done[-1].max_load is not None:
-                print(_describe_max_load(done[-1].max_load))
-        if all(e.skipped for e in done):
-            raise ValueError("no strategy could run: " + "; ".join(f"{e.spec}: {e.skipped}" for e in done))
-        doc = compare_doc(args, done)
+        seeds = parse_seeds(args.seeds) if args.seeds else [args.seed]
+        docs, done = [], []
+        for seed in seeds:
+            args.seed = seed
+            if len(seeds) > 1:
+                print(f"seed {seed}:")
+            done = run_seed(entries, args)
+            docs.append(compare_doc(args, done, done_shared(done)))
+        doc = docs[0] if len(seeds) == 1 else merge_seed_docs(seeds, docs)
+        if len(seeds) == 1:
+            doc["workload"]["seeds"] = seeds
         print(format_compare_table(done, doc))
         if args.json is not None:
             args.json.write_text(json.dumps(doc, indent=2) + "\n")

@@ -6,7 +6,9 @@
   lowers the metric by more than ``flat_tol`` (5 %): requests then rarely queue behind each other, and the
   latency is that of a request alone on the cluster. Every rate replays the same requests (same seed) with
   the arrival gaps scaled, so at low enough rates the metric stops changing.
-- SLO = ``slo_scale`` (25) x the light-load value, unless an absolute ``slo_s`` is given.
+- SLO = ``slo_scale`` (25) x the light-load value, unless an absolute ``slo_s`` is given. A comparison tells every
+  strategy the same SLO (`spindle sim compare`: 25x the best strategy's light-load value), never each its own; a
+  strategy whose light load already fails (it rejects requests there) has no finite SLO of its own and no max load.
 - Search: from the light rate, multiply by ``growth`` (2) until a rate violates the SLO (or ``max_rate`` is
   passed), then bisect between the last good and the first bad rate until they are within ``rel_tol`` (5 %)
   of each other. A rate violates the SLO when its metric is above it or NaN, or when any request was
@@ -21,7 +23,8 @@ The attainment rule (DistServe's goodput: the highest rate at which at least a s
 per-request SLO; ``attainment=A`` with an ``Slo``, ``--max-load-attainment A`` with ``--slo-ttft``/``--slo-tpot``)
 replaces the latency-percentile rule above: a rate is under the SLO when the run's ``slo_attainment``
 (interactive requests meeting the TTFT and TPOT limits, over all interactive requests; batch requests have no
-latency SLO) is >= A and no request was rejected or failed. The SLO is absolute, so there is no light-load
+latency SLO) is >= A (an interactive request that was rejected or failed is a miss) and no batch request was rejected
+or failed. The SLO is absolute, so there is no light-load
 search: the search starts at ``start_rate``; when that rate already violates, it halves until one holds, at most
 8 times (to ``start_rate`` / 256: requests then hardly queue, so a rate still violating there is taken to mean
 the SLO is out of reach, ``rate`` None), and then grows and bisects as above. ``metric`` is then
@@ -38,7 +41,7 @@ from dataclasses import dataclass, field, replace
 from ..latency import LatencyModel
 from ..workloads import make_workload
 from .cluster import SimConfig
-from .metrics import Slo
+from .metrics import SimSummary, Slo
 from .sweep import check_metric, metric_value, run_point
 
 Evaluate = Callable[[float], float]  # rate -> metric value (inf or NaN: the rate violates any SLO)
@@ -168,6 +171,9 @@ def search_max_load(
             raise ValueError(f"light_rate must be finite and > 0, got {light_rate}")
         light_value = cached(light_rate)
     slo = slo_s if slo_s is not None else slo_scale * light_value
+    if not math.isfinite(slo):  # NaN or inf: the light load itself failed, there is nothing to hold
+        points = [LoadPoint(r, v, False) for r, v in sorted(cached.values.items())]
+        return MaxLoad(strategy, metric, light_rate, light_value, slo, None, light_rate, points)
     rate, next_rate = search_max_rate(cached, slo, light_rate, rel_tol, max(max_rate, light_rate))
     points = [LoadPoint(r, v, v <= slo) for r, v in sorted(cached.values.items())]
     return MaxLoad(strategy, metric, light_rate, light_value, slo, rate, next_rate, points)
@@ -199,6 +205,59 @@ def search_max_attainment(
     return MaxLoad(strategy, "slo_attainment", start_rate, light, math.nan, rate, next_rate, points, attainment, slo)
 
 
+@dataclass(frozen=True)
+class Probe:
+    """How one strategy's run at a rate is made: the workload's trace at that rate (at least `rate x min_window_s`
+    requests, the same seed's), on the config sized to admit them all."""
+
+    strategy: str
+    workload: str
+    latency: LatencyModel
+    config: SimConfig
+    num_requests: int = 1000
+    seed: int = 0
+    arrival: str = "poisson"
+    cv: float = 1.0
+    min_window_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.min_window_s) and self.min_window_s >= 0):
+            raise ValueError(f"min_window_s must be >= 0 seconds, got {self.min_window_s}")
+
+    def run(self, rate: float, slo: Slo | None = None) -> SimSummary:
+        n = self.num_requests
+        if math.isfinite(rate):
+            n = max(n, math.ceil(rate * self.min_window_s))
+        # a longer trace may have more requests in flight than the scheduler admits for `num_requests` (the CLI
+        # sizes it so), which would reject requests
+        config = self.config
+        if n > self.num_requests:
+            limit = max(config.scheduler.max_num_requests, n)
+            config = replace(config, scheduler=replace(config.scheduler, max_num_requests=limit))
+        trace = make_workload(self.workload, n, rate, self.seed, self.arrival, self.cv)
+        return run_point(trace, self.strategy, self.latency, config, self.workload, rate, slo)
+
+    def latency_at(self, metric: str, percentile: str) -> Evaluate:
+        """rate -> the metric at that rate; inf when a request was rejected or failed."""
+        check_metric(metric, percentile)
+
+        def evaluate(rate: float) -> float:
+            summary = self.run(rate)
+            if summary.completed < summary.num_requests:
+                return math.inf
+            return metric_value(summary, metric, percentile)
+
+        return evaluate
+
+
+def light_load(
+    probe: Probe, metric: str = "ttft", percentile: str = "p50", start_rate: float = 1.0
+) -> tuple[float, float]:
+    """(rate, metric value) of `probe`'s strategy under light load (`find_light_load`); the value is inf when it
+    rejects requests even there."""
+    return find_light_load(probe.latency_at(metric, percentile), start_rate)
+
+
 def max_sustainable_load(
     strategy: str,
     workload: str,
@@ -225,40 +284,19 @@ def max_sustainable_load(
     arguments (metric, percentile, light_rate, slo_scale, slo_s) are then unused. ``min_window_s`` > 0: a rate's trace
     has at least ``rate x min_window_s`` requests (the same seed's), so that every probe offers its load for that
     long and a short trace's burst cannot pass for sustained load."""
-    if not (math.isfinite(min_window_s) and min_window_s >= 0):
-        raise ValueError(f"min_window_s must be >= 0 seconds, got {min_window_s}")
-
-    def trace_at(rate: float) -> tuple[list, SimConfig]:
-        """The rate's trace, and the config to run it on: a longer trace may have more requests in flight than the
-        config's scheduler admits for `num_requests` (the CLI sizes it so), which would reject requests."""
-        n = max(num_requests, math.ceil(rate * min_window_s)) if math.isfinite(rate) else num_requests
-        limit = max(config.scheduler.max_num_requests, n)
-        at = (
-            replace(config, scheduler=replace(config.scheduler, max_num_requests=limit)) if n > num_requests else config
-        )
-        return make_workload(workload, n, rate, seed, arrival, cv), at
-
+    probe = Probe(strategy, workload, latency, config, num_requests, seed, arrival, cv, min_window_s)
     if attainment is not None:
         if slo is None or (slo.ttft_s is None and slo.tpot_s is None):
             raise ValueError("the SLO-attainment rule needs a per-request SLO: a TTFT and/or TPOT limit")
 
         def attained(rate: float) -> float:
-            trace, at = trace_at(rate)
-            summary = run_point(trace, strategy, latency, at, workload, rate, slo)
-            if summary.completed < summary.num_requests or summary.slo_attainment is None:
-                return -math.inf
-            return summary.slo_attainment
+            summary = probe.run(rate, slo)
+            if summary.slo_attainment is None or summary.batch_jct_s == math.inf:
+                return -math.inf  # a batch request was rejected or failed
+            return summary.slo_attainment  # interactive requests rejected or failed count as misses
 
         return search_max_attainment(attained, attainment, strategy, slo, start_rate, rel_tol, max_rate)
-    check_metric(metric, percentile)
-
-    def evaluate(rate: float) -> float:
-        trace, at = trace_at(rate)
-        summary = run_point(trace, strategy, latency, at, workload, rate)
-        if summary.completed < summary.num_requests:
-            return math.inf
-        return metric_value(summary, metric, percentile)
-
     return search_max_load(
-        evaluate, strategy, f"{metric}_{percentile}", light_rate, slo_scale, slo_s, start_rate, rel_tol, max_rate
-    )
+        probe.latency_at(metric, percentile), strategy, f"{metric}_{percentile}", light_rate, slo_scale, slo_s,
+        start_rate, rel_tol, max_rate,
+    )  # fmt: skip
