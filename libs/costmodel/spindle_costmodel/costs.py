@@ -127,6 +127,8 @@ class CostModel:
                 # sequence (heads split sp ways: the same pairs per rank), reduce-scatter the output
                 hidden = sum(c.tokens for c in chunks) * m.hidden * b
                 per_node = max(1, hw.gpus_per_node // par.tp)  # SP groups stride by the TP size
+                if par.cross_nodes:  # placed over at least two nodes
+                    per_node = min(per_node, -(-sp // 2))
                 t = 2 * hierarchical_allgather_s(hidden, sp, per_node, hw.intra, hw.inter)
                 layer.append(OpCost("sp_allgather", comm_s=t, s=t))
             elif sp > 1:

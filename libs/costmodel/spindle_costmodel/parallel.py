@@ -1,7 +1,8 @@
 """How one instance's GPUs are split (TP, PP, SP, KVP) and what its collectives cost on the links they span.
 
 GPUs are numbered TP-innermost, then SP, then KVP, then PP: a TP group is consecutive GPUs, an SP group strides
-by the TP size, and so on. A group spans nodes when the block of GPUs it lies in is larger than one node.
+by the TP size, and so on. A group spans nodes when the block of GPUs it lies in is larger than one node, or
+when it is said to (`cross_nodes`: an SP or KVP group of instances placed on different nodes).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ class Parallelism:
     sp: int = 1
     kvp: int = 1  # KV-cache parallel decode: each member holds a range of the context
     sp_kind: str = "ring"
+    # the SP and KVP groups span nodes, whatever the packing (groups of instances placed on different nodes): their
+    # collectives cross the inter-node link (a TP group, inside one instance, never does)
+    cross_nodes: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "sp", "kvp"):
@@ -45,7 +49,8 @@ class Parallelism:
         return size
 
     def spans_nodes(self, axis: str, gpus_per_node: int) -> bool:
-        return getattr(self, axis) > 1 and self.block(axis) > gpus_per_node
+        crosses = self.cross_nodes and axis in ("sp", "kvp")
+        return getattr(self, axis) > 1 and (crosses or self.block(axis) > gpus_per_node)
 
     def label(self) -> str:
         parts = [f"{k.upper()}{v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("sp", self.sp), ("kvp", self.kvp))]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -90,18 +91,24 @@ def latency_from_cost_model(
     mixed: Sequence[Parallelism] = (),
 ) -> LatencyModel:
     """The strategies' fast forms fitted to the cost model of one (model, hardware): Tetris Eq. 1 and LoongServe
-    Eq. 7 per SP size (prefill instances shaped like `prefill`, e.g. its TP), the decode step per decode
-    instance shape in `decode`, and the transfer over the link between nodes, `transfer_links` GPUs sending their
-    share of the KV in parallel (a TP instance's GPUs each hold their KV heads). `multi_master`: decode steps of
-    elastic groups (LoongServe's multi-master decoding over `kvp` instances), fitted under their (TP, KVP) key.
+    Eq. 7 per SP size (prefill instances shaped like `prefill`, e.g. its TP; fitted twice for SP > 1: with the group
+    packed as the cost model packs it, and with its members on different nodes), the decode step per decode
+    instance shape in `decode`, and the transfer over the link between nodes and the one inside a node,
+    `transfer_links` GPUs sending their share of the KV in parallel (a TP instance's GPUs each hold their KV
+    heads). `multi_master`: decode steps of elastic groups (LoongServe's multi-master decoding over `kvp`
+    instances), fitted under their (TP, KVP) key.
     `mixed`: colocated instance shapes to fit the mixed-batch step (`mixed_from_cost_model`) for."""
     if transfer_links < 1:
         raise ValueError(f"transfer_links must be >= 1, got {transfer_links}")
     lengths = length_grid(max_tokens)
-    prefill_rows, batch_rows = [], []
+    prefill_rows, batch_rows, cross_rows, cross_batch_rows = [], [], [], []
+    cross = replace(prefill, cross_nodes=True)
     for sp in sorted(set(sp_sizes)):
         prefill_rows += prefill_samples(cm, sp, prefill, lengths)
         batch_rows += batch_prefill_samples(cm, sp, prefill, lengths[::2])
+        if sp > 1:  # the same group with its members on different nodes
+            cross_rows += prefill_samples(cm, sp, cross, lengths)
+            cross_batch_rows += batch_prefill_samples(cm, sp, cross, lengths[::2])
     if not prefill_rows:
         raise ValueError(f"{cm}: no prefill of >= {lengths[0]} tokens fits on {prefill.label()}")
     decode_rows = []
@@ -112,12 +119,15 @@ def latency_from_cost_model(
         decode_rows += rows
     for par in multi_master:
         decode_rows += decode_samples(cm, par, decode_batches, lengths, multi_master=True)
-    link = cm.hw.inter
+    link, intra = cm.hw.inter, cm.hw.intra
     return LatencyModel(
         prefill=PrefillLatencyModel.fit(prefill_rows),
         batch_prefill=BatchPrefillModel.fit(batch_rows),
         decode=DecodeStepModel.fit(decode_rows),
         transfer=TransferModel(latency_s=link.latency_s, bandwidth_bytes_per_s=link.bandwidth * transfer_links),
+        transfer_intra=TransferModel(latency_s=intra.latency_s, bandwidth_bytes_per_s=intra.bandwidth * transfer_links),
+        prefill_cross=PrefillLatencyModel.fit(cross_rows) if cross_rows else None,
+        batch_prefill_cross=BatchPrefillModel.fit(cross_batch_rows) if cross_batch_rows else None,
         mixed=mixed_from_cost_model(cm, mixed, max_tokens) if mixed else None,
         source=f"cost model: {cm.model.name} on {cm.hw.name}",
     )

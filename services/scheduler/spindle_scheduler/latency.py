@@ -328,6 +328,29 @@ class LatencyModel:
     # a re-sharding group's configurations (Seesaw); built from the cost model, not saved in the JSON
     reshard: ReshardModel | None = None
     source: str = ""
+    # links (a named cluster's, from the cost model; not saved in the JSON): `transfer` is priced on the link
+    # between nodes, `transfer_intra` on the one inside a node; `prefill_cross` / `batch_prefill_cross` are the
+    # prefill forms of SP groups whose members sit on different nodes (their collectives on the slower link).
+    # None: one link for everything (a profile of one machine, published figures)
+    transfer_intra: TransferModel | None = None
+    prefill_cross: PrefillLatencyModel | None = None
+    batch_prefill_cross: BatchPrefillModel | None = None
+
+    def transfer_on(self, cross_nodes: bool) -> TransferModel | None:
+        """The transfer model of a move between instances on different nodes (`cross_nodes`) or on one."""
+        return self.transfer if cross_nodes or self.transfer_intra is None else self.transfer_intra
+
+    def prefill_seconds(self, sp: int, history: float, chunk: float, keep: float = 1.0, cross_nodes: bool = False
+                        ) -> float:  # fmt: skip
+        """Eq. 1 for an SP group on one node, or across nodes (`cross_nodes`, where the model has that form)."""
+        assert self.prefill is not None
+        model = self.prefill
+        if cross_nodes and sp > 1 and self.prefill_cross is not None and sp in self.prefill_cross.coeffs:
+            model = self.prefill_cross
+        return model.predict(sp, history, chunk, keep)
+
+    def batch_prefill_on(self, cross_nodes: bool) -> BatchPrefillModel | None:
+        return self.batch_prefill_cross if cross_nodes and self.batch_prefill_cross is not None else self.batch_prefill
 
     def mixed_model(self, tps: Iterable[int]) -> MixedBatchModel:
         """The mixed-batch predictor at every TP of `tps`: the fitted one's, else built from Eq. 1 and the decode step

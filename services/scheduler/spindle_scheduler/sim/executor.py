@@ -105,10 +105,11 @@ class TimedCore(SchedulerCore):
 
 
 class Simulator(PrefillSide, DecodeSide, ColocatedSide, Swaps, IterationSide, TierSide):
-    """One simulated run. A chunk on a prefill instance or SP group takes `latency.prefill.predict(sp, start,
-    length)`; every single-instance iteration (a decode step, a colocated step, a `RunBatch` on one instance) takes
-    `StepPrice.step` of what it holds (step_price.py); transfers use `latency.transfer` per source instance, in
-    parallel (instant when absent)."""
+    """One simulated run. A chunk on a prefill instance or SP group takes Eq. 1 at its SP size (`latency.prefill`,
+    its cross-node form for a group over several nodes); every single-instance iteration (a decode step, a
+    colocated step, a `RunBatch` on one instance) takes `StepPrice.step` of what it holds (step_price.py);
+    transfers use the transfer model of the link they cross, per source instance, in parallel (instant when
+    absent)."""
 
     def __init__(self, strategy: Strategy | str, latency: LatencyModel, config: SimConfig | None = None) -> None:
         self.config = cfg = config or SimConfig()

@@ -13,7 +13,9 @@ single-instance iterations pay. On a group of s > 1 a prefill batch takes the Eq
 (`latency.batch_prefill`; parts after cached tokens, or sizes it lacks, take the Eq. 1 form per part); a decode
 batch of b requests over K cached tokens on a group of k takes the decode step at (TP, KVP = k) (fitted to
 multi-master decoding on a named elastic cluster; without that key, k masters each step b/k requests over K/k
-tokens); both in one iteration add. A migration of n tokens takes the transfer model's time for their bytes.
+tokens); both in one iteration add. A migration of n tokens takes the transfer model's time for their bytes. A group
+or a migration over two nodes or more is priced on the link between nodes (the cross-node forms of a named
+cluster's latency model), one inside a node on the node's link.
 
 An iteration whose prefill parts name masters (Medha's KV parallelism: a group of replicas sharing requests) takes
 the slowest member's time plus the exchange: each member runs its own chunks and decodes as one mixed batch over
@@ -78,6 +80,9 @@ class IterationSide(SimBase):
         inst = self.instances[iid]
         assert isinstance(inst, SimColocated) or inst.role == "kvstore", f"{iid} holds no elastic KV"
         return inst
+
+    def _spans_nodes(self, instance_ids: tuple[str, ...]) -> bool:
+        return len({self.instances[i].node for i in instance_ids}) > 1
 
     def _free_elastic(self, rid: str) -> None:
         for iid in self._elastic_kv.pop(rid, {}):
@@ -169,9 +174,10 @@ class IterationSide(SimBase):
             t += sum(f.c_hist * h * n for h, n in served if h)
             remote_tokens += sum(n for h, n in served if h)
             slowest = max(slowest, t)
-        if remote_tokens and lat.transfer is not None:
+        link = lat.transfer_on(self._spans_nodes(a.instances))
+        if remote_tokens and link is not None:
             per_token = self.config.query_bytes_per_token or 4 * self.config.kv_bytes_per_token
-            slowest += lat.transfer.predict(remote_tokens * per_token)
+            slowest += link.predict(remote_tokens * per_token)
         return slowest
 
     def _iteration_seconds(self, a: RunBatch, prefills: list[PrefillPart], decodes: list[DecodePart]) -> float:
@@ -183,14 +189,13 @@ class IterationSide(SimBase):
         kv = sum(sum(self._elastic_kv[d.request_id].values()) for d in decodes) + len(decodes)  # with the new tokens
         if s == 1:  # one instance: the price of what it holds, as for every strategy (step_price.py)
             return self.prices.step(tp, [(p.start, p.num_tokens) for p in prefills], len(decodes), kv)
-        seconds = 0.0
+        seconds, cross = 0.0, self._spans_nodes(a.instances)
         if prefills:
-            batch = lat.batch_prefill
+            batch = lat.batch_prefill_on(cross)
             if batch is not None and s in batch.coeffs and all(p.start == 0 for p in prefills):
                 seconds += batch.predict(s, [p.num_tokens for p in prefills])
             else:
-                assert lat.prefill is not None
-                seconds += sum(lat.prefill.predict(s, p.start, p.num_tokens) for p in prefills)
+                seconds += sum(lat.prefill_seconds(s, p.start, p.num_tokens, cross_nodes=cross) for p in prefills)
         if decodes:
             b = len(decodes)
             if lat.decode is None:
@@ -280,8 +285,9 @@ class IterationSide(SimBase):
         assert a.request_id not in self._batch_of, f"migrating {a.request_id} while it runs an iteration"
         tokens = self._elastic_kv.get(a.request_id, {}).get(a.src, 0)
         seconds = 0.0
-        if tokens and self.latency.transfer is not None:
-            seconds = self.latency.transfer.predict(tokens * self.config.kv_bytes_per_token)
+        link = self.latency.transfer_on(self._spans_nodes((a.src, a.dst)))
+        if tokens and link is not None:
+            seconds = link.predict(tokens * self.config.kv_bytes_per_token)
         if tokens:
             self._hold(a.request_id, a.dst, tokens)  # the destination's room is taken from the start
         self._in_batch[a.src] = -1

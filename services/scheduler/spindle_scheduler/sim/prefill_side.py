@@ -1,5 +1,8 @@
 """The simulator's prefill side: chunks queued FCFS on SP groups, a chunk runs when its whole group is free
-and has blocks for its shares; the last chunk yields the first token and starts the KV transfer."""
+and has blocks for its shares; the last chunk yields the first token and starts the KV transfer.
+
+A chunk takes Eq. 1 at its SP size, the cross-node form when its group's members sit on different nodes (a named
+cluster's `LatencyModel.prefill_cross`); each holder's KV moves on the link between it and the decode instance."""
 
 from __future__ import annotations
 
@@ -41,7 +44,8 @@ class PrefillSide(SimBase):
     def _start_chunk(self, job: ChunkJob, now: float) -> None:
         rec, chunk = job.rec, job.chunk
         keep = job.plan.attention_kept
-        seconds = self.latency.prefill.predict(chunk.sp, chunk.start, chunk.num_tokens, keep)  # type: ignore[union-attr]
+        cross = len({self.instances[i].node for i in chunk.instances}) > 1  # a group over two nodes or more
+        seconds = self.latency.prefill_seconds(chunk.sp, chunk.start, chunk.num_tokens, keep, cross)
         for k, iid in enumerate(chunk.instances):
             m = self.instances[iid]
             assert isinstance(m, SimPrefill)
@@ -100,14 +104,21 @@ class PrefillSide(SimBase):
             self._end(rec, "finished", now)
 
     def _transfer_seconds(self, rec: RequestRecord) -> float:
+        """Every holder sends its share to the decode instance at once, each on the link between them (inside a
+        node, or between nodes); the slowest sets the time."""
         if self.latency.transfer is None:
             return 0.0
         holders: dict[str, int] = {}
         for chunk in self.plans[rec.request_id].chunks:
             for k, iid in enumerate(chunk.instances):
                 holders[iid] = holders.get(iid, 0) + chunk.share(k)
-        per_token = self.config.kv_bytes_per_token
-        return max(self.latency.transfer.predict(tokens * per_token) for tokens in holders.values())
+        per_token, dst = self.config.kv_bytes_per_token, self.instances[rec.decode_instance].node
+        seconds = 0.0
+        for iid, tokens in holders.items():
+            link = self.latency.transfer_on(self.instances[iid].node != dst)
+            assert link is not None
+            seconds = max(seconds, link.predict(tokens * per_token))
+        return seconds
 
     def _release_prefill(self, rec: RequestRecord, now: float) -> None:
         """Free the prompt KV `rec` holds on prefill instances (after its transfer, or when it ended)."""
