@@ -426,7 +426,7 @@ class SchedulerCore:
         self._forget(request_id)
 
     def _forget(self, request_id: str) -> None:
-        req = self.state.requests.pop(request_id, None)
+        req = self.state.forget(request_id)
         if req is not None:
             self.state.work_done(req.prefill_instances, request_id)
             self._arrived(req)

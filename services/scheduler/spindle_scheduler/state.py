@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections import deque
 from dataclasses import dataclass, field
 
 from spindle_protocol.messages import InstanceInfo, RequestSpec
@@ -121,12 +122,34 @@ class RequestState:
         return decode_tokens(self.spec, self.decode_holders())
 
 
+FORGOTTEN_KEPT = 4096  # ids of the latest requests the core forgot (for strategies with per-request state of their own)
+
+
 @dataclass
 class ClusterState:
     instances: dict[str, InstanceState] = field(default_factory=dict)
     requests: dict[str, RequestState] = field(default_factory=dict)
     dead: set[str] = field(default_factory=set)
     _live: dict[tuple[str, ...], list[InstanceState]] = field(default_factory=dict, repr=False)
+    # requests the core forgot (ended, failed, aborted, past their deadline), the latest FORGOTTEN_KEPT of them, and
+    # how many in all: a strategy that keeps per-request state drops what ended without scanning every request
+    forgotten: deque[str] = field(default_factory=lambda: deque(maxlen=FORGOTTEN_KEPT), repr=False)
+    forgotten_total: int = 0
+
+    def forget(self, request_id: str) -> RequestState | None:
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.forgotten.append(request_id)
+            self.forgotten_total += 1
+        return req
+
+    def forgotten_since(self, seen: int) -> list[str] | None:
+        """The ids forgotten after the first `seen` of `forgotten_total`, oldest first; None when more of them
+        ended than are kept (the caller then checks its requests against `requests` instead)."""
+        new = self.forgotten_total - seen
+        if new > len(self.forgotten):
+            return None
+        return list(self.forgotten)[len(self.forgotten) - new :] if new else []
 
     def live(self, *roles: str) -> list[InstanceState]:
         """Live instances with any of `roles`, in data-plane rank order (a cached list: do not mutate it)."""

@@ -62,6 +62,7 @@ from .packing import PackLimits, pack
 from .slack import POLICIES, Prefilling, priority, relative_slack
 
 ROLE = "elastic"
+BACKFILL_SCAN = 64  # waiting requests past a blocked one that one placement pass looks at
 
 
 @dataclass
@@ -143,6 +144,9 @@ class MedhaStrategy(Strategy):
         self.waiting: deque[Prefilling] = deque()  # admitted, no replica with room yet
         self.spans: dict[str, list[Span]] = {}  # request -> the replicas holding its KV, when more than one
         self.in_flight: dict[int, InFlight] = {}
+        self._held: set[str] = set()  # every request admitted and not yet seen forgotten by the core
+        self._waiting_ids: set[str] = set()  # the requests in `waiting`
+        self._forgotten_seen = 0  # of ClusterState.forgotten_total
         self._model: MixedBatchModel | None = None
         self._ids = itertools.count(1)
 
@@ -204,11 +208,17 @@ class MedhaStrategy(Strategy):
                 self.replicas[inst.id] = Replica(inst.id, info.rank, info.tp_size, info.kv_blocks_total * block, block,
                                                  spp=info.spp_size)  # fmt: skip
                 self._model = None  # a new TP degree may need its fit
-        for r in self.replicas.values():
-            for rid in [x for x in r.reserved if x not in state.requests]:
-                self._drop(rid)
-        if any(p.rid not in state.requests for p in self.waiting):
+        ended = state.forgotten_since(self._forgotten_seen)
+        self._forgotten_seen = state.forgotten_total
+        if ended is None:  # more ended than the state keeps: check every request against it
+            ended = [rid for rid in self._held if rid not in state.requests]
+        gone = [rid for rid in ended if rid in self._held]
+        for rid in gone:
+            self._held.discard(rid)
+            self._drop(rid)
+        if any(rid in self._waiting_ids for rid in gone):
             self.waiting = deque(p for p in self.waiting if p.rid in state.requests)
+            self._waiting_ids = {p.rid for p in self.waiting}
 
     def _drop(self, rid: str) -> None:
         self.spans.pop(rid, None)
@@ -239,6 +249,8 @@ class MedhaStrategy(Strategy):
         tp = live[0].tp
         deadline = self.ttft_min_s + self.ttft_factor * self.alone_s(tp, 0, spec.prompt.num_tokens)
         self.waiting.append(Prefilling(spec, now, deadline))
+        self._held.add(rid)
+        self._waiting_ids.add(rid)
         return [Admit(rid, (), ""), *self._schedule(now)]
 
     def on_event(self, event: WorkerEvent, state: ClusterState, now: float) -> list[Action]:
@@ -310,6 +322,8 @@ class MedhaStrategy(Strategy):
     def _groups(self) -> list[list[Replica]]:
         """The replicas that run their iterations together: joined by every request whose KV spans them (from its
         first chunk on a second replica), in rank order."""
+        if not self.spans:  # no request spans replicas: each runs alone
+            return [[r] for r in sorted(self.replicas.values(), key=lambda x: x.rank)]
         parent = {iid: iid for iid in self.replicas}
 
         def root(x: str) -> str:
@@ -331,7 +345,8 @@ class MedhaStrategy(Strategy):
     def _place(self, now: float) -> None:
         """KVP load balancer (kvp.py): waiting requests, first in first out, onto the replica (or the replicas) with
         room, the least pending prefill work first. While the first one waits for KV, later ones that fit one replica
-        may pass it (backfill), holding together at most `backfill` of that replica's KV, and only on replicas where
+        may pass it (backfill: the next BACKFILL_SCAN of them in one pass, so a pass costs the same however long
+        the queue), holding together at most `backfill` of that replica's KV, and only on replicas where
         the waiting one would still fit beside that share: a long request waiting for room does not hold up short
         ones, and it cannot be starved by them."""
         if not self.waiting:  # every event and tick comes here
@@ -341,8 +356,13 @@ class MedhaStrategy(Strategy):
                  for r in self.replicas.values()}  # fmt: skip
         blocked: Prefilling | None = None
         placed: set[str] = set()
-        for p in list(self.waiting):
+        scanned = 0
+        for p in self.waiting:
             max_tokens = p.spec.sampling.max_tokens
+            if blocked is not None:
+                scanned += 1
+                if scanned > BACKFILL_SCAN:  # bounded work per event, however long the queue grows
+                    break
             if blocked is None:
                 spans = place(list(rooms.values()), p.prompt, max_tokens, self.kvp, self.kvp_tokens)
                 if spans is None:
@@ -365,6 +385,7 @@ class MedhaStrategy(Strategy):
             self.replicas[spans[0].id].queue.append(p)
         if placed:
             self.waiting = deque(p for p in self.waiting if p.rid not in placed)
+            self._waiting_ids -= placed
         if blocked is None:
             self.bypassers.clear()
 
