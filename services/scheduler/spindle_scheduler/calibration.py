@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from spindle_costmodel import PAPER_FIGURES, CostModel, Parallelism
+from spindle_costmodel import PAPER_FIGURES, CostModel, Link, Parallelism
 from spindle_costmodel.costs import SINGLE, Chunk
 from spindle_costmodel.fast_forms import (
     attention_samples,
@@ -89,6 +89,8 @@ def latency_from_cost_model(
     transfer_links: int = 1,
     multi_master: Sequence[Parallelism] = (),
     mixed: Sequence[Parallelism] = (),
+    noise: float = 0.0,
+    seed: int = 0,
 ) -> LatencyModel:
     """The strategies' fast forms fitted to the cost model of one (model, hardware): Tetris Eq. 1 and LoongServe
     Eq. 7 per SP size (prefill instances shaped like `prefill`, e.g. its TP; fitted twice for SP > 1: with the group
@@ -97,9 +99,12 @@ def latency_from_cost_model(
     `transfer_links` GPUs sending their share of the KV in parallel (a TP instance's GPUs each hold their KV
     heads). `multi_master`: decode steps of elastic groups (LoongServe's multi-master decoding over `kvp`
     instances), fitted under their (TP, KVP) key.
-    `mixed`: colocated instance shapes to fit the mixed-batch step (`mixed_from_cost_model`) for."""
+    `mixed`: colocated instance shapes to fit the mixed-batch step (`mixed_from_cost_model`) for. `noise` > 0: a
+    profile's measurements rather than the model's own numbers: every sample (and each link's latency and
+    bandwidth) is off by a factor exp(noise x N(0, 1)), deterministic for `seed`."""
     if transfer_links < 1:
         raise ValueError(f"transfer_links must be >= 1, got {transfer_links}")
+    jit = Jitter(noise, seed)
     lengths = length_grid(max_tokens)
     prefill_rows, batch_rows, cross_rows, cross_batch_rows = [], [], [], []
     cross = replace(prefill, cross_nodes=True)
@@ -119,41 +124,67 @@ def latency_from_cost_model(
         decode_rows += rows
     for par in multi_master:
         decode_rows += decode_samples(cm, par, decode_batches, lengths, multi_master=True)
-    link, intra = cm.hw.inter, cm.hw.intra
+    prefill_rows, cross_rows = ([(*r[:3], jit(r[3])) for r in rows] for rows in (prefill_rows, cross_rows))
+    batch_rows, cross_batch_rows = ([(*r[:2], jit(r[2])) for r in rows] for rows in (batch_rows, cross_batch_rows))
+    decode_rows = [(*r[:4], jit(r[4])) for r in decode_rows]
+
+    def link_model(link: Link) -> TransferModel:
+        bandwidth = link.bandwidth * transfer_links / jit(1.0)
+        return TransferModel(latency_s=jit(link.latency_s), bandwidth_bytes_per_s=bandwidth)
+
     return LatencyModel(
         prefill=PrefillLatencyModel.fit(prefill_rows),
         batch_prefill=BatchPrefillModel.fit(batch_rows),
         decode=DecodeStepModel.fit(decode_rows),
-        transfer=TransferModel(latency_s=link.latency_s, bandwidth_bytes_per_s=link.bandwidth * transfer_links),
-        transfer_intra=TransferModel(latency_s=intra.latency_s, bandwidth_bytes_per_s=intra.bandwidth * transfer_links),
+        transfer=link_model(cm.hw.inter),
+        transfer_intra=link_model(cm.hw.intra),
         prefill_cross=PrefillLatencyModel.fit(cross_rows) if cross_rows else None,
         batch_prefill_cross=BatchPrefillModel.fit(cross_batch_rows) if cross_batch_rows else None,
-        mixed=mixed_from_cost_model(cm, mixed, max_tokens) if mixed else None,
+        mixed=mixed_from_cost_model(cm, mixed, max_tokens, jit) if mixed else None,
         source=f"cost model: {cm.model.name} on {cm.hw.name}",
     )
 
 
-def mixed_from_cost_model(cm: CostModel, shapes: Sequence[Parallelism], max_tokens: int = 1 << 20) -> MixedBatchModel:
-    """The mixed-batch step per TP degree of `shapes` (`mixed_fit`)."""
+class Jitter:
+    """Multiplicative measurement noise: x -> x * exp(noise * z), z ~ N(0, 1) drawn in call order from `seed`."""
+
+    def __init__(self, noise: float = 0.0, seed: int = 0) -> None:
+        if not 0 <= noise < 1:
+            raise ValueError(f"noise must be in [0, 1), got {noise}")
+        self.noise = noise
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, x: float) -> float:
+        return x if not self.noise else float(x * np.exp(self.noise * self.rng.standard_normal()))
+
+
+def mixed_from_cost_model(
+    cm: CostModel, shapes: Sequence[Parallelism], max_tokens: int = 1 << 20, jit: Jitter | None = None
+) -> MixedBatchModel:
+    """The mixed-batch step per TP degree of `shapes` (`mixed_fit`; `jit`: noise on every sample)."""
     fits, errors = {}, {}
     for par in shapes:
-        fits[par.tp], errors[par.tp] = mixed_fit(cm, par, max_tokens)
+        fits[par.tp], errors[par.tp] = mixed_fit(cm, par, max_tokens, jit)
     return MixedBatchModel(fits, errors)
 
 
-def mixed_fit(cm: CostModel, par: Parallelism, max_tokens: int = 1 << 20) -> tuple[MixedFit, float]:
+def mixed_fit(
+    cm: CostModel, par: Parallelism, max_tokens: int = 1 << 20, jit: Jitter | None = None
+) -> tuple[MixedFit, float]:
     """The mixed-batch step of one instance shape (a full pass through its pipeline stages, if any): the dense grid
     from the cost model's dense ops, the attention coefficients by least squares (relative) on its attention ops;
     and the mean relative error against whole cost-model iterations of chunks (after histories up to 16x their
     length) mixed with decode batches."""
+    jit = jit or Jitter()
     lengths = length_grid(min(max_tokens, 1 << 16), 64)
     grid, dense = dense_grid(cm, par)
     if len(grid) < 2:
         raise ValueError(f"{cm}: not even a 2-token iteration fits on {par.label()}")
-    rows = np.array([r for r in attention_samples(cm, par, lengths) if r[2] > 0])
+    dense = [jit(x) for x in dense]
+    rows = np.array([(h, n, jit(t)) for h, n, t in attention_samples(cm, par, lengths) if t > 0])
     x = np.stack([rows[:, 0] * rows[:, 1], rows[:, 1] ** 2], axis=1)
     c_hist, c_sq = np.linalg.lstsq(x / rows[:, 2:3], np.ones(len(rows)), rcond=None)[0]
-    kv = np.array([r for r in decode_attention_samples(cm, par, (1, 16, 128), lengths) if r[1] > 0])
+    kv = np.array([(k, jit(t)) for k, t in decode_attention_samples(cm, par, (1, 16, 128), lengths) if t > 0])
     c_kv = float(np.sum(kv[:, 1]) / np.sum(kv[:, 0]))
     fit = MixedFit(tuple(grid), tuple(dense), float(c_hist), float(c_sq), c_kv)
     rel = []

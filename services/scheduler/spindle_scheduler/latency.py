@@ -335,6 +335,9 @@ class LatencyModel:
     transfer_intra: TransferModel | None = None
     prefill_cross: PrefillLatencyModel | None = None
     batch_prefill_cross: BatchPrefillModel | None = None
+    # what the simulator charges for work on the cluster these forms were fitted to (sim/prices.py: the cost model
+    # itself on a named cluster); None: the forms themselves. Not saved in the JSON; a strategy never reads it
+    ground_truth: Any = field(default=None, repr=False, compare=False)
 
     def transfer_on(self, cross_nodes: bool) -> TransferModel | None:
         """The transfer model of a move between instances on different nodes (`cross_nodes`) or on one."""

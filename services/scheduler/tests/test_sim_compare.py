@@ -14,7 +14,7 @@ SMALL = ["--workload", "tetris-short", "--num-requests", "40", "--seed", "1"]
 GIVEN = ["--instances", "4", "--decode-instances", "2"]
 KEYS = {"completed", "rejected", "ttft_s", "tpot_s", "e2e_s", "interactive_ttft_s", "interactive_tpot_s"}
 KEYS |= {"throughput_tok_s"}
-KEYS |= {"goodput_rps", "slo_attainment", "batch_jct_s", "max_load_rps", "plan_us"}
+KEYS |= {"goodput_rps", "slo_attainment", "batch_jct_s", "max_load_rps", "plan_us", "prediction_error"}
 STATS = {"mean", "p50", "p90", "p99"}
 
 
@@ -76,8 +76,16 @@ def test_named_cluster_and_the_default_calibration(tmp_path: Path, capsys: pytes
     assert c["by_strategy"]["chunked"]["num_colocated"] * c["by_strategy"]["chunked"]["colocated_tp"] == 16
     assert c["by_strategy"]["single"]["num_prefill"] == 2 and "fixed-sp:sp=2" in d["strategies"]
     assert "2 prefill x TP4 + 2 decode x TP4 instances" in capsys.readouterr().out
+    # charged the cost model, planned with forms fitted to it: every strategy's prediction error is reported
+    for spec, st in d["strategies"].items():
+        assert 0 <= st["prediction_error"]["all"]["mean_abs"] < 0.5 and st["prediction_error"]["all"]["n"] > 0, spec
+    noisy = _compare(tmp_path, *named, "--strategies", "single", *SMALL, "--rate", "1", "--noise", "0.3")
+    assert (noisy["strategies"]["single"]["prediction_error"]["all"]["mean_abs"]
+            > d["strategies"]["single"]["prediction_error"]["all"]["mean_abs"])  # fmt: skip
+    assert "pred. err" in capsys.readouterr().out
 
     d = _compare(tmp_path, "--strategies", "single", "--num-requests", "30", "--rate", "4")  # calibration, 32 + 8
+    assert d["strategies"]["single"]["prediction_error"] is None  # priced by the very forms it plans with
     c = d["cluster"]
     assert (c["model"], c["num_prefill"], c["num_decode"]) == (None, 32, 8)
     assert d["strategies"]["single"]["completed"] == 30

@@ -8,13 +8,13 @@ from ..latency import LatencyModel
 from .cluster import SimConfig, SimDecode, SimInstance
 from .events import EventQueue
 from .metrics import RequestRecord
-from .step_price import StepPrice
+from .prices import FittedPrices
 
 
 class SimBase:
     config: SimConfig
     latency: LatencyModel
-    prices: StepPrice  # the one price of a single-instance iteration
+    prices: FittedPrices  # what the run charges for work (prices.py)
     step_budget: int  # a colocated instance's per-step token budget (colocated_side.py)
     core: SchedulerCore
     instances: dict[str, SimInstance]

@@ -26,7 +26,8 @@ from .metrics import Slo, format_plan_us, strict_json
 from .named_cluster import DEFAULT_NODES, ClusterSpec, SimSetup, given_shape, named_cluster, reshaped
 from .sweep import METRICS, PERCENTILES, SweepRow, format_table, rows_to_dicts, sweep
 
-NAMED_ONLY = ("model", "nodes", "gpus_per_node", "prefill_tp", "sp_kind")  # flags that only a named cluster takes
+# flags that only a named cluster takes
+NAMED_ONLY = ("model", "nodes", "gpus_per_node", "prefill_tp", "sp_kind", "noise")
 SPEC_HELP = (
     "A strategy spec is NAME or NAME:key=value,key=value (options are the strategy's, e.g. fixed-sp:sp=8, "
     "request-sp:max_sp=16, chunked:chunk_size=512)."
@@ -111,6 +112,15 @@ def _add_run_args(p: argparse.ArgumentParser, num_requests: int) -> None:
         help=f"with --hardware: nodes (default {DEFAULT_NODES}; just enough when the instance counts are all given)",
     )
     g.add_argument("--gpus-per-node", type=int, help="with --hardware: GPUs per node (default: the hardware's)")
+    g.add_argument(
+        "--noise",
+        type=float,
+        metavar="F",
+        help="with --hardware: the run is charged the cost model's own prices and the strategies plan with forms "
+        "fitted to it (Eq. 1, Eq. 7, the decode and mixed-batch steps); F > 0 fits them to a profile whose every "
+        "sample is off by a factor exp(F x N(0, 1)) instead, as a profile measured on real GPUs would be (e.g. "
+        "0.05). The prediction error of each run is reported (`prediction_error`)",
+    )
     g.add_argument(
         "--prefill-tp",
         type=int,
@@ -345,6 +355,7 @@ def _cluster_spec(args: argparse.Namespace) -> ClusterSpec | None:
         num_colocated=args.colocated,
         spp=args.spp,
         sp_kind=args.sp_kind or "ring",  # each strategy's own unless given (setups)
+        noise=args.noise or 0.0,
     )
 
 

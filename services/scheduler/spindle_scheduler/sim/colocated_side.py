@@ -6,7 +6,7 @@ decode; the next piece of each prompt already being prefilled, in admission orde
 admitted when blocks for its whole sequence (prompt and every output token) fit, so a running batch never needs
 preemption. A prompt's piece is as long as what is left of it or of the budget, so a step packs several prompts'
 chunks. The plan's own chunk boundaries are not used: the instance chunks by its budget, as the engine does.
-The step is priced by `StepPrice.step` (step_price.py) from what it holds, the price every strategy's
+The step is priced by `prices.step` (prices.py) from what it holds, the price every strategy's
 single-instance iterations pay.
 
 What differs from the engine: it admits a prompt only when its whole sequence fits (the engine admits a chunk

@@ -324,6 +324,8 @@ def strategy_dict(entry: Entry) -> dict[str, Any]:
         "batch_jct_s": None if s is None else s.batch_jct_s,
         "max_load_rps": None if m is None else (m.rate if m.rate is not None else 0.0),
         "plan_us": None if s is None else asdict(s.plan_us),
+        # how far the strategy's forms were from what its work was charged (named clusters: the cost model)
+        "prediction_error": None if s is None else s.prediction_error,
     }
 
 
@@ -410,6 +412,12 @@ def _ranged(d: dict[str, Any], key: str, digits: int = 3) -> str:
     return f"{text} [{_num(spread[0], digits)}-{_num(spread[1], digits)}]"
 
 
+def _prediction_text(errors: dict[str, Any] | None) -> str:
+    """The mean |predicted - charged| / charged over all the work a strategy ran: '4.1%'; '-' when its run is
+    priced by its own forms."""
+    return "-" if not errors or "all" not in errors else _percent(errors["all"]["mean_abs"])
+
+
 def format_compare_table(entries: list[Entry], doc: dict[str, Any]) -> str:
     """A fixed-width table, one strategy a row; skipped ones say why. `SLO att.` when an SLO was given, `batch JCT s`
     when some strategy ran a trace with a batch job; `rej.` counts the requests each strategy did not complete. With
@@ -418,7 +426,7 @@ def format_compare_table(entries: list[Entry], doc: dict[str, Any]) -> str:
     with_batch = any(e.summary is not None and e.summary.num_batch for e in entries)
     head = ["strategy", "GPUs", "done", "rej.", "ttft p50", "ttft p99", "tpot p50", "tpot p99", "e2e p50", "tok/s"]
     head += ["goodput req/s", *(["SLO att."] if with_slo else []), *(["batch JCT s"] if with_batch else [])]
-    head += ["max load req/s", "plan µs mean/p99"]
+    head += ["max load req/s", "plan µs mean/p99", "pred. err"]
     rows, notes = [], []
     for e in entries:
         shape = "-" if e.setup is None else short_shape(e.setup.shape)
@@ -445,6 +453,7 @@ def format_compare_table(entries: list[Entry], doc: dict[str, Any]) -> str:
                 *([_jct_text(e.summary)] if with_batch else []),
                 max_load,
                 "-" if not plan else f"{_num(plan['mean'], 0)}/{_num(plan['p99'], 0)}",
+                _prediction_text(d.get("prediction_error")),
             ]
         )
         if e.note:

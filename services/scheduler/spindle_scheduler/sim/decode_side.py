@@ -169,8 +169,6 @@ class DecodeSide(SimBase):
         """The step of `d`'s batch over its local KV; with split requests in the batch, the step also waits
         for the other holders' partial attention over their shards (run in parallel: the slowest counts)."""
         seconds = self.prices.decode(d.tp, len(d.running), d.kv_tokens)
-        if self.latency.decode is None:
-            return seconds
         remote: dict[str, tuple[int, int]] = {}  # holder -> (split requests of this batch, their tokens there)
         for r in d.running:
             if self.plans[r.request_id].decode_shards:

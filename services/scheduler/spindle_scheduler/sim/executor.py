@@ -18,7 +18,7 @@ Re-sharding lifecycle (a `reshards` strategy, Seesaw): as per-iteration, on grou
 configuration (`Reshard`), prefill iterations that offload prompts to the kvstore's host tier and onboarding back
 (`MigrateKV` from the kvstore) before decode iterations (tier_side.py).
 
-Every single-instance iteration is priced by what it holds, whichever strategy sent it (step_price.py).
+Every single-instance iteration is priced by what it holds, whichever strategy sent it (prices.py).
 
 This file holds the loop, arrivals and failures; the prefill side is in prefill_side.py, the decode side in
 decode_side.py, colocated batching in colocated_side.py, preemption and moves of parked requests in swaps.py,
@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from spindle_protocol.messages import (
     Prompt,
@@ -63,7 +63,7 @@ from .events import EventKind, EventQueue
 from .iteration_side import IterationSide
 from .metrics import RequestRecord, SimSummary, Slo, summarize
 from .prefill_side import PrefillSide
-from .step_price import StepPrice
+from .prices import FittedPrices, JudgedPrices
 from .swaps import Swaps
 from .tier_side import TierSide
 
@@ -83,9 +83,13 @@ class SimResult:
     wall_s: float
     plan_ns: list[int] = field(default_factory=list)  # wall time of each call of the strategy's plan()
     tier: dict[str, float] = field(default_factory=dict)  # re-shards and host-tier swaps (tier_side.py)
+    # how far the strategy's forms were from what the work was charged, per kind of work (prices.JudgedPrices);
+    # empty where the run is priced by the strategy's own forms
+    prediction_error: dict[str, dict[str, float | int]] = field(default_factory=dict)
 
     def summary(self, workload: str = "", rate: float | None = None, slo: Slo | None = None) -> SimSummary:
-        return summarize(self.records, self.strategy, workload, rate, slo, self.plan_ns)
+        s = summarize(self.records, self.strategy, workload, rate, slo, self.plan_ns)
+        return replace(s, prediction_error=self.prediction_error or None)
 
 
 class TimedCore(SchedulerCore):
@@ -105,11 +109,10 @@ class TimedCore(SchedulerCore):
 
 
 class Simulator(PrefillSide, DecodeSide, ColocatedSide, Swaps, IterationSide, TierSide):
-    """One simulated run. A chunk on a prefill instance or SP group takes Eq. 1 at its SP size (`latency.prefill`,
-    its cross-node form for a group over several nodes); every single-instance iteration (a decode step, a
-    colocated step, a `RunBatch` on one instance) takes `StepPrice.step` of what it holds (step_price.py);
-    transfers use the transfer model of the link they cross, per source instance, in parallel (instant when
-    absent)."""
+    """One simulated run. Every piece of work is charged by `prices` (prices.py): on a named cluster the cost model
+    itself, while the strategy plans with the forms fitted to it (`latency`), and the run reports how far they were
+    apart (`SimResult.prediction_error`); elsewhere the forms of `latency` themselves. Transfers from every source
+    instance run in parallel, each on the link it crosses."""
 
     def __init__(self, strategy: Strategy | str, latency: LatencyModel, config: SimConfig | None = None) -> None:
         self.config = cfg = config or SimConfig()
@@ -127,7 +130,10 @@ class Simulator(PrefillSide, DecodeSide, ColocatedSide, Swaps, IterationSide, Ti
                 f"{strategy.name}'s groups are priced by the cost model: simulate a named cluster (--hardware)"
             )
         self.core = TimedCore(strategy, cfg.scheduler)
-        self.prices = StepPrice(latency, cfg.decode_step_s)
+        # what work costs (prices.py), and what the strategy's own forms say it costs, where the two differ
+        self.prices = FittedPrices(latency, cfg.decode_step_s)
+        if latency.ground_truth is not None:  # the strategy's forms predict, the ground truth charges
+            self.prices = JudgedPrices(latency.ground_truth, self.prices)
         self.step_budget = strategy.step_token_budget
         ctx, bs = cfg.context_len(), cfg.block_size
         n_p, n_d, tp_c = cfg.num_prefill, cfg.num_decode, cfg.colocated_tp
@@ -239,6 +245,7 @@ class Simulator(PrefillSide, DecodeSide, ColocatedSide, Swaps, IterationSide, Ti
             wall_s=time.perf_counter() - started,
             plan_ns=list(self.core.plan_ns),
             tier=dict(self.tier_stats),
+            prediction_error=self.prices.report() if isinstance(self.prices, JudgedPrices) else {},
         )
 
     def _periodic(self, now: float, kind: EventKind, every: float) -> None:

@@ -7,7 +7,7 @@ decode adds a token's KV on its master. When it ends: a part that ends the promp
 (PrefillDone, then DecodeStarted), a decode whose last token it was finishes (RequestFinished, its KV freed on
 every holder), and the group reports IterationDone, after which the strategy sends the next iteration.
 
-Times (virtual): an iteration on one instance takes the price of what it holds (`StepPrice.step`, step_price.py:
+Times (virtual): an iteration on one instance takes the price of what it holds (`prices.step`, prices.py:
 the mixed-batch step, the batch in one pass; decodes alone, the decode step), the price every strategy's
 single-instance iterations pay. On a group of s > 1 a prefill batch takes the Eq. 7 form at s
 (`latency.batch_prefill`; parts after cached tokens, or sizes it lacks, take the Eq. 1 form per part); a decode
@@ -34,8 +34,6 @@ requests does not enter stage 0 before that.
 """
 
 from __future__ import annotations
-
-import math
 
 from spindle_protocol.messages import (
     DecodeStarted,
@@ -158,9 +156,8 @@ class IterationSide(SimBase):
         return (end if wait else first), end
 
     def _kvp_iteration_seconds(self, a: RunBatch, prefills: list[PrefillPart], decodes: list[DecodePart]) -> float:
-        lat, tp = self.latency, self.config.colocated_tp
-        assert lat.mixed is not None and tp in lat.mixed.fits, "KV-parallel iterations need the mixed-batch model"
-        f = lat.mixed.fit_for(tp)
+        tp = self.config.colocated_tp
+        c_hist = self.prices.mixed_fit(tp).c_hist  # attention per (cached token x query token)
         held = {rid: self._elastic_kv.get(rid, {}) for rid in [p.request_id for p in prefills]}
         held |= {d.request_id: self._elastic_kv.get(d.request_id, {}) for d in decodes}
         slowest, remote_tokens = 0.0, 0
@@ -168,42 +165,31 @@ class IterationSide(SimBase):
             chunks = [(held[p.request_id].get(m, 0) - p.num_tokens, p.num_tokens) for p in prefills if p.master == m]
             own = [d for d in decodes if d.master == m]
             kv = sum(held[d.request_id].get(m, 0) for d in own)
-            t = lat.mixed.predict(tp, chunks, len(own), kv) if chunks or own else 0.0
+            t = self.prices.step(tp, chunks, len(own), kv + len(own))
             served = [(held[p.request_id].get(m, 0), p.num_tokens) for p in prefills if p.master != m]
             served += [(held[d.request_id].get(m, 0), 1) for d in decodes if d.master != m]
-            t += sum(f.c_hist * h * n for h, n in served if h)
+            t += sum(c_hist * h * n for h, n in served if h)
             remote_tokens += sum(n for h, n in served if h)
             slowest = max(slowest, t)
-        link = lat.transfer_on(self._spans_nodes(a.instances))
-        if remote_tokens and link is not None:
+        if remote_tokens:
             per_token = self.config.query_bytes_per_token or 4 * self.config.kv_bytes_per_token
-            slowest += link.predict(remote_tokens * per_token)
+            slowest += self.prices.transfer(remote_tokens * per_token, self._spans_nodes(a.instances))
         return slowest
 
     def _iteration_seconds(self, a: RunBatch, prefills: list[PrefillPart], decodes: list[DecodePart]) -> float:
-        s, lat, tp = len(a.instances), self.latency, self.config.colocated_tp
+        s, tp = len(a.instances), self.config.colocated_tp
         if a.kvp:
             return self._kvp_iteration_seconds(a, prefills, decodes)
         if self._member(a.instances[0]).parallel:  # a re-sharding group (tier_side.py)
             return self._config_seconds(a, prefills, decodes)
         kv = sum(sum(self._elastic_kv[d.request_id].values()) for d in decodes) + len(decodes)  # with the new tokens
-        if s == 1:  # one instance: the price of what it holds, as for every strategy (step_price.py)
+        if s == 1:  # one instance: the price of what it holds, as for every strategy (prices.py)
             return self.prices.step(tp, [(p.start, p.num_tokens) for p in prefills], len(decodes), kv)
         seconds, cross = 0.0, self._spans_nodes(a.instances)
         if prefills:
-            batch = lat.batch_prefill_on(cross)
-            if batch is not None and s in batch.coeffs and all(p.start == 0 for p in prefills):
-                seconds += batch.predict(s, [p.num_tokens for p in prefills])
-            else:
-                seconds += sum(lat.prefill_seconds(s, p.start, p.num_tokens, cross_nodes=cross) for p in prefills)
+            seconds += self.prices.group_prefill(s, [(p.start, p.num_tokens) for p in prefills], cross)
         if decodes:
-            b = len(decodes)
-            if lat.decode is None:
-                seconds += self.config.decode_step_s
-            elif (tp, s) in lat.decode.coeffs:
-                seconds += lat.decode.predict(b, kv, tp, s)
-            else:
-                seconds += lat.decode.predict(math.ceil(b / s), kv / s, tp, 1)
+            seconds += self.prices.group_decode(tp, s, len(decodes), kv)
         return seconds
 
     def _on_iteration_done(self, now: float, payload: tuple[RunBatch, RunBatch | None, float, float]) -> None:
@@ -285,9 +271,8 @@ class IterationSide(SimBase):
         assert a.request_id not in self._batch_of, f"migrating {a.request_id} while it runs an iteration"
         tokens = self._elastic_kv.get(a.request_id, {}).get(a.src, 0)
         seconds = 0.0
-        link = self.latency.transfer_on(self._spans_nodes((a.src, a.dst)))
-        if tokens and link is not None:
-            seconds = link.predict(tokens * self.config.kv_bytes_per_token)
+        if tokens:
+            seconds = self.prices.transfer(tokens * self.config.kv_bytes_per_token, self._spans_nodes((a.src, a.dst)))
         if tokens:
             self._hold(a.request_id, a.dst, tokens)  # the destination's room is taken from the start
         self._in_batch[a.src] = -1

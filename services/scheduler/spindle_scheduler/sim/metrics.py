@@ -209,6 +209,8 @@ class SimSummary:
     scale_downs: int = 0  # KV-parallel shards merged into another holder, all requests
     # wall time of each plan() call; not part of equality, so the same seed still gives equal summaries
     plan_us: PlanTimes = field(default_factory=lambda: PlanTimes.of([]), compare=False)
+    # per kind of work: how far the strategy's forms were from its price (sim/prices.py); None: priced by them
+    prediction_error: dict[str, dict[str, float | int]] | None = field(default=None, compare=False)
 
     def to_dict(self) -> dict:
         return asdict(self)

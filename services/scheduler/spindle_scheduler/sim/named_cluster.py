@@ -34,6 +34,7 @@ from spindle_costmodel.parallel import SP_KINDS
 from ..calibration import latency_from_cost_model
 from ..latency import LatencyModel
 from .cluster import SimConfig, next_start
+from .prices import CostModelPrices
 
 DEFAULT_NODES = 4  # 32 GPUs at 8 per node: Tetris's 32 A100s
 KV_ROOM = 0.3  # a default TP leaves at least this share of each GPU's memory for KV
@@ -58,10 +59,15 @@ class ClusterSpec:
     spp: int | None = None  # sequence-pipeline stages of each colocated instance (Medha's SPP; default 1)
     sp_kind: str = "ring"  # how SP prefill groups are priced: ring, ulysses (all-to-all) or sp-tp (CSPS's SP-TP)
     prefill_share: float = 0.5  # of the GPUs, for prefill instances on a prefill/decode split (when not counted)
+    # the strategies' forms are fitted to samples of the cost model each off by a factor exp(noise x N(0, 1))
+    noise: float = 0.0
+    noise_seed: int = 0
 
     def __post_init__(self) -> None:
         if not 0 < self.prefill_share < 1:
             raise ValueError(f"prefill_share must be in (0, 1), got {self.prefill_share}")
+        if not 0 <= self.noise < 1:
+            raise ValueError(f"noise must be in [0, 1), got {self.noise}")
         for name in ("nodes", "gpus_per_node", "prefill_tp", "decode_tp", "spp"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -263,18 +269,28 @@ def _shape(
     return replace(shape, text=text)
 
 
-def _latency(cm: CostModel, n_p: int, ptp: int, dtp: int, n_elastic: int = 0, sp_kind: str = "ring") -> LatencyModel:
-    """`n_elastic` > 0: colocated instances that form SP groups and multi-master decode groups (elastic), so
-    prefill SP sizes and decode group sizes run up to their count. SP groups are priced as `sp_kind`."""
+def _latency(
+    cm: CostModel, n_p: int, ptp: int, dtp: int, n_elastic: int = 0, sp_kind: str = "ring", noise: float = 0.0,
+    noise_seed: int = 0,
+) -> LatencyModel:
+    """The strategies' forms fitted to the cost model (from samples with multiplicative `noise`, when given), the
+    cost model itself as the run's ground truth (`ground_truth`, sim/prices.py). `n_elastic` > 0: colocated
+    instances that form SP groups and multi-master decode groups (elastic), so prefill SP sizes and decode group
+    sizes run up to their count. SP groups are priced as `sp_kind`."""
     prefill = Parallelism(tp=ptp if n_p else dtp, sp_kind=sp_kind)  # a colocated instance prefills at its own TP
     links = min(ptp, dtp, cm.model.kv_heads)  # GPUs sending (and receiving) their KV heads' share in parallel
     decode = (Parallelism(tp=dtp),)
     elastic = range(2, min(n_elastic, MAX_SP) + 1)  # every group size: the manager picks any DoP
     groups = tuple(Parallelism(tp=dtp, kvp=k) for k in elastic)
     sizes = sorted({*sp_sizes(n_p), 1, *elastic})
-    return latency_from_cost_model(
+    fitted = latency_from_cost_model(
         cm, sizes, prefill=prefill, decode=decode, transfer_links=links, multi_master=groups, mixed=decode
     )
+    truth = CostModelPrices(cm, prefill, links, fitted)  # the run is charged the cost model's own prices
+    if noise:  # the strategies plan with forms fitted to a profile whose every sample is off by up to this much
+        fitted = latency_from_cost_model(cm, sizes, prefill=prefill, decode=decode, transfer_links=links,
+                                         multi_master=groups, mixed=decode, noise=noise, seed=noise_seed)  # fmt: skip
+    return replace(fitted, ground_truth=truth)
 
 
 def named_cluster(
@@ -333,7 +349,7 @@ def named_cluster(
         config = replace(config, max_model_len=min(prefill, decode) * bs)
     setup = SimSetup(
         _shape(spec, cm, counts, ptp, dtp, spp),
-        _latency(cm, n_p, ptp, dtp, n_c if elastic else 0, spec.sp_kind),
+        _latency(cm, n_p, ptp, dtp, n_c if elastic else 0, spec.sp_kind, spec.noise, spec.noise_seed),
         config,
     )
     return with_reshard(setup, cm) if reshards else setup

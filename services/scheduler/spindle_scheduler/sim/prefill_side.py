@@ -1,8 +1,8 @@
 """The simulator's prefill side: chunks queued FCFS on SP groups, a chunk runs when its whole group is free
 and has blocks for its shares; the last chunk yields the first token and starts the KV transfer.
 
-A chunk takes Eq. 1 at its SP size, the cross-node form when its group's members sit on different nodes (a named
-cluster's `LatencyModel.prefill_cross`); each holder's KV moves on the link between it and the decode instance."""
+A chunk is charged its SP group's prefill (prices.py), over the link between nodes when its members sit on
+different nodes; each holder's KV moves on the link between it and the decode instance."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class PrefillSide(SimBase):
         rec, chunk = job.rec, job.chunk
         keep = job.plan.attention_kept
         cross = len({self.instances[i].node for i in chunk.instances}) > 1  # a group over two nodes or more
-        seconds = self.latency.prefill_seconds(chunk.sp, chunk.start, chunk.num_tokens, keep, cross)
+        seconds = self.prices.sp_prefill(chunk.sp, chunk.start, chunk.num_tokens, keep, cross)
         for k, iid in enumerate(chunk.instances):
             m = self.instances[iid]
             assert isinstance(m, SimPrefill)
@@ -113,12 +113,7 @@ class PrefillSide(SimBase):
             for k, iid in enumerate(chunk.instances):
                 holders[iid] = holders.get(iid, 0) + chunk.share(k)
         per_token, dst = self.config.kv_bytes_per_token, self.instances[rec.decode_instance].node
-        seconds = 0.0
-        for iid, tokens in holders.items():
-            link = self.latency.transfer_on(self.instances[iid].node != dst)
-            assert link is not None
-            seconds = max(seconds, link.predict(tokens * per_token))
-        return seconds
+        return max(self.prices.transfer(n * per_token, self.instances[iid].node != dst) for iid, n in holders.items())
 
     def _release_prefill(self, rec: RequestRecord, now: float) -> None:
         """Free the prompt KV `rec` holds on prefill instances (after its transfer, or when it ended)."""

@@ -90,8 +90,7 @@ class Swaps(SimBase):
         return rec.num_prefill_tokens + len(rec.token_times) - 1
 
     def _kv_seconds(self, tokens: int) -> float:
-        transfer = self.latency.transfer
-        return 0.0 if transfer is None else transfer.predict(tokens * self.config.kv_bytes_per_token)
+        return self.prices.transfer(tokens * self.config.kv_bytes_per_token)  # to or from the kvstore
 
     def _preempt(self, a: Preempt, now: float) -> None:
         rec, d = self.records[a.request_id], self.instances.get(a.instance)

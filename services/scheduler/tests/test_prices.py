@@ -11,7 +11,7 @@ from spindle_scheduler.actions import Action, DecodePart, KVShard, PrefillPart, 
 from spindle_scheduler.calibration import latency_from_cost_model
 from spindle_scheduler.sim import SimConfig, Simulator
 from spindle_scheduler.sim.invariants import check_invariants
-from spindle_scheduler.sim.step_price import StepPrice
+from spindle_scheduler.sim.prices import FittedPrices
 from spindle_scheduler.state import ClusterState
 from spindle_scheduler.strategy import Strategy
 from spindle_scheduler.workloads import TraceRequest
@@ -20,7 +20,8 @@ COST = CostModel(get_model("llama3-8b"), get_hardware("a100-80g"))
 LATENCY = latency_from_cost_model(COST, max_tokens=1 << 14, mixed=[SINGLE])
 CONFIG = SimConfig(num_prefill=0, num_decode=0, num_colocated=1, kv_bytes_per_token=1024,
                    scheduler=SchedulerConfig(max_num_requests=100))  # fmt: skip
-PRICE = StepPrice(LATENCY, CONFIG.decode_step_s)
+PRICE = FittedPrices(LATENCY, CONFIG.decode_step_s)
+LATENCY_FITTED_ONLY = LATENCY  # fitted to the cost model by hand: no ground truth attached
 
 
 class Replay(Strategy):
@@ -110,3 +111,50 @@ def test_the_budget_counts_decodes_first_then_prompt_pieces():
     assert a.token_times[0] == pytest.approx(PRICE.step(1, [(0, 8)]) + PRICE.step(1, [(8, 8)]))
     steps_with_b = [t for t in a.token_times[1:] if t <= b.token_times[0] + 1e-12]
     assert len(steps_with_b) == 6
+
+
+def _named(noise: float = 0.0):
+    from spindle_scheduler.sim.named_cluster import ClusterSpec, named_cluster
+
+    spec = ClusterSpec(hardware="a100-80g", model="llama3-8b", nodes=1, num_prefill=2, num_decode=2, noise=noise)
+    return named_cluster(spec, colocated=False, scheduler=SchedulerConfig(max_num_requests=100))
+
+
+def test_on_a_named_cluster_the_run_is_charged_the_cost_model_and_the_plan_is_judged():
+    from spindle_costmodel import Parallelism
+
+    setup = _named()
+    reqs = [TraceRequest(0.0, 3000, 8), TraceRequest(30.0, 20000, 4)]
+    sim = Simulator("single", setup.latency, setup.config)
+    result = sim.run(reqs)
+    check_invariants(sim, result)
+    short, _ = result.records
+    cm, tp = setup.latency.ground_truth.cm, setup.config.prefill_tp
+    # the prefill is charged the cost model's own time, not the Eq. 1 fit the strategy plans with
+    charged = cm.prefill(3000, 0, Parallelism(tp=tp)).total_s
+    assert short.prefill_end - short.prefill_start == pytest.approx(charged)
+    assert setup.latency.prefill.predict(1, 0, 3000) != pytest.approx(charged, rel=1e-6)
+    errors = result.prediction_error
+    assert {"sp_prefill", "decode", "transfer", "all"} <= set(errors)
+    assert errors["all"]["n"] == sum(e["n"] for k, e in errors.items() if k != "all")
+    assert 0 < errors["all"]["mean_abs"] < 0.2  # the fits are close to what they were fitted to
+    assert result.summary().prediction_error == errors
+    # a profile whose samples are off by ~20 % predicts worse; the charges are the same
+    noisy = _named(noise=0.2)
+    again = Simulator("single", noisy.latency, noisy.config).run(reqs)
+    assert [r.token_times for r in again.records] == [r.token_times for r in result.records]
+    assert again.prediction_error["all"]["mean_abs"] > errors["all"]["mean_abs"]
+
+
+def test_without_a_cost_model_the_forms_are_the_prices_and_nothing_is_judged():
+    result = Simulator("chunked:chunk_size=512", LATENCY_FITTED_ONLY, CONFIG).run([TraceRequest(0.0, 700, 3)])
+    assert result.prediction_error == {} and result.summary().prediction_error is None
+
+
+def test_judged_prices_report_signed_and_absolute_error():
+    from spindle_scheduler.sim.prices import ErrorStats
+
+    e = ErrorStats()
+    e.add(charged=1.0, predicted=1.1)
+    e.add(charged=2.0, predicted=1.8)
+    assert e.as_dict() == pytest.approx({"n": 2, "mean_abs": 0.1, "bias": 0.0, "max_abs": 0.1})
