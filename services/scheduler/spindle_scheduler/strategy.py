@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import ClassVar
 
 from spindle_protocol.messages import RequestSpec, WorkerEvent
 
@@ -57,6 +58,9 @@ class Strategy(ABC):
     # a colocated instance's per-step token budget where the strategy plans at arrival (`chunked`): the prompt tokens
     # and decodes one engine step takes (vLLM's max_num_batched_tokens); the launcher's elastic default too
     step_token_budget: int = 2048
+    # its deployment knobs for `spindle sim compare --tune` (sim/tuning.py): option -> candidate values, and the
+    # shape knobs `prefill_share` (on a prefill/decode split) and `decode_tp` (its decode or colocated instances)
+    tuning: ClassVar[dict[str, tuple[object, ...]]] = {}
 
     @classmethod
     def spreads_kv(cls, options: dict[str, object]) -> bool:
@@ -164,9 +168,13 @@ def _parse_value(text: str) -> int | float | str:
     return text
 
 
+PAPER_VARIANT = "@paper"  # `NAME@paper`: the strategy as its paper configures it (its defaults), in a comparison
+
+
 def parse_strategy_spec(spec: str) -> tuple[str, dict[str, int | float | str]]:
-    """``"fixed-sp:sp=8"`` -> ``("fixed-sp", {"sp": 8})``."""
-    name, _, rest = spec.strip().partition(":")
+    """``"fixed-sp:sp=8"`` -> ``("fixed-sp", {"sp": 8})``; a trailing ``@paper`` (a variant's label) is ignored."""
+    spec = spec.strip().removesuffix(PAPER_VARIANT)
+    name, _, rest = spec.partition(":")
     options: dict[str, int | float | str] = {}
     for item in filter(None, (p.strip() for p in rest.split(","))):
         key, eq, value = item.partition("=")

@@ -198,7 +198,8 @@ def test_every_strategy_runs_on_this_machines_fitted_device(name: str, tmp_path:
 
 
 def test_compare_gives_pipeline_replicas_only_to_strategies_that_can_run_on_them() -> None:
-    from spindle_scheduler.sim.compare import build_compare_parser, prepare
+    from spindle_scheduler.sim.compare import build_compare_parser
+    from spindle_scheduler.sim.shapes import prepare
 
     args = build_compare_parser().parse_args(
         ["--hardware", "a100-80g", "--nodes", "2", "--decode-tp", "8", "--spp", "2", "--num-requests", "10"]

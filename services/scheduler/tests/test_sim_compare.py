@@ -14,7 +14,7 @@ SMALL = ["--workload", "tetris-short", "--num-requests", "40", "--seed", "1"]
 GIVEN = ["--instances", "4", "--decode-instances", "2"]
 KEYS = {"completed", "rejected", "ttft_s", "tpot_s", "e2e_s", "interactive_ttft_s", "interactive_tpot_s"}
 KEYS |= {"throughput_tok_s"}
-KEYS |= {"goodput_rps", "slo_attainment", "batch_jct_s", "max_load_rps", "plan_us", "prediction_error"}
+KEYS |= {"goodput_rps", "slo_attainment", "batch_jct_s", "max_load_rps", "plan_us", "prediction_error", "config"}
 STATS = {"mean", "p50", "p90", "p99"}
 
 
@@ -213,3 +213,40 @@ def test_seeds_give_means_ranges_and_only_the_wins_they_carry(tmp_path: Path, ca
     assert "one seed: no strategy is called the winner" in capsys.readouterr().out
     assert main(["compare", *argv, "--rate", "2", "--seeds", "1,1"]) == 2
     assert "distinct seeds" in capsys.readouterr().err
+
+
+def test_tune_searches_every_strategy_alike_and_keeps_the_paper_variant(tmp_path: Path, capsys) -> None:
+    named = ["--model", "llama3-8b", "--hardware", "a100-80g", "--nodes", "1", "--workload", "tetris-short"]
+    cell = [*named, "--num-requests", "40", "--rate", "2", "--strategies", "single", "chunked"]
+    d = _compare(tmp_path, *cell, "--slo-ttft", "2", "--tune", "--tune-budget", "3", "--seeds", "1,2")
+    printed = capsys.readouterr().out
+    specs = list(d["strategies"])
+    assert len(specs) == 4 and "single@paper" in specs and "chunked@paper" in specs
+    for spec, s in d["strategies"].items():
+        if spec.endswith("@paper"):
+            assert s["config"]["tuned"] is None
+            continue
+        tuned = s["config"]["tuned"]
+        assert tuned["seed"] == 99 and tuned["runs"] == 3, spec  # the same budget for every strategy
+        assert s["config"]["spec"] == spec and "tuned on seed 99 (3 runs)" in printed
+        for knob, value in tuned["chosen"].items():
+            assert knob in ("prefill_share", "decode_tp") or f"{knob}={value}" in spec, (spec, knob)
+    # the evaluation never uses the tuning seed, and the search needs a load point and an SLO
+    assert main(["compare", *cell, "--slo-ttft", "2", "--tune", "--tune-seed", "1", "--seeds", "1,2"]) == 2
+    assert "tuning seed 1 is also evaluated" in capsys.readouterr().err
+    assert main(["compare", *cell, "--tune"]) == 2
+    assert "maximises goodput" in capsys.readouterr().err
+
+
+def test_every_strategy_tunes_knobs_it_has() -> None:
+    from spindle_scheduler.sim.tuning import SHAPE_KNOBS, candidates
+    from spindle_scheduler.strategy import strategy_class, strategy_options
+
+    for name in available_strategies():
+        space = strategy_class(name).tuning
+        assert space, f"{name} has no tuning knobs"
+        for knob, values in space.items():
+            assert knob in SHAPE_KNOBS or knob in strategy_options(name), (name, knob)
+            assert values and len(set(values)) == len(values), (name, knob)
+        drawn = candidates(dict(space), 5, seed=3)
+        assert drawn[0] == {} and len(drawn) <= 5 and drawn == candidates(dict(space), 5, seed=3)

@@ -42,7 +42,6 @@ from typing import Any, cast
 
 from ..strategy import (
     available_strategies,
-    create_strategy,
     parse_strategy_spec,
     strategy_class,
     strategy_options,
@@ -52,13 +51,9 @@ from .cli import (
     SPEC_HELP,
     _add_max_load_args,
     _add_run_args,
-    _cluster_spec,
     _describe_max_load,
-    _latency,
     _max_load,
     _print_shapes,
-    _sim_config,
-    _sim_options,
     _slo,
     check_max_load_args,
     rate_text,
@@ -68,8 +63,10 @@ from .cli import (
 from .executor import simulate
 from .loadsearch import MaxLoad, Probe, light_load
 from .metrics import SimSummary, Stats, strict_json
-from .named_cluster import ClusterShape, SimSetup, given_shape, named_cluster, reshaped
+from .named_cluster import ClusterShape
 from .seeds import merge_seed_docs, parse_seeds, verdict_lines
+from .shapes import Entry, Shaper, prepare
+from .tuning import check_tune_args, tune_entries
 
 STATS = ("mean", "p50", "p90", "p99")
 EXAMPLES = (
@@ -80,19 +77,6 @@ EXAMPLES = (
     "spindle sim compare --workload mixed-batch --rate 2 --slo-ttft 5 --slo-tpot 0.1 --max-load "
     "--max-load-attainment 0.9",
 )
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One strategy of a comparison: what was asked, what ran, on what, and what came out."""
-
-    asked: str  # the spec as given
-    spec: str  # the spec as run (a bare name may get a fitting option)
-    setup: SimSetup | None  # None: the cluster could not be shaped for it (see `skipped`)
-    note: str = ""  # why `spec` differs from `asked`
-    skipped: str = ""  # why it did not run ("" when it did)
-    summary: SimSummary | None = None  # the run at --rate
-    max_load: MaxLoad | None = None  # the search, with --max-load
 
 
 def build_compare_parser() -> argparse.ArgumentParser:
@@ -137,6 +121,18 @@ def build_compare_parser() -> argparse.ArgumentParser:
         "PATH with the strategy in it: out.html -> out.tetris.html",
     )
     p.add_argument(
+        "--tune",
+        action="store_true",
+        help="search each strategy's deployment knobs (its options and share of prefill GPUs or instance TP: "
+        "`Strategy.tuning`) with the same budget on --tune-seed at --rate, for the highest goodput under "
+        "--slo-ttft/--slo-tpot; then evaluate the chosen configuration on the comparison's seeds, beside the "
+        "paper's configuration as NAME@paper",
+    )
+    p.add_argument("--tune-budget", type=int, default=8, metavar="N", help="runs per strategy's search (default 8)")
+    p.add_argument(
+        "--tune-seed", type=int, default=99, metavar="S", help="the seed tuned on, never evaluated (default 99)"
+    )
+    p.add_argument(
         "--seeds",
         metavar="S,S,...",
         help="run the comparison once per seed (e.g. 1,2,3; overrides --seed): the JSON holds each metric's mean "
@@ -155,82 +151,6 @@ def check_spec(spec: str) -> None:
     if unknown := sorted(set(options) - set(allowed)):
         have = ", ".join(f"{k}={v}" for k, v in allowed.items()) or "none"
         raise ValueError(f"strategy {name!r} has no option {', '.join(unknown)} (options: {have})")
-
-
-def fit_spec(spec: str, setup: SimSetup) -> tuple[str, str]:
-    """(spec to run, why it differs): a bare name whose default `sp` the cluster cannot run gets the largest SP size
-    that fits its prefill instances and has a latency fit."""
-    name, options = parse_strategy_spec(spec)
-    default = strategy_options(name).get("sp")
-    prefill, n = setup.latency.prefill, setup.config.num_prefill
-    if options or not isinstance(default, int) or prefill is None:
-        return spec, ""
-    sizes = [s for s in prefill.sp_sizes() if s <= n]
-    if default in sizes or not sizes:
-        return spec, ""
-    if default > n:
-        why = f"the default sp={default} needs {default} prefill instances, the cluster has {n}"
-    else:
-        why = f"the default sp={default} has no latency fit (SP sizes {', '.join(map(str, prefill.sp_sizes()))})"
-    return f"{name}:sp={max(sizes)}", why
-
-
-def prepare(args: argparse.Namespace, specs: list[str]) -> list[Entry]:
-    """Each spec's cluster shape and the spec it runs as; those that cannot run are marked skipped."""
-    named = _cluster_spec(args)
-    given: SimSetup | None = None
-    if named is None:
-        config = _sim_config(args)
-        given = SimSetup(given_shape(config), _latency(args), config)
-
-    def shape(
-        colocated: bool,
-        elastic: bool,
-        pipelines: bool,
-        sp_kind: str,
-        reshards: bool,
-        prefill_share: float,
-        splits_context: bool,
-    ) -> SimSetup:
-        """`pipelines`: the strategy can run on sequence-pipeline replicas (--spp); the others get plain ones.
-        `sp_kind`: how its SP groups are priced (--sp-kind, or the strategy's own). `reshards`: re-sharding groups
-        (Seesaw). `prefill_share`: its share of the GPUs for prefill instances on a prefill/decode split.
-        `splits_context`: the pool's context (`Strategy.splits_context`)."""
-        if given is not None:
-            return reshaped(given, colocated, pipelines)
-        assert named is not None
-        cluster = replace(named, spp=named.spp if pipelines else None, sp_kind=sp_kind, prefill_share=prefill_share)
-        return named_cluster(cluster, colocated, elastic, reshards, splits_context, **_sim_options(args))
-
-    built: dict[tuple[bool, bool, bool, str, bool, float, bool], SimSetup | str] = {}
-    entries: list[Entry] = []
-    ran: dict[str, str] = {}  # spec as run -> as asked
-    for asked in specs:
-        cls = strategy_class(asked)
-        kind = (
-            cls.colocated, cls.elastic, cls.keeps_kv_in_place, args.sp_kind or cls.sp_kind, cls.reshards,
-            cls.prefill_share, cls.splits_context,
-        )  # fmt: skip
-        if kind not in built:
-            try:
-                built[kind] = shape(*kind)
-            except ValueError as e:
-                built[kind] = f"the cluster cannot be shaped for it: {e}"
-        setup = built[kind]
-        if isinstance(setup, str):
-            entries.append(Entry(asked, asked, None, skipped=setup))
-            continue
-        spec, note = fit_spec(asked, setup)
-        skipped = f"the same as {ran[spec]}" if spec in ran else ""
-        try:
-            create_strategy(spec, setup.latency)
-            if cls.reshards and setup.latency.reshard is None:
-                raise ValueError("its re-sharding groups are priced by the cost model: a named cluster (--hardware)")
-        except ValueError as e:
-            skipped = str(e)
-        ran.setdefault(spec, asked)
-        entries.append(Entry(asked, spec, setup, note, skipped))
-    return entries
 
 
 def run_entry(
@@ -326,6 +246,12 @@ def strategy_dict(entry: Entry) -> dict[str, Any]:
         "plan_us": None if s is None else asdict(s.plan_us),
         # how far the strategy's forms were from what its work was charged (named clusters: the cost model)
         "prediction_error": None if s is None else s.prediction_error,
+        # the deployment it ran: its spec, its GPUs, and what --tune chose (null: not tuned)
+        "config": {
+            "spec": entry.spec,
+            "gpus": None if entry.setup is None else short_shape(entry.setup.shape),
+            "tuned": entry.tuned,
+        },
     }
 
 
@@ -516,9 +442,13 @@ def compare_main(argv: list[str]) -> int:
             raise ValueError(f"--rate must be > 0 requests/s, got {args.rate}")
         _slo(args)  # a bad SLO fails before any run
         check_max_load_args(args)
-        entries = prepare(args, specs)
-        _print_shapes({e.spec: e.setup for e in entries if e.setup is not None})
+        shaper = Shaper(args)
+        entries = prepare(args, specs, shaper)
         seeds = parse_seeds(args.seeds) if args.seeds else [args.seed]
+        if args.tune:
+            check_tune_args(args, seeds)
+            entries = tune_entries(entries, args, shaper, _slo(args))
+        _print_shapes({e.spec: e.setup for e in entries if e.setup is not None})
         docs, done = [], []
         for seed in seeds:
             args.seed = seed

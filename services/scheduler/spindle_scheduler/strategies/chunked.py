@@ -23,6 +23,7 @@ from .placement import reserve_blocks
 
 @register_strategy("chunked")
 class ChunkedPrefillStrategy(Strategy):
+    tuning = {"decode_tp": (1, 2, 4), "chunk_size": (512, 2048, 8192)}  # noqa: RUF012
     takes_decode_options = False
     colocated = True
     keeps_kv_in_place = True

@@ -19,6 +19,7 @@ from .placement import group_ready_at, kvstore_id, pick_decode_group
 
 @register_strategy("fixed-sp")
 class FixedSPStrategy(Strategy):
+    tuning = {"prefill_share": (0.5, 0.625, 0.75), "sp": (2, 4, 8)}  # noqa: RUF012
     needs_latency = True
 
     def __init__(

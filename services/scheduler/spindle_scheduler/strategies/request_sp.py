@@ -38,6 +38,7 @@ Steps = list[tuple[int, int, int]]  # (start, end, group size) per chunk
 
 @register_strategy("request-sp")
 class RequestSPStrategy(Strategy):
+    tuning = {"prefill_share": (0.5, 0.625, 0.75, 0.8), "max_sp": (4, 8, 16)}  # noqa: RUF012
     needs_latency = True
 
     def __init__(

@@ -36,6 +36,7 @@ from .configure import QualityTable, choose
 
 @register_strategy("csps")
 class CSPSStrategy(RequestSPStrategy):
+    tuning = {"prefill_share": (0.5, 0.625, 0.75, 0.8), "max_sp": (4, 8, 16)}  # noqa: RUF012
     sp_kind = "ulysses"  # SP-NTP: all-to-all groups
 
     def __init__(

@@ -94,6 +94,7 @@ class PrefillRun:
 
 @register_strategy("loongserve")
 class LoongServeStrategy(Strategy):
+    tuning = {"decode_tp": (1, 2, 4), "max_dop": (0, 2, 4)}  # noqa: RUF012
     takes_decode_options = False
     colocated = True
     elastic = True

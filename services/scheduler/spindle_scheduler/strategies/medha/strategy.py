@@ -93,6 +93,7 @@ class InFlight:
 
 @register_strategy("medha")
 class MedhaStrategy(Strategy):
+    tuning = {"decode_tp": (1, 2, 4), "max_chunk": (2048, 8192), "max_prefills": (4, 8)}  # noqa: RUF012
     takes_decode_options = False
     colocated = True
     keeps_kv_in_place = True

@@ -92,6 +92,7 @@ class Group:
 
 @register_strategy("seesaw")
 class SeesawStrategy(Strategy):
+    tuning = {"decode_tp": (1, 2, 4), "chunk_size": (512, 2048)}  # noqa: RUF012
     elastic = True
     colocated = True
     takes_decode_options = False

@@ -66,6 +66,7 @@ from .load import InteractiveLoad
 class SpindleStrategy(RequestSPStrategy):
     needs_latency = True
     prefill_share = 0.8
+    tuning = {"prefill_share": (0.5, 0.625, 0.75, 0.8), "max_sp": (0, 8, 16)}  # noqa: RUF012
     splits_context = True
 
     def __init__(

@@ -40,6 +40,7 @@ DEFAULTS: dict[str, object] = {
 
 @register_strategy("tetris")
 class TetrisStrategy(Strategy):
+    tuning = {"prefill_share": (0.5, 0.625, 0.75, 0.8), "max_sp": (0, 8, 16)}  # noqa: RUF012
     needs_latency = True
 
     def __init__(
