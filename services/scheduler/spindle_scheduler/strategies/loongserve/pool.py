@@ -26,13 +26,26 @@ class Member:
     reserved: dict[str, int] = field(default_factory=dict)  # request id -> future tokens it masters here
     busy: bool = False  # running an iteration (or a migration) now
     group: int | None = None  # the decode group it belongs to (None: idle between iterations)
+    _used: int = 0  # blocks `held` and `reserved` take (changed through `set` and `drop` only)
 
     def blocks(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
     def used_blocks(self) -> int:
-        rids = self.held.keys() | self.reserved.keys()
-        return sum(self.blocks(self.held.get(r, 0) + self.reserved.get(r, 0)) for r in rids)
+        return self._used
+
+    def _tokens(self, rid: str) -> int:
+        return self.held.get(rid, 0) + self.reserved.get(rid, 0)
+
+    def set(self, rid: str, held: int | None = None, reserved: int | None = None) -> None:
+        """`rid` holds `held` KV tokens here and reserves `reserved` more (None: unchanged); the blocks they take
+        are counted as they change, so `used_blocks` costs nothing."""
+        before = self.blocks(self._tokens(rid))
+        if held is not None:
+            self.held[rid] = held
+        if reserved is not None:
+            self.reserved[rid] = reserved
+        self._used += self.blocks(self._tokens(rid)) - before
 
     def free_tokens(self) -> int:
         """Tokens a new request's entry could take here."""
@@ -53,7 +66,14 @@ class Member:
     def kv_tokens(self) -> int:
         return sum(self.held.values())
 
+    def unreserve(self, rid: str) -> None:
+        """`rid` reserves nothing here any more (its master moved)."""
+        before = self.blocks(self._tokens(rid))
+        self.reserved.pop(rid, None)
+        self._used += self.blocks(self._tokens(rid)) - before
+
     def drop(self, rid: str) -> None:
+        self._used -= self.blocks(self._tokens(rid))
         self.held.pop(rid, None)
         self.reserved.pop(rid, None)
 

@@ -136,6 +136,7 @@ class LoongServeStrategy(Strategy):
         self.members: dict[str, Member] = {}
         self.pending: deque[Pending] = deque()
         self.decoding: dict[str, Decoding] = {}
+        self._forgotten_seen = 0  # of ClusterState.forgotten_total
         self.groups: dict[int, Group] = {}
         self.prefills: dict[int, PrefillRun] = {}  # batch id -> prefill in flight
         self.waiting: list[PrefillRun] = []  # prefills waiting for their migrations
@@ -171,10 +172,16 @@ class LoongServeStrategy(Strategy):
                 self._kv_bytes = info.kv_bytes_per_token
         if not self._scale_up_given and not self.scale_up_batch:
             self.scale_up_batch = self._derive_scale_up()
-        gone = [rid for rid in self.decoding if rid not in state.requests]
-        for rid in gone:
-            self._drop(rid)
-        if any(p.rid not in state.requests for p in self.pending):
+        ended = state.forgotten_since(self._forgotten_seen)
+        self._forgotten_seen = state.forgotten_total
+        if ended is None:  # more ended than the state keeps: check every request against it
+            ended = [rid for rid in self.decoding if rid not in state.requests]
+            ended += [p.rid for p in self.pending if p.rid not in state.requests]
+        others = [rid for rid in ended if rid not in self.decoding]  # perhaps still pending (rare: a failure)
+        for rid in ended:
+            if rid in self.decoding:
+                self._drop(rid)
+        if others and self.pending:
             self.pending = deque(p for p in self.pending if p.rid in state.requests)
 
     def _derive_scale_up(self) -> int:
@@ -310,8 +317,7 @@ class LoongServeStrategy(Strategy):
                 d.outputs += 1
                 m = self.members.get(d.master)
                 if m is not None and m.reserved.get(rid, 0) > 0:
-                    m.reserved[rid] -= 1
-                    m.held[rid] = m.held.get(rid, 0) + 1
+                    m.set(rid, held=m.held.get(rid, 0) + 1, reserved=m.reserved[rid] - 1)
             self._release_empty()
             return
         run = self.prefills.pop(bid, None)
@@ -448,8 +454,8 @@ class LoongServeStrategy(Strategy):
             target = min((self.members[m] for m in g.members), key=lambda m: load[m.id])
             if load[target.id] >= per or not target.room_for(rid, d.left):
                 continue
-            old.reserved.pop(rid, None)
-            target.reserved[rid] = d.left
+            old.unreserve(rid)
+            target.set(rid, reserved=d.left)
             load[d.master] -= 1
             load[target.id] += 1
             d.master = target.id
@@ -619,7 +625,7 @@ class LoongServeStrategy(Strategy):
                     m.drop(r)
                 return None
             target = max(fit, key=lambda m: (m.free_tokens(), -m.rank))
-            target.held[rid], target.reserved[rid] = tokens, left
+            target.set(rid, held=tokens, reserved=left)
             claimed.append((target, rid))
             plan.append(MigrateKV(rid, e.id, target.id))
         return plan
@@ -680,7 +686,7 @@ class LoongServeStrategy(Strategy):
             master = order[-1] if self.fixed_dop else order[0]
             if not master.room_for(rid, left):
                 return self._undo(claims)
-            master.reserved[rid] = left
+            master.set(rid, reserved=left)
             claims.setdefault(master.id, {})[rid] = 0
             masters[rid] = master.id
             shards, pos = [], 0
@@ -690,7 +696,7 @@ class LoongServeStrategy(Strategy):
                 take = shares[k] if self.fixed_dop else min(p.prompt - pos, m.room_tokens(rid))
                 if take <= 0:
                     continue
-                m.held[rid] = m.held.get(rid, 0) + take
+                m.set(rid, held=m.held.get(rid, 0) + take)
                 claims.setdefault(m.id, {})[rid] = take
                 shards.append(KVShard(m.id, pos, pos + take))
                 pos += take
