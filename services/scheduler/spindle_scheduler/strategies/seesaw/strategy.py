@@ -131,6 +131,7 @@ class SeesawStrategy(Strategy):
         self.groups: dict[str, Group] = {}
         self.waiting: deque[RequestSpec] = deque()
         self.specs: dict[str, RequestSpec] = {}
+        self._forgotten_seen = 0  # of ClusterState.forgotten_total
         self.home: dict[str, str] = {}  # request -> its group
         self.in_flight: dict[int, str] = {}  # batch id -> group
         self.tiers: dict[str, tuple[int, int]] = {}  # host tier (a kvstore) -> its room in tokens, its block size
@@ -183,13 +184,19 @@ class SeesawStrategy(Strategy):
             if g.tier_id not in stores:  # the first, or a new one after a loss
                 own = f"{inst.id}-host"
                 g.tier_id = own if own in stores else shared
-        for rid in [r for r in self.specs if r not in state.requests]:
-            self._drop(rid)
+        ended = state.forgotten_since(self._forgotten_seen)
+        self._forgotten_seen = state.forgotten_total
+        if ended is None:  # more ended than the state keeps: check every request against it
+            ended = [r for r in self.specs if r not in state.requests]
+        for rid in ended:
+            if rid in self.specs:
+                self._drop(rid)
 
     def _drop(self, rid: str) -> None:
         spec = self.specs.pop(rid, None)
+        placed = rid in self.home  # a request leaves `waiting` when it gets its group
         g = self.groups.get(self.home.pop(rid, ""))
-        if spec is not None and spec in self.waiting:
+        if spec is not None and not placed and spec in self.waiting:
             self.waiting.remove(spec)
         if g is None:
             return
