@@ -53,3 +53,17 @@ def test_a_kv_transfer_between_nodes_is_slower_than_inside_one():
     assert moved[0] == pytest.approx(LATENCY.transfer_intra.predict(PROMPT * 131072))
     assert moved[1] == pytest.approx(LATENCY.transfer.predict(PROMPT * 131072))
     assert moved[1] > 5 * moved[0]
+
+
+def test_csa_all_to_all_bytes_are_priced():
+    from spindle_costmodel.csa import pair_fraction
+    from spindle_scheduler.sim.prices import CostModelPrices
+
+    prices = CostModelPrices(COST, Parallelism(sp_kind="ulysses"), 1)
+    dense = prices.sp_prefill(4, 0, 32768)
+    # one level is plain Ulysses: the bytes counted CSA's way cost what the cost model's all-to-all costs
+    assert prices.sp_prefill(4, 0, 32768, csa=(1, 0.0)) == pytest.approx(dense, rel=0.01)
+    keep = pair_fraction(4, 3, 0.1)
+    pairs_only = prices.sp_prefill(4, 0, 32768, keep)  # what was priced before: CSA's compute, dense bytes
+    with_bytes = prices.sp_prefill(4, 0, 32768, keep, csa=(3, 0.1))
+    assert with_bytes < pairs_only < dense

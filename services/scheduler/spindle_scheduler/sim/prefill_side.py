@@ -6,6 +6,7 @@ different nodes; each holder's KV moves on the link between it and the decode in
 
 from __future__ import annotations
 
+from spindle_costmodel.csa import max_levels
 from spindle_protocol.messages import PrefillDone, PrefillProgress
 
 from .base import SimBase
@@ -45,7 +46,9 @@ class PrefillSide(SimBase):
         rec, chunk = job.rec, job.chunk
         keep = job.plan.attention_kept
         cross = len({self.instances[i].node for i in chunk.instances}) > 1  # a group over two nodes or more
-        seconds = self.prices.sp_prefill(chunk.sp, chunk.start, chunk.num_tokens, keep, cross)
+        plan = job.plan
+        csa = (plan.csa_levels or max_levels(chunk.sp), plan.csa_drop) if plan.csa_drop else None
+        seconds = self.prices.sp_prefill(chunk.sp, chunk.start, chunk.num_tokens, keep, cross, csa)
         for k, iid in enumerate(chunk.instances):
             m = self.instances[iid]
             assert isinstance(m, SimPrefill)

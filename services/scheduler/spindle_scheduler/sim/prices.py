@@ -26,11 +26,13 @@ from dataclasses import dataclass, field, replace
 
 from spindle_costmodel import CostModel, Parallelism
 from spindle_costmodel.costs import Chunk
+from spindle_costmodel.csa import alltoall_bytes
 
 from ..latency import LatencyModel
 from ..mixed_batch import MixedFit
 
 Chunks = Iterable[tuple[int, int]]  # (history, tokens) per prompt chunk
+Csa = tuple[int, float]  # CSPS's sparse attention: (levels, drop ratio at level 2)
 
 
 class FittedPrices:
@@ -64,8 +66,12 @@ class FittedPrices:
             return self.mixed_fit(tp).predict(chunks) + extra
         return self.mixed_fit(tp).predict(chunks, num_decodes, decode_kv)
 
-    def sp_prefill(self, sp: int, history: int, tokens: int, keep: float = 1.0, cross_nodes: bool = False) -> float:
-        """A prompt chunk on an SP group of prefill instances (`cross_nodes`: its members on several nodes)."""
+    def sp_prefill(
+        self, sp: int, history: int, tokens: int, keep: float = 1.0, cross_nodes: bool = False, csa: Csa | None = None
+    ) -> float:
+        """A prompt chunk on an SP group of prefill instances (`cross_nodes`: its members on several nodes; `csa`:
+        (levels, drop) of CSPS's sparse attention over an all-to-all group, `keep` its share of pairs). The fitted
+        Eq. 1 prices CSA's pairs, not the bytes its all-to-all saves."""
         return self.latency.prefill_seconds(sp, history, tokens, keep, cross_nodes)
 
     def group_prefill(self, size: int, chunks: Chunks, cross_nodes: bool = False) -> float:
@@ -123,9 +129,24 @@ class CostModelPrices(FittedPrices):
             return 0.0
         return self._s(chunks, num_decodes, decode_kv, Parallelism(tp=tp))
 
-    def sp_prefill(self, sp: int, history: int, tokens: int, keep: float = 1.0, cross_nodes: bool = False) -> float:
+    def sp_prefill(
+        self, sp: int, history: int, tokens: int, keep: float = 1.0, cross_nodes: bool = False, csa: Csa | None = None
+    ) -> float:
         par = replace(self.prefill, sp=sp, cross_nodes=cross_nodes)
-        return self._s([(history, tokens)], 0, 0, par, keep)
+        step = self.cm.iteration((Chunk(tokens, history),), 0, 0, par, keep)
+        dense = step.op("sp_alltoall")
+        if csa is None or dense is None:
+            return step.total_s
+        return step.total_s - dense.s + self.csa_alltoall_s(sp, tokens, csa, par)
+
+    def csa_alltoall_s(self, sp: int, tokens: int, csa: Csa, par: Parallelism) -> float:
+        """CSA's all-to-all over every layer: the bytes it sends (`spindle_costmodel.csa.alltoall_bytes`, each
+        member a 1/sp share of them) on the group's link, one message per peer and direction."""
+        m, levels, drop = self.cm.model, *csa
+        q_heads, kv_heads = m.heads // par.tp, max(1, -(-m.kv_heads // par.tp))
+        nbytes = alltoall_bytes(tokens, sp, levels, drop, q_heads, kv_heads, m.head_dim, m.dtype_bytes)
+        link = self.cm.hw.link(par.spans_nodes("sp", self.cm.hw.gpus_per_node))
+        return m.layers * (nbytes / sp / link.bandwidth + 2 * (sp - 1) * link.latency_s)
 
     def group_prefill(self, size: int, chunks: Chunks, cross_nodes: bool = False) -> float:
         par = Parallelism(tp=self.prefill.tp, sp=size, sp_kind=self.prefill.sp_kind, cross_nodes=cross_nodes)
@@ -186,8 +207,10 @@ class JudgedPrices(FittedPrices):
     def step(self, tp: int, chunks: Chunks, num_decodes: int = 0, decode_kv: float = 0) -> float:
         return self._judge("step", tp, list(chunks), num_decodes, decode_kv)
 
-    def sp_prefill(self, sp: int, history: int, tokens: int, keep: float = 1.0, cross_nodes: bool = False) -> float:
-        return self._judge("sp_prefill", sp, history, tokens, keep, cross_nodes)
+    def sp_prefill(
+        self, sp: int, history: int, tokens: int, keep: float = 1.0, cross_nodes: bool = False, csa: Csa | None = None
+    ) -> float:
+        return self._judge("sp_prefill", sp, history, tokens, keep, cross_nodes, csa)
 
     def group_prefill(self, size: int, chunks: Chunks, cross_nodes: bool = False) -> float:
         return self._judge("group_prefill", size, list(chunks), cross_nodes)
