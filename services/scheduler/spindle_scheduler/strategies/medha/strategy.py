@@ -79,9 +79,22 @@ class Replica:
     spp: int = 1  # sequence-pipeline stages
     iterations: int = 0  # iterations sent
     sampled_at: dict[str, int] = field(default_factory=dict)  # request -> the iteration that last sampled it
+    reserved_total: int = 0  # sum of `reserved`
+    bypass_used: int = 0  # of `reserved`, what requests placed past a waiting one hold (`MedhaStrategy._place`)
+    pending_s: float | None = None  # predicted prefill work of `queue` alone; None: to compute again
 
     def free(self) -> int:
-        return self.capacity - sum(self.reserved.values())
+        return self.capacity - self.reserved_total
+
+    def reserve(self, rid: str, tokens: int, bypass: bool) -> None:
+        self.reserved[rid] = tokens
+        self.reserved_total += tokens
+        self.bypass_used += tokens if bypass else 0
+
+    def release(self, rid: str, bypass: bool) -> None:
+        tokens = self.reserved.pop(rid, 0)
+        self.reserved_total -= tokens
+        self.bypass_used -= tokens if bypass else 0
 
 
 @dataclass
@@ -146,6 +159,7 @@ class MedhaStrategy(Strategy):
         self.spans: dict[str, list[Span]] = {}  # request -> the replicas holding its KV, when more than one
         self.in_flight: dict[int, InFlight] = {}
         self._held: set[str] = set()  # every request admitted and not yet seen forgotten by the core
+        self._span_prefill: dict[str, Prefilling] = {}  # a request spanning replicas, while it still prefills
         self._waiting_ids: set[str] = set()  # the requests in `waiting`
         self._forgotten_seen = 0  # of ClusterState.forgotten_total
         self._model: MixedBatchModel | None = None
@@ -209,6 +223,8 @@ class MedhaStrategy(Strategy):
                 self.replicas[inst.id] = Replica(inst.id, info.rank, info.tp_size, info.kv_blocks_total * block, block,
                                                  spp=info.spp_size)  # fmt: skip
                 self._model = None  # a new TP degree may need its fit
+                for r in self.replicas.values():
+                    r.pending_s = None
         ended = state.forgotten_since(self._forgotten_seen)
         self._forgotten_seen = state.forgotten_total
         if ended is None:  # more ended than the state keeps: check every request against it
@@ -223,12 +239,16 @@ class MedhaStrategy(Strategy):
 
     def _drop(self, rid: str) -> None:
         self.spans.pop(rid, None)
+        self._span_prefill.pop(rid, None)
+        bypass = rid in self.bypassers
         self.bypassers.discard(rid)
         for r in self.replicas.values():
-            r.reserved.pop(rid, None)
+            r.release(rid, bypass)
             r.decoding.pop(rid, None)
             r.sampled_at.pop(rid, None)
-            r.queue = [p for p in r.queue if p.rid != rid]
+            if any(p.rid == rid for p in r.queue):
+                r.queue = [p for p in r.queue if p.rid != rid]
+                r.pending_s = None
 
     # ---- the strategy interface ----
 
@@ -296,8 +316,10 @@ class MedhaStrategy(Strategy):
             if r is None or p is None:
                 continue  # ended meanwhile
             p.done += n
+            r.pending_s = None
             if p.done >= p.prompt:
                 r.queue.remove(p)
+                self._span_prefill.pop(rid, None)
                 start = next((s.start for s in self.spans.get(rid, ()) if s.id == iid), 0)
                 r.decoding[rid] = p.prompt - start + 1  # the first token's KV is written by its first decode
             elif p.until and p.done >= p.until:  # its share here is full: the next chunks go to the next replica
@@ -305,6 +327,7 @@ class MedhaStrategy(Strategy):
                 nxt = next(s for s in self.spans[rid] if s.start == p.done)
                 p.until = nxt.end
                 self.replicas[nxt.id].queue.append(p)
+                self.replicas[nxt.id].pending_s = None
         for rid, iid in ran.decodes:
             if (r := self.replicas.get(iid)) is not None and rid in r.decoding:
                 r.decoding[rid] += 1
@@ -334,7 +357,8 @@ class MedhaStrategy(Strategy):
             return x
 
         for rid, spans in self.spans.items():
-            done = next((p.done for r in self.replicas.values() for p in r.queue if p.rid == rid), None)
+            queued = self._span_prefill.get(rid)  # still prefilling: in some replica's queue
+            done = None if queued is None else queued.done
             used = [s.id for s in spans if done is None or s.start < done or s.start == done]
             for a, b in itertools.pairwise(x for x in used if x in parent):
                 parent[root(a)] = root(b)
@@ -351,10 +375,9 @@ class MedhaStrategy(Strategy):
         the waiting one would still fit beside that share: a long request waiting for room does not hold up short
         ones, and it cannot be starved by them."""
         if not self.waiting:  # every event and tick comes here
-            self.bypassers.clear()
+            self._clear_bypassers()
             return
-        rooms = {r.id: Room(r.id, r.free(), r.block, sum(self.alone_s(r.tp, q.done, q.left) for q in r.queue))
-                 for r in self.replicas.values()}  # fmt: skip
+        rooms = {r.id: Room(r.id, r.free(), r.block, self._pending_s(r)) for r in self.replicas.values()}
         blocked: Prefilling | None = None
         placed: set[str] = set()
         scanned = 0
@@ -376,19 +399,33 @@ class MedhaStrategy(Strategy):
                 self.bypassers.add(p.rid)
             placed.add(p.rid)
             for s in spans:
-                self.replicas[s.id].reserved[p.rid] = s.reserve
+                self.replicas[s.id].reserve(p.rid, s.reserve, p.rid in self.bypassers)
                 r = rooms[s.id]
                 work = self.alone_s(self.replicas[s.id].tp, s.start, s.end - s.start)
                 rooms[s.id] = Room(r.id, r.free - s.reserve, r.block, r.pending_s + work)
             if len(spans) > 1:
                 self.spans[p.rid] = spans
+                self._span_prefill[p.rid] = p
                 p.until = spans[0].end
             self.replicas[spans[0].id].queue.append(p)
+            self.replicas[spans[0].id].pending_s = None
         if placed:
             self.waiting = deque(p for p in self.waiting if p.rid not in placed)
             self._waiting_ids -= placed
         if blocked is None:
+            self._clear_bypassers()
+
+    def _clear_bypassers(self) -> None:
+        if self.bypassers:
             self.bypassers.clear()
+            for r in self.replicas.values():
+                r.bypass_used = 0
+
+    def _pending_s(self, r: Replica) -> float:
+        """`r`'s queued prefill work, alone: recomputed only after its queue changed."""
+        if r.pending_s is None:
+            r.pending_s = sum(self.alone_s(r.tp, q.done, q.left) for q in r.queue)
+        return r.pending_s
 
     def _bypassable(self, blocked: Prefilling, rooms: dict[str, Room]) -> list[Room]:
         """The replicas a request may take while `blocked` waits, each with the room left of the bypass share."""
@@ -400,9 +437,9 @@ class MedhaStrategy(Strategy):
             share = int(self.backfill * r.capacity)
             if min(need, self.kvp_tokens or need, r.capacity) > r.capacity - share:
                 continue  # the waiting request needs this replica's KV beyond the bypass share
-            used = sum(n for rid, n in r.reserved.items() if rid in self.bypassers)
             room = rooms[r.id]
-            out.append(Room(r.id, min(room.free, (share - used) // r.block * r.block), r.block, room.pending_s))
+            free = min(room.free, (share - r.bypass_used) // r.block * r.block)
+            out.append(Room(r.id, free, r.block, room.pending_s))
         return out
 
     def _group_iteration(self, group: list[Replica], now: float) -> RunBatch | None:
