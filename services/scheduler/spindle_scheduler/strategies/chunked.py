@@ -3,8 +3,9 @@ token budget, FCFS (Sarathi-Serve / vLLM chunked prefill). No sequence paralleli
 
 Each request goes to the elastic instance with the fewest prompt tokens waiting (ties: most free KV). Each step
 of an instance takes its running decodes first, then pieces of the prompts it is prefilling, then waiting prompts,
-until `chunk_size` tokens (the step's token budget: vLLM's `max_num_batched_tokens`, Sarathi-Serve's token budget)
-are taken, so one step may pack several prompts' chunks. On the services, `spindle_elastic` is that instance: its
+until `chunk_size` tokens (the step's token budget: vLLM's `max_num_batched_tokens`, Sarathi-Serve's token budget;
+default 2,048, vLLM's for online serving and `spindle up`'s elastic instances) are taken, so one step may pack
+several prompts' chunks. On the services, `spindle_elastic` is that instance: its
 engine batches so, with the budget `spindle up` sets to the same `chunk_size`; the simulator's colocated
 instances do too (sim/colocated_side.py). The plan's chunks name the budget; the instance cuts the prompt by what
 is left of it in each step.
@@ -28,7 +29,7 @@ class ChunkedPrefillStrategy(Strategy):
     colocated = True
     keeps_kv_in_place = True
 
-    def __init__(self, latency: LatencyModel | None = None, *, chunk_size: int = 512) -> None:
+    def __init__(self, latency: LatencyModel | None = None, *, chunk_size: int = 2048) -> None:
         super().__init__(latency)
         if chunk_size < 1:
             raise ValueError(f"chunked: chunk_size must be >= 1, got {chunk_size}")
