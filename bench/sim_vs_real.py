@@ -3,11 +3,15 @@
 For each strategy (`--strategies`) a stack is started here in a layout it runs on (below), a few untimed requests
 warm it up, and the trace is replayed through the gateway at its arrival times (`serve_trace.run_trace`: token-id
 prompts of exact lengths, `ignore_eos`, exact output lengths). The same trace then runs in the simulator with this
-machine's profile (`spindle profile`: `--profile`, default bench/results/profile_sp.json, SP sizes 1, 2, 4) on the
-instances the stack reported (their roles and KV blocks), with the same strategy. Per strategy it prints real and
-simulated P50 / P90 TTFT, P50 / P90 TPOT and output throughput, and the error (sim - real) / real, and writes
-`{"strategies": {S: {"real": {...}, "sim": {...}, "error": {...}}}}` (keys ttft_p50, ttft_p90, tpot_p50, tpot_p90,
-throughput_tok_s) with the trace, the layouts and the machine.
+machine's profile (`--profile`, default bench/results/sim_vs_real_profile.json: `spindle profile` with one torch
+thread, as the engines run here, SP sizes 1 and 2) on the instances the stack reported (their roles and KV blocks),
+with the same strategy. Per strategy it prints real and simulated P50 / P90 TTFT, P50 / P90 TPOT and output
+throughput, and the error (sim - real) / real, and writes `{"strategies": {S: {"real": {...}, "sim": {...},
+"error": {...}}}}` (keys ttft_p50, ttft_p90, tpot_p50, tpot_p90, throughput_tok_s) with the trace, the layouts and
+the machine. Make the profile with:
+
+    OMP_NUM_THREADS=1 .venv/bin/spindle profile --out bench/results/sim_vs_real_profile.json --sp-sizes 1,2 \
+        --histories 0,256,512 --chunks 32,128,256,512 --decode-batches 1,2,4,8 --decode-kv-tokens 64,256,512
 
     .venv/bin/python bench/sim_vs_real.py                                   # single and chunked, 24 requests
     .venv/bin/python bench/sim_vs_real.py --strategies single chunked fixed-sp:sp=2 loongserve --requests 30
@@ -49,7 +53,7 @@ from spindle_scheduler.workloads import TraceRequest
 log = logging.getLogger("bench.sim_vs_real")
 ROOT = Path(__file__).resolve().parent
 DEFAULT_OUT = ROOT / "results" / "sim_vs_real.json"
-DEFAULT_PROFILE = ROOT / "results" / "profile_sp.json"
+DEFAULT_PROFILE = ROOT / "results" / "sim_vs_real_profile.json"
 SPLIT = {"prefill": 2, "decode": 1, "elastic": 0}
 LAYOUTS = {
     "single": SPLIT, "fixed-sp": SPLIT, "request-sp": SPLIT, "tetris": SPLIT, "spindle": SPLIT, "csps": SPLIT,

@@ -116,14 +116,16 @@ def measure_decode(engine: Any, cfg: ProfileConfig, tick: Callable[[], None]) ->
 
 
 def load_model(cfg: ProfileConfig) -> Any:
-    from spindle_engine.config import DTYPES
-    from spindle_model import LlamaModel, load_state_dict, resolve_model
+    from spindle_engine.config import DTYPES, EngineConfig
+    from spindle_model import LlamaModel, attach_gguf_blocks, load_state_dict, resolve_model
 
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
     source = resolve_model(cfg.model)
     model = LlamaModel(source.config, dtype=DTYPES[cfg.dtype])
     model.load_weights(load_state_dict(source.path, dtype=DTYPES[cfg.dtype]))
+    if EngineConfig().gguf_blocks and source.gguf is not None:  # as the engine loads it: decode reads the GGUF blocks
+        attach_gguf_blocks(model, source.gguf)
     return model
 
 
