@@ -102,7 +102,8 @@ def write_jsonl(
             f.write(json.dumps(line) + "\n")
 
 
-def read_jsonl(path: str | Path, count_tokens: Callable[[str], int] | None = None) -> list[TraceRequest]:
+def _json_lines(path: str | Path, parse: Callable[[dict], TraceRequest]) -> list[TraceRequest]:
+    """`parse` of every non-blank line's JSON object, a bad line named by its number."""
     out: list[TraceRequest] = []
     with open(path) as f:
         for lineno, text in enumerate(f, 1):
@@ -110,20 +111,29 @@ def read_jsonl(path: str | Path, count_tokens: Callable[[str], int] | None = Non
                 continue
             try:
                 item = json.loads(text)
-                prompt = item["prompt"]
-                if "output_tokens" not in item:
-                    raise ValueError("no 'output_tokens'")
-                if "num_prefill_tokens" in item:
-                    prefill = int(item["num_prefill_tokens"])
-                elif count_tokens is not None:
-                    prefill = count_tokens(prompt)
-                else:
-                    raise ValueError("no 'num_prefill_tokens' and no count_tokens given")
-                arrived_at, service_class = float(item.get("arrived_at", 0.0)), item.get("service_class", "interactive")
-                out.append(TraceRequest(arrived_at, prefill, int(item["output_tokens"]), service_class))
+                if not isinstance(item, dict):
+                    raise ValueError("a line must be a JSON object")
+                out.append(parse(item))
             except (KeyError, TypeError, ValueError) as e:
                 raise ValueError(f"{path}:{lineno}: {e!r}") from e
     return out
+
+
+def read_jsonl(path: str | Path, count_tokens: Callable[[str], int] | None = None) -> list[TraceRequest]:
+    def parse(item: dict) -> TraceRequest:
+        prompt = item["prompt"]
+        if "output_tokens" not in item:
+            raise ValueError("no 'output_tokens'")
+        if "num_prefill_tokens" in item:
+            prefill = int(item["num_prefill_tokens"])
+        elif count_tokens is not None:
+            prefill = count_tokens(prompt)
+        else:
+            raise ValueError("no 'num_prefill_tokens' and no count_tokens given")
+        arrived_at, service_class = float(item.get("arrived_at", 0.0)), item.get("service_class", "interactive")
+        return TraceRequest(arrived_at, prefill, int(item["output_tokens"]), service_class)
+
+    return _json_lines(path, parse)
 
 
 # ---- Mooncake / AIPerf JSONL ----
@@ -142,29 +152,19 @@ def write_mooncake(path: str | Path, requests: Iterable[TraceRequest]) -> None:
 
 
 def read_mooncake(path: str | Path) -> list[TraceRequest]:
-    out: list[TraceRequest] = []
-    with open(path) as f:
-        for lineno, text in enumerate(f, 1):
-            if not text.strip():
-                continue
-            try:
-                item = json.loads(text)
-                if not isinstance(item, dict):
-                    raise ValueError("a line must be a JSON object")
-                if "timestamp" not in item and "delay" in item:
-                    raise ValueError("multi-turn session lines (delay, no timestamp) are not supported: give each "
-                                     "request its arrival timestamp")  # fmt: skip
-                if missing := [k for k in MOONCAKE_KEYS if k not in item]:
-                    raise ValueError(f"no {', '.join(repr(k) for k in missing)}")
-                hashes = item.get("hash_ids") or ()
-                if not isinstance(hashes, list | tuple) or not all(isinstance(h, int) for h in hashes):
-                    raise ValueError("'hash_ids' must be a list of integers")
-                at = float(item["timestamp"]) / 1000.0
-                out.append(TraceRequest(at, int(item["input_length"]), int(item["output_length"]),
-                                        hash_ids=tuple(hashes)))  # fmt: skip
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"{path}:{lineno}: {e}") from e
-    return out
+    def parse(item: dict) -> TraceRequest:
+        if "timestamp" not in item and "delay" in item:
+            raise ValueError("multi-turn session lines (delay, no timestamp) are not supported: give each request "
+                             "its arrival timestamp")  # fmt: skip
+        if missing := [k for k in MOONCAKE_KEYS if k not in item]:
+            raise ValueError(f"no {', '.join(repr(k) for k in missing)}")
+        hashes = item.get("hash_ids") or ()
+        if not isinstance(hashes, list | tuple) or not all(isinstance(h, int) for h in hashes):
+            raise ValueError("'hash_ids' must be a list of integers")
+        at = float(item["timestamp"]) / 1000.0
+        return TraceRequest(at, int(item["input_length"]), int(item["output_length"]), hash_ids=tuple(hashes))
+
+    return _json_lines(path, parse)
 
 
 # ---- BurstGPT CSV ----
