@@ -136,6 +136,8 @@ class SeesawStrategy(Strategy):
         self.in_flight: dict[int, str] = {}  # batch id -> group
         self.tiers: dict[str, tuple[int, int]] = {}  # host tier (a kvstore) -> its room in tokens, its block size
         self.tier_held: dict[str, int] = {}  # request -> KV tokens it holds (or will) in its group's tier
+        self._tier_at: dict[str, tuple[str, int]] = {}  # request -> (the tier it is counted in, its blocks there)
+        self._tier_blocks: dict[str, int] = {}  # tier -> blocks its requests hold
         self._ids = itertools.count(1)
 
     @classmethod
@@ -169,8 +171,10 @@ class SeesawStrategy(Strategy):
 
     def _sync(self, state: ClusterState) -> None:
         stores = {s.id: s.info for s in state.live("kvstore")}
-        self.tiers = {iid: (info.kv_blocks_total * (info.block_size or 1), info.block_size or 1)
-                      for iid, info in stores.items()}  # fmt: skip
+        tiers = {iid: (info.kv_blocks_total * (info.block_size or 1), info.block_size or 1)
+                 for iid, info in stores.items()}  # fmt: skip
+        recount = tiers != self.tiers
+        self.tiers = tiers
         shared = min((iid for iid in stores if not iid.endswith("-host")), default="")  # a kvstore groups share
         for inst in state.live(ROLE):
             info = inst.info
@@ -184,6 +188,9 @@ class SeesawStrategy(Strategy):
             if g.tier_id not in stores:  # the first, or a new one after a loss
                 own = f"{inst.id}-host"
                 g.tier_id = own if own in stores else shared
+                recount = True
+        if recount:
+            self._recount_tiers()
         ended = state.forgotten_since(self._forgotten_seen)
         self._forgotten_seen = state.forgotten_total
         if ended is None:  # more ended than the state keeps: check every request against it
@@ -200,7 +207,7 @@ class SeesawStrategy(Strategy):
             self.waiting.remove(spec)
         if g is None:
             return
-        self.tier_held.pop(rid, None)
+        self._tier_pop(rid)
         if rid in g.tier:
             g.tier.remove(rid)
         g.running.pop(rid, None)
@@ -248,7 +255,7 @@ class SeesawStrategy(Strategy):
             case KVMigrated(request_id=rid, dst=dst) if (g := self.groups.get(self.home.get(rid, ""))) is not None:
                 g.moving.discard(rid)
                 if dst == g.id:  # onboarded: its copy in the tier is gone now
-                    self.tier_held.pop(rid, None)
+                    self._tier_pop(rid)
                     g.join(rid, self._decode_pp)
                 else:  # back in the tier for the next decode phase, first in line
                     g.reserved.pop(rid, None)
@@ -275,7 +282,7 @@ class SeesawStrategy(Strategy):
         g = self.groups.pop(instance_id, None)
         if g is not None:
             for rid in [*g.tier, *g.moving]:
-                self.tier_held.pop(rid, None)
+                self._tier_pop(rid)
             for bid in [b for b, iid in self.in_flight.items() if iid == instance_id]:
                 del self.in_flight[bid]
         return self._schedule()
@@ -349,7 +356,7 @@ class SeesawStrategy(Strategy):
             if g.running and self.c_p != self.c_d:
                 for rid in g.running:
                     g.moving.add(rid)
-                    self.tier_held[rid] = g.reserved[rid]
+                    self._tier_put(rid, g.reserved[rid])
                     actions.append(MigrateKV(rid, g.id, g.tier_id))
                 g.running.clear()
                 g.busy = g.draining = True  # until the last one is out (KVMigrated), then the switch
@@ -364,9 +371,29 @@ class SeesawStrategy(Strategy):
         counted in its blocks as the kvstore holds them (each request's rounded up)."""
         tokens, block = self.tiers.get(g.tier_id, (0, 1))
         blocks = lambda n: -(-n // block)  # noqa: E731
-        mine = (n for rid, n in self.tier_held.items() if self._tier_of(rid) == g.tier_id)
-        held = sum(blocks(n) for n in (*mine, *more))
+        held = self._tier_blocks.get(g.tier_id, 0) + sum(blocks(n) for n in more)
         return (held + blocks(spec.prompt.num_tokens)) * block <= tokens
+
+    def _tier_put(self, rid: str, tokens: int) -> None:
+        """`rid` holds (or will hold) `tokens` KV tokens in its group's tier; each tier's blocks are counted as
+        they change (`_tier_blocks`), so a fit costs the same however many requests the tiers hold."""
+        self._tier_pop(rid)
+        tier = self._tier_of(rid)
+        blocks = -(-tokens // self.tiers.get(tier, (0, 1))[1])
+        self.tier_held[rid] = tokens
+        self._tier_at[rid] = (tier, blocks)
+        self._tier_blocks[tier] = self._tier_blocks.get(tier, 0) + blocks
+
+    def _tier_pop(self, rid: str) -> None:
+        self.tier_held.pop(rid, None)
+        if (at := self._tier_at.pop(rid, None)) is not None:
+            self._tier_blocks[at[0]] -= at[1]
+
+    def _recount_tiers(self) -> None:
+        """Every request's tier blocks again (a group got another tier, or a tier's block size changed)."""
+        held, self._tier_at, self._tier_blocks = dict(self.tier_held), {}, {}
+        for rid, tokens in held.items():
+            self._tier_put(rid, tokens)
 
     def _tier_of(self, rid: str) -> str:
         g = self.groups.get(self.home.get(rid, ""))
@@ -392,7 +419,7 @@ class SeesawStrategy(Strategy):
             self.home[rid] = g.id
             tokens += n
             if offload:
-                self.tier_held[rid] = n
+                self._tier_put(rid, n)
                 g.reserved[rid] = n  # on the group until it is swapped out
                 g.tier.append(rid)
                 parts.append(PrefillPart(spec, 0, n, (KVShard(g.tier_id, 0, n),)))
