@@ -9,7 +9,7 @@ Two price lists:
 - `CostModelPrices`: the cost model itself (`spindle_costmodel.CostModel`), on a named cluster (`--hardware`). This
   is the ground truth of a simulated run; the strategies plan with forms *fitted* to it (Eq. 1, Eq. 7, the decode
   step, the mixed-batch step: `calibration.latency_from_cost_model`, optionally from noisy samples, `--noise`), so
-  a plan can mispredict, and `Simulator.prediction_error` reports by how much.
+  a plan can mispredict, and `SimResult.prediction_error` reports by how much.
 - `FittedPrices`: the fitted forms of a `LatencyModel` (a profile of this machine, published figures), when there is
   no cost model to execute: the strategies then plan with the very forms the run is priced by.
 
@@ -185,7 +185,7 @@ class ErrorStats:
 
 class JudgedPrices(FittedPrices):
     """Charges `truth`'s prices and notes, per kind of work, how far the strategy's own forms (`planned`) were from
-    them: the prediction error of a run (`Simulator.prediction_error`)."""
+    them: the prediction error of a run (`SimResult.prediction_error`)."""
 
     KINDS = ("step", "decode", "sp_prefill", "group_prefill", "group_decode", "transfer")
 
