@@ -29,4 +29,4 @@ def test_a_trace_replays_on_the_real_stack_and_in_the_simulator(tmp_path) -> Non
     for side in ("real", "sim", "error"):
         assert set(result[side]) == set(sim_vs_real.KEYS), side
     assert result["real"]["ttft_p50"] > 0 and result["sim"]["ttft_p50"] > 0
-    assert result["instances_kv_blocks"].keys() == {"prefill", "decode"}
+    assert {"prefill", "decode"} <= result["instances_kv_blocks"].keys()
