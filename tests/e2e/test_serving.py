@@ -255,11 +255,16 @@ def test_one_trace_per_request_across_services(stack, otlp):
                 return trace
         return []
 
-    otlp.wait_for(lambda spans: bool(request_trace(spans)), timeout=15)
+    def lost_parents(trace: list) -> list:
+        ids = {sp.span_id for sp in trace}
+        return [sp.name for sp in trace if sp.parent_id is not None and sp.parent_id not in ids]
+
+    # A child ends (and is exported) before its parent, and each service exports in its own batches: wait until
+    # the parents have arrived too, then check that none is missing.
+    otlp.wait_for(lambda spans: bool(request_trace(spans)) and not lost_parents(request_trace(spans)), timeout=20)
     trace = request_trace(otlp.spans)
     assert trace, sorted({(sp.service, sp.name, sp.trace_id[:6]) for sp in otlp.spans})
-    ids = {sp.span_id for sp in trace}
-    assert all(sp.parent_id in ids for sp in trace if sp.parent_id is not None), "a parent link was lost"
+    assert not lost_parents(trace), f"a parent link was lost: {lost_parents(trace)}"
 
 
 def test_a_batch_through_the_openai_client_gives_the_engines_tokens(stack, reference_engine, tokenizer):
