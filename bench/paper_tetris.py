@@ -3,8 +3,9 @@
     python bench/paper_tetris.py            # bench/results/paper_tetris.{json,png}, paper_tetris_ablation.png
     python bench/paper_tetris.py --quick    # fewer requests and rates (a smoke run)
 
-- Cluster (§7.1): Llama-3-8B on 32 A100 prefill instances in 4 nodes of 8, Table 1's latencies (Eq. 1 fitted),
-  P/D 1:1: 4 decode instances of TP 8. Llama-3-70B (§7.2): the cost model's A100-80G at TP 4 per prefill
+- Cluster (§7.1): Llama-3-8B on 32 A100s at P/D 1:1, Table 1's latencies (Eq. 1 fitted): 16 prefill instances
+  (2 nodes of 8) + 2 decode instances of TP 8, the headline; twice that (32 prefill + 4 decode, 64 GPUs) as a
+  variant (`8b ... 32+4` runs). Llama-3-70B (§7.2): the cost model's A100-80G at TP 4 per prefill
   instance, 8 prefill instances (32 GPUs) + 4 decode instances of TP 8, the medium workload; its improvement-rate
   table is tuned first on that cluster (`spindle tune tetris`'s search; the shipped tables are the 8B cluster's).
 - Workloads: the paper's short / medium / long length distributions, Poisson arrivals, 1,000 requests a point.
@@ -14,8 +15,9 @@
   improvement rates 0.1 / 0.3 / 0.5 / 0.7 (Fig. 11).
 - Headlines: P50 / P99 TTFT of the best baseline over Tetris's (max over the rates at which both Tetris and
   the best baseline hold their SLO, per workload; the paper's ranges are over its workloads); max sustainable
-  load (the highest rate whose P50 TTFT stays under 25x its light-load value) of Tetris over the best
-  baseline's; single-chunk over CDSP P50 / P99 TTFT (max over the rates Tetris sustains); Fig. 11's TTFT at
+  load of Tetris over the best baseline's: the highest rate whose P50 TTFT stays under one SLO shared by every
+  strategy of the run (25x the lowest light-load P50 TTFT among them), each probed rate offering its load for
+  at least 120 s; single-chunk over CDSP P50 / P99 TTFT (max over the rates Tetris sustains); Fig. 11's TTFT at
   fixed rates relative to the dynamic choice.
 """
 
@@ -34,7 +36,7 @@ from spindle_scheduler.calibration import load_paper_calibration
 from spindle_scheduler.core import SchedulerConfig
 from spindle_scheduler.latency import LatencyModel
 from spindle_scheduler.sim import SimConfig
-from spindle_scheduler.sim.loadsearch import max_sustainable_load
+from spindle_scheduler.sim.loadsearch import Probe, light_load, max_sustainable_load
 from spindle_scheduler.sim.named_cluster import ClusterSpec, named_cluster
 from spindle_scheduler.sim.sweep import SweepRow, sweep
 from spindle_scheduler.sim.tune import tune_tetris
@@ -44,6 +46,9 @@ BASELINES = {"Fixed SP=16": "fixed-sp:sp=16", "Fixed SP=8": "fixed-sp:sp=8", "Lo
 # 70B: 8 prefill instances of TP 4, so the fixed-SP baselines are the two largest groups that fit
 BASELINES_70B = {"Fixed SP=8": "fixed-sp:sp=8", "Fixed SP=4": "fixed-sp:sp=4", "LoongServe Disagg.": "request-sp"}
 FIXED_RATES = (0.1, 0.3, 0.5, 0.7)
+WINDOW_S = 120.0  # each probed rate of a max-load search offers its load for at least this long
+SLO_SCALE = 25.0  # the shared SLO: this times the lowest light-load P50 TTFT of the run's strategies
+SHAPES_8B = {"": (16, 2), " 32+4": (32, 4)}  # run-key suffix -> (prefill instances, decode instances of TP 8)
 RATES = {  # req/s, up to past each workload's saturation
     "tetris-short": [1, 2, 4, 6, 8, 10, 12, 14],
     "tetris-medium": [1, 2, 3, 4, 5, 6, 7, 8, 9],
@@ -67,10 +72,11 @@ def strategies(workload: str, baselines: dict[str, str], table: str = "") -> dic
     return named | {f"Tetris rate={x:g}": f"tetris:improvement_rate={x:g}" for x in FIXED_RATES}
 
 
-def cluster_8b() -> tuple[LatencyModel, SimConfig]:
+def cluster_8b(num_prefill: int = 16, num_decode: int = 2) -> tuple[LatencyModel, SimConfig]:
     config = SimConfig(
-        num_prefill=32, num_decode=4, decode_tp=8, gpus_per_node=8, scheduler=SchedulerConfig(max_num_requests=10**5)
-    )
+        num_prefill=num_prefill, num_decode=num_decode, decode_tp=8, gpus_per_node=8,
+        scheduler=SchedulerConfig(max_num_requests=10**5),
+    )  # fmt: skip
     return load_paper_calibration(), config
 
 
@@ -130,9 +136,19 @@ def run_workload(
         rows[name] = sweep([spec], rates, workload, latency, config, n, seed=0)
         bar.update(1)
     max_loads: dict[str, Any] = {}
-    for name in [*baselines, "Tetris", "Tetris single-chunk"] if with_max_load else []:
-        ml = max_sustainable_load(named[name], workload, latency, config, n, start_rate=rates[0], rel_tol=0.05)
-        max_loads[name] = {"rate": ml.rate, "light_rate": ml.light_rate, "slo_s": ml.slo_s}
+    searched = [*baselines, "Tetris", "Tetris single-chunk"] if with_max_load else []
+    light = {
+        name: light_load(Probe(named[name], workload, latency, config, n), start_rate=rates[0]) for name in searched
+    }
+    best_light, light_rate, slo_s = None, None, None
+    if light:  # one SLO for every strategy: from the best light load, never a strategy's own
+        best_light = min(light, key=lambda k: light[k][1])
+        light_rate, slo_s = light[best_light][0], SLO_SCALE * light[best_light][1]
+    for name in searched:
+        ml = max_sustainable_load(named[name], workload, latency, config, n, start_rate=rates[0], rel_tol=0.05,
+                                  light_rate=light_rate, slo_s=slo_s, min_window_s=WINDOW_S)  # fmt: skip
+        max_loads[name] = {"rate": ml.rate, "light_rate": ml.light_rate, "light_p50_s": light[name][1],
+                           "slo_s": ml.slo_s, "slo_from": best_light, "window_s": WINDOW_S}  # fmt: skip
         bar.update(1)
     if not with_max_load:
         max_loads = {name: {"rate": None} for name in [*baselines, "Tetris"]}
@@ -175,7 +191,7 @@ def plot(results: dict[str, Any], path: Path, ablation: Path) -> None:
             ax.set_ylabel("TTFT (s)")
             ax.grid(True, alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("Tetris Fig. 8/9 in Spindle's simulator (32 A100 prefill instances; 70B: 8 x TP4)")
+    fig.suptitle("Tetris Fig. 8/9 in Spindle's simulator (16 + 2 A100 instances, 32 + 4; 70B: 8 x TP4 + 4 x TP8)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -235,7 +251,9 @@ def main() -> None:
     n = 200 if args.quick else args.num_requests
     step = 3 if args.quick else 1
     runs_todo: list[tuple[str, str, dict[str, str], Any, list[float]]] = [
-        (f"8b {w}", w, BASELINES, cluster_8b, RATES[w][::step]) for w in RATES
+        (f"8b {w}{suffix}", w, BASELINES, lambda shape=shape: cluster_8b(*shape), RATES[w][::step])
+        for suffix, shape in SHAPES_8B.items()
+        for w in RATES
     ]
     if not args.no_70b:
         rates_70b = [0.25, 0.5, 0.75, 1, 1.25, 1.5, 2][::step]

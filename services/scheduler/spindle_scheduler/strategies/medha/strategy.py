@@ -47,6 +47,7 @@ its room). n > 1 choices are refused (400).
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -63,6 +64,7 @@ from .slack import POLICIES, Prefilling, priority, relative_slack
 
 ROLE = "elastic"
 BACKFILL_SCAN = 64  # waiting requests past a blocked one that one placement pass looks at
+ALONE_CACHE = 1 << 16  # prefill-alone predictions kept (cleared when full)
 
 
 @dataclass
@@ -161,6 +163,12 @@ class MedhaStrategy(Strategy):
         self._held: set[str] = set()  # every request admitted and not yet seen forgotten by the core
         self._span_prefill: dict[str, Prefilling] = {}  # a request spanning replicas, while it still prefills
         self._waiting_ids: set[str] = set()  # the requests in `waiting`
+        # what a placement pass depends on changes only with these: a pass that placed nothing is not repeated
+        # until one of them moved (`_place`)
+        self._placement_version = 0  # bumped when `waiting`, the replicas or their reservations change
+        self._placement_seen: tuple[int, tuple[str, ...] | None] | None = None
+        self._groups_cache: list[list[Replica]] | None = None  # `_groups`, until a span or a replica changes
+        self._alone_cache: dict[tuple[int, int, int], float] = {}  # `alone_s` of the current model
         self._forgotten_seen = 0  # of ClusterState.forgotten_total
         self._model: MixedBatchModel | None = None
         self._ids = itertools.count(1)
@@ -206,6 +214,14 @@ class MedhaStrategy(Strategy):
         """Prefill time of `tokens` prompt tokens after `history`, alone on a replica, in max_chunk pieces."""
         if tokens <= 0:
             return 0.0
+        key = (tp, history, tokens)  # asked again for every queued request each iteration until it progresses
+        if (seconds := self._alone_cache.get(key)) is None:
+            if len(self._alone_cache) >= ALONE_CACHE:
+                self._alone_cache.clear()
+            seconds = self._alone_cache[key] = self._alone(tp, history, tokens)
+        return seconds
+
+    def _alone(self, tp: int, history: int, tokens: int) -> float:
         f = self.model().fit_for(tp)
         m = self.max_chunk
         k, r = divmod(tokens, m)  # k whole pieces after history, history + m, ..., then r tokens
@@ -223,6 +239,9 @@ class MedhaStrategy(Strategy):
                 self.replicas[inst.id] = Replica(inst.id, info.rank, info.tp_size, info.kv_blocks_total * block, block,
                                                  spp=info.spp_size)  # fmt: skip
                 self._model = None  # a new TP degree may need its fit
+                self._alone_cache.clear()
+                self._groups_cache = None
+                self._placement_version += 1
                 for r in self.replicas.values():
                     r.pending_s = None
         ended = state.forgotten_since(self._forgotten_seen)
@@ -236,17 +255,21 @@ class MedhaStrategy(Strategy):
         if any(rid in self._waiting_ids for rid in gone):
             self.waiting = deque(p for p in self.waiting if p.rid in state.requests)
             self._waiting_ids = {p.rid for p in self.waiting}
+            self._placement_version += 1
 
     def _drop(self, rid: str) -> None:
-        self.spans.pop(rid, None)
+        self._placement_version += 1  # its reservations are free again
+        if self.spans.pop(rid, None) is not None:
+            self._groups_cache = None
         self._span_prefill.pop(rid, None)
         bypass = rid in self.bypassers
         self.bypassers.discard(rid)
         for r in self.replicas.values():
+            queued = rid in r.reserved  # a replica queues only the requests that reserved KV on it
             r.release(rid, bypass)
             r.decoding.pop(rid, None)
             r.sampled_at.pop(rid, None)
-            if any(p.rid == rid for p in r.queue):
+            if queued and any(p.rid == rid for p in r.queue):
                 r.queue = [p for p in r.queue if p.rid != rid]
                 r.pending_s = None
 
@@ -272,6 +295,7 @@ class MedhaStrategy(Strategy):
         self.waiting.append(Prefilling(spec, now, deadline))
         self._held.add(rid)
         self._waiting_ids.add(rid)
+        self._placement_version += 1
         return [Admit(rid, (), ""), *self._schedule(now)]
 
     def on_event(self, event: WorkerEvent, state: ClusterState, now: float) -> list[Action]:
@@ -291,6 +315,8 @@ class MedhaStrategy(Strategy):
         """The core failed the requests the replica held (spanning ones too: it tracks every holder); its
         iteration never reports, and the members it ran with are free again."""
         lost = self.replicas.pop(instance_id, None)
+        self._placement_version += 1
+        self._groups_cache = None
         for bid in [b for b, f in self.in_flight.items() if instance_id in f.replicas]:
             for iid in self.in_flight.pop(bid).replicas:
                 if (r := self.replicas.get(iid)) is not None:
@@ -316,6 +342,8 @@ class MedhaStrategy(Strategy):
             if r is None or p is None:
                 continue  # ended meanwhile
             p.done += n
+            if rid in self._span_prefill:  # which replicas run together follows its progress (`_groups`)
+                self._groups_cache = None
             r.pending_s = None
             if p.done >= p.prompt:
                 r.queue.remove(p)
@@ -346,6 +374,11 @@ class MedhaStrategy(Strategy):
     def _groups(self) -> list[list[Replica]]:
         """The replicas that run their iterations together: joined by every request whose KV spans them (from its
         first chunk on a second replica), in rank order."""
+        if self._groups_cache is None:
+            self._groups_cache = self._join()
+        return self._groups_cache
+
+    def _join(self) -> list[list[Replica]]:
         if not self.spans:  # no request spans replicas: each runs alone
             return [[r] for r in sorted(self.replicas.values(), key=lambda x: x.rank)]
         parent = {iid: iid for iid in self.replicas}
@@ -378,9 +411,19 @@ class MedhaStrategy(Strategy):
             self._clear_bypassers()
             return
         rooms = {r.id: Room(r.id, r.free(), r.block, self._pending_s(r)) for r in self.replicas.values()}
+        # A pass that placed nothing places nothing again until the queue, a reservation or the replicas change, or
+        # (when a request may span replicas) the order `place` tries them in: whether a span fits depends on it.
+        order = (
+            None if self.kvp == 1 else tuple(r.id for r in sorted(rooms.values(), key=lambda r: (r.pending_s, -r.free)))
+        )
+        seen = (self._placement_version, order)
+        if seen == self._placement_seen:
+            return
         blocked: Prefilling | None = None
         placed: set[str] = set()
         scanned = 0
+        bypassable: list[Room] | None = None  # while the rooms do not change, the same for every request scanned
+        too_big = math.inf  # the least KV need that found no bypassable room: a larger one cannot find one either
         for p in self.waiting:
             max_tokens = p.spec.sampling.max_tokens
             if blocked is not None:
@@ -393,10 +436,16 @@ class MedhaStrategy(Strategy):
                     blocked = p
                     continue
             else:
-                spans = place(self._bypassable(blocked, rooms), p.prompt, max_tokens, 1, self.kvp_tokens)
+                if p.prompt + max_tokens >= too_big:
+                    continue
+                if bypassable is None:
+                    bypassable = self._bypassable(blocked, rooms)
+                spans = place(bypassable, p.prompt, max_tokens, 1, self.kvp_tokens)
                 if spans is None:
+                    too_big = p.prompt + max_tokens
                     continue
                 self.bypassers.add(p.rid)
+                bypassable, too_big = None, math.inf
             placed.add(p.rid)
             for s in spans:
                 self.replicas[s.id].reserve(p.rid, s.reserve, p.rid in self.bypassers)
@@ -405,6 +454,7 @@ class MedhaStrategy(Strategy):
                 rooms[s.id] = Room(r.id, r.free - s.reserve, r.block, r.pending_s + work)
             if len(spans) > 1:
                 self.spans[p.rid] = spans
+                self._groups_cache = None
                 self._span_prefill[p.rid] = p
                 p.until = spans[0].end
             self.replicas[spans[0].id].queue.append(p)
@@ -412,11 +462,15 @@ class MedhaStrategy(Strategy):
         if placed:
             self.waiting = deque(p for p in self.waiting if p.rid not in placed)
             self._waiting_ids -= placed
+            self._placement_version += 1
+        else:
+            self._placement_seen = seen
         if blocked is None:
             self._clear_bypassers()
 
     def _clear_bypassers(self) -> None:
         if self.bypassers:
+            self._placement_version += 1
             self.bypassers.clear()
             for r in self.replicas.values():
                 r.bypass_used = 0
