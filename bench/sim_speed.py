@@ -10,7 +10,8 @@ planner that scans a queue growing past saturation). The target: every strategy 
 on this 2-core machine, growth near 1. The peer in the same run is the quarter trace of the same strategy; absolute
 times depend on the machine (and on other work on it).
 
-Prints a table and writes JSON (`--json`, default bench/results/sim_speed.json):
+Prints a table and writes JSON (`--json`, default bench/results/sim_speed.json; a run of some strategies on the same
+cell keeps the other strategies' rows):
 {"cell": {...}, "strategies": {SPEC: {"requests": [n/4, n], "wall_s": [..], "events": [..], "us_per_request": [..],
 "growth": x, "finished": n}}}.
 """
@@ -88,8 +89,11 @@ def main() -> int:
         walls = f"{row['wall_s'][0]:.1f}, {row['wall_s'][1]:.1f}"
         per = f"{row['us_per_request'][0]:.0f}, {row['us_per_request'][1]:.0f}"
         print(f"{spec:40s} {walls:>18s} {per:>14s} {row['growth']:>7.2f} {row['finished']:>9d}")
-    doc = {"cell": {"workload": args.workload, "rate": args.rate, "model": args.model, "hardware": args.hardware,
-                    "nodes": args.nodes, "seed": args.seed, "requests": args.requests}, "strategies": out}  # fmt: skip
+    cell = {"workload": args.workload, "rate": args.rate, "model": args.model, "hardware": args.hardware,
+            "nodes": args.nodes, "seed": args.seed, "requests": args.requests}  # fmt: skip
+    old = json.loads(args.json.read_text()) if args.json.exists() else {}
+    kept = old.get("strategies", {}) if old.get("cell") == cell else {}  # a run of some strategies keeps the others
+    doc = {"cell": cell, "strategies": kept | out}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {args.json}")
