@@ -67,8 +67,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--strategies", nargs="+", default=["single", "chunked"], metavar="S",
-                   help=f"strategy specs whose name has a layout here ({', '.join(LAYOUTS)}); default single chunked")
+    p.add_argument(
+        "--strategies",
+        nargs="+",
+        default=["single", "chunked"],
+        metavar="S",
+        help=f"strategy specs whose name has a layout here ({', '.join(LAYOUTS)}); default single chunked",
+    )
     p.add_argument("--requests", type=int, default=24, help="requests in the trace (default: %(default)s)")
     p.add_argument("--rate", type=float, default=1.0, help="Poisson arrival rate, req/s (default: %(default)s)")
     p.add_argument("--prompt-lens", default="64,512", help="prompt length range LO,HI (default: %(default)s)")

@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(verify_main(argv[1:]))
     if argv[:1] == ["sim"]:
-        from spindle_scheduler.sim.cli import main as sim_main
+        from spindle_scheduler.sim.commands import main as sim_main
 
         sys.exit(sim_main(argv[1:]))
     parser = build_parser()

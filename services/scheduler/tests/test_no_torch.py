@@ -15,6 +15,7 @@ MODULES = (
     "spindle_scheduler.__main__",  # imported as a module: its main() runs only as __main__
     "spindle_scheduler.service",
     "spindle_scheduler.sim.cli",
+    "spindle_scheduler.sim.commands",
     "spindle_scheduler.profile_data",
     "spindle_scheduler.strategies",
 )

@@ -18,8 +18,8 @@ from spindle_scheduler.latency import LatencyModel, PrefillLatencyModel
 from spindle_scheduler.mixed_batch import MixedFit
 from spindle_scheduler.reshard_model import GroupConfig, ReshardModel, parse_label
 from spindle_scheduler.sim import Simulator
-from spindle_scheduler.sim.cli import main
 from spindle_scheduler.sim.cluster import SimConfig
+from spindle_scheduler.sim.commands import main
 from spindle_scheduler.sim.invariants import check_invariants
 from spindle_scheduler.sim.named_cluster import ClusterSpec, named_cluster
 from spindle_scheduler.strategies.seesaw.strategy import SeesawStrategy

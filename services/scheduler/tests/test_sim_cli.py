@@ -3,7 +3,7 @@
 import json
 
 from spindle_scheduler.calibration import load_paper_calibration
-from spindle_scheduler.sim.cli import main
+from spindle_scheduler.sim.commands import main
 
 
 def _check(path) -> dict:

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from spindle_costmodel import CostModel, Parallelism, get_hardware, get_model
-from spindle_scheduler.sim.cli import _cluster_spec, build_parser, build_sweep_parser, main
+from spindle_scheduler.sim.cli import _cluster_spec, build_parser, build_sweep_parser
 from spindle_scheduler.sim.cluster import SimConfig, pack_nodes
+from spindle_scheduler.sim.commands import main
 from spindle_scheduler.sim.executor import Simulator
 from spindle_scheduler.sim.named_cluster import ClusterSpec, default_tp, named_cluster, sp_sizes
 from spindle_scheduler.strategy import available_strategies, strategy_class

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from spindle_scheduler.sim.cli import main
+from spindle_scheduler.sim.commands import main
 from spindle_scheduler.strategy import available_strategies, parse_strategy_spec
 
 SMALL = ["--workload", "tetris-short", "--num-requests", "40", "--seed", "1"]

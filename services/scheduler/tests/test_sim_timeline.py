@@ -11,7 +11,7 @@ import pytest
 from spindle_protocol.messages import Prompt, RequestSpec, Sampling
 from spindle_scheduler.actions import KVShard, PrefillChunk, RunPrefill
 from spindle_scheduler.decisions import compact_ids, decision, plan_text
-from spindle_scheduler.sim.cli import main
+from spindle_scheduler.sim.commands import main
 from spindle_telemetry.timeline import embedded_timeline
 
 RUN = ["--workload", "tetris-short", "--rate", "2", "--instances", "4", "--decode-instances", "2", "--seed", "3"]

@@ -8,7 +8,8 @@ import pytest
 from spindle_scheduler.calibration import load_paper_calibration
 from spindle_scheduler.core import SchedulerConfig
 from spindle_scheduler.sim import SimConfig
-from spindle_scheduler.sim.cli import main, split_specs
+from spindle_scheduler.sim.cli import split_specs
+from spindle_scheduler.sim.commands import main
 from spindle_scheduler.sim.executor import simulate
 from spindle_scheduler.sim.loadsearch import (
     find_light_load,

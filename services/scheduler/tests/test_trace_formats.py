@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from spindle_scheduler.sim.cli import main
+from spindle_scheduler.sim.commands import main
 from spindle_scheduler.sim.compare import compare_main
 from spindle_scheduler.traces import (
     TraceRequest,
@@ -32,11 +32,15 @@ def test_mooncake_lines_read_as_requests_in_seconds(tmp_path):
         {"timestamp": 2500.5, "input_length": 1024, "output_length": 7, "hash_ids": [1, 2, 3], "extra": "ignored"},
     ]
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
-    assert read_mooncake(path) == read_trace(path) == [
-        TraceRequest(0.0, 600, 20, hash_ids=(1, 2)),
-        TraceRequest(1.5, 9, 1),
-        TraceRequest(2.5005, 1024, 7, hash_ids=(1, 2, 3)),
-    ]
+    assert (
+        read_mooncake(path)
+        == read_trace(path)
+        == [
+            TraceRequest(0.0, 600, 20, hash_ids=(1, 2)),
+            TraceRequest(1.5, 9, 1),
+            TraceRequest(2.5005, 1024, 7, hash_ids=(1, 2, 3)),
+        ]
+    )
 
 
 def test_mooncake_round_trip(tmp_path):

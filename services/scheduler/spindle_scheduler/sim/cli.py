@@ -1,6 +1,7 @@
 """`spindle sim`: one simulated run of a strategy on a workload, summary printed and written as JSON.
 `spindle sim sweep`: strategies x request rates, a table, a PNG of the load curves and the max sustainable load.
-`spindle sim compare` (compare.py): strategies side by side on one trace and cluster."""
+The arguments, cluster and SLO every `spindle sim` command shares (`spindle sim compare`, compare.py, takes them from
+here; commands.py dispatches the three)."""
 
 from __future__ import annotations
 
@@ -459,14 +460,8 @@ def _print_shapes(by_spec: dict[str, SimSetup]) -> None:
         print(f"cluster: {text}" + (f" [{', '.join(specs)}]" if len(texts) > 1 else ""))
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["sweep"]:
-        return sweep_main(argv[1:])
-    if argv[:1] == ["compare"]:
-        from .compare import compare_main
-
-        return compare_main(argv[1:])
+def run_main(argv: list[str]) -> int:
+    """`spindle sim`: one run."""
     args = build_parser().parse_args(argv)
     try:
         use_trace_file(args)
@@ -582,7 +577,3 @@ def sweep_main(argv: list[str]) -> int:
         }
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -270,7 +270,13 @@ def _shape(
 
 
 def _latency(
-    cm: CostModel, n_p: int, ptp: int, dtp: int, n_elastic: int = 0, sp_kind: str = "ring", noise: float = 0.0,
+    cm: CostModel,
+    n_p: int,
+    ptp: int,
+    dtp: int,
+    n_elastic: int = 0,
+    sp_kind: str = "ring",
+    noise: float = 0.0,
     noise_seed: int = 0,
 ) -> LatencyModel:
     """The strategies' forms fitted to the cost model (from samples with multiplicative `noise`, when given), the

@@ -20,6 +20,7 @@ from .placement import kvstore_id, pick_decode_group
 @register_strategy("single")
 class SingleInstanceStrategy(Strategy):
     tuning = {"prefill_share": (0.25, 0.5, 0.625, 0.75)}  # noqa: RUF012
+
     def plan(self, spec: RequestSpec, state: ClusterState, now: float) -> list[Action]:
         prefills = state.live("prefill")
         placed = pick_decode_group(state, spec, self.kvp_tokens) if prefills else None
