@@ -167,7 +167,9 @@ def verdict(doc: dict[str, Any]) -> dict[str, Any]:
     if ours is None:
         return {"strategy": None, "skipped": doc["cluster"]["skipped"]}
     out: dict[str, Any] = {"strategy": ours}
-    judged = doc.get("verdicts", {})
+    from spindle_scheduler.sim.seeds import verdicts
+
+    judged = verdicts(rows, len(doc["workload"].get("seeds") or [0]))  # the current rule, also on `--merge`
     for key in ("goodput_rps", "max_load_rps"):
         others = {k: v[key] for k, v in rows.items() if not k.startswith("spindle") and v[key] is not None}
         best = max(others, key=lambda k: others[k]) if others else None

@@ -215,6 +215,21 @@ def test_seeds_give_means_ranges_and_only_the_wins_they_carry(tmp_path: Path, ca
     assert "distinct seeds" in capsys.readouterr().err
 
 
+def test_a_strategy_is_not_tied_with_its_own_paper_variant() -> None:
+    from spindle_scheduler.sim.seeds import verdicts
+
+    def row(lo: float, hi: float) -> dict:
+        return {"goodput_rps": (lo + hi) / 2, "spread": {"goodput_rps": [lo, hi]}}
+
+    rows = {"tetris:max_sp=8": row(4.0, 4.2), "tetris@paper": row(4.1, 4.3), "spindle": row(2.6, 3.1)}
+    v = verdicts(rows, 3)["goodput_rps"]
+    assert v == {"best": "tetris@paper", "result": "wins", "tied_with": []}
+    rows["spindle"] = row(3.0, 4.05)  # overlaps the tuned tetris only: the best one's range is what counts
+    assert verdicts(rows, 3)["goodput_rps"]["result"] == "wins"
+    rows["spindle"] = row(3.0, 4.15)
+    assert verdicts(rows, 3)["goodput_rps"] == {"best": "tetris@paper", "result": "tie", "tied_with": ["spindle"]}
+
+
 def test_tune_searches_every_strategy_alike_and_keeps_the_paper_variant(tmp_path: Path, capsys) -> None:
     named = ["--model", "llama3-8b", "--hardware", "a100-80g", "--nodes", "1", "--workload", "tetris-short"]
     cell = [*named, "--num-requests", "40", "--rate", "2", "--strategies", "single", "chunked"]

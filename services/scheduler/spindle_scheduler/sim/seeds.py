@@ -7,7 +7,8 @@ seeds can carry.
   load per seed among them).
 - Verdicts: per metric (goodput, max load, throughput: higher is better; P50 TTFT and TPOT: lower is better) the
   strategy with the best mean *wins* only when its range does not overlap any other strategy's range; otherwise it is
-  a *tie* with every strategy whose range overlaps its own. One seed carries no claim.
+  a *tie* with every strategy whose range overlaps its own. Configurations of one strategy (`tetris:max_sp=8`,
+  `tetris@paper`) are not each other's rivals. One seed carries no claim.
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ def merge_seed_docs(seeds: Sequence[int], docs: Sequence[dict[str, Any]]) -> dic
     return merged
 
 
+def base_name(spec: str) -> str:
+    """The strategy a spec runs: 'tetris' for 'tetris:max_sp=8' and 'tetris@paper'."""
+    return spec.split(":")[0].split("@")[0]
+
+
 def verdicts(strategies: dict[str, Any], num_seeds: int) -> dict[str, Any]:
     """metric -> {"best", "result": "wins" | "tie", "tied_with": [...]} (see the module docstring); {} with one seed."""
     if num_seeds < 2:
@@ -83,7 +89,8 @@ def verdicts(strategies: dict[str, Any], num_seeds: int) -> dict[str, Any]:
         means = {s: _values(strategies[s])[metric] for s in ranges}  # the merged document holds the means
         best = (max if higher else min)(means, key=lambda s: means[s])
         lo, hi = ranges[best]
-        tied = [s for s, (a, b) in ranges.items() if s != best and a <= hi and b >= lo]
+        rivals = {s: r for s, r in ranges.items() if base_name(s) != base_name(best)}  # not its own variants
+        tied = [s for s, (a, b) in rivals.items() if a <= hi and b >= lo]
         out[metric] = {"best": best, "result": "tie" if tied else "wins", "tied_with": tied}
     return out
 
