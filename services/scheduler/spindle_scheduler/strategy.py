@@ -61,6 +61,8 @@ class Strategy(ABC):
     # its deployment knobs for `spindle sim compare --tune` (sim/tuning.py): option -> candidate values, and the
     # shape knobs `prefill_share` (on a prefill/decode split) and `decode_tp` (its decode or colocated instances)
     tuning: ClassVar[dict[str, tuple[object, ...]]] = {}
+    # whether a paper configures it (its defaults are that configuration: `NAME@paper` beside the tuned one)
+    from_paper: ClassVar[bool] = True
 
     @classmethod
     def spreads_kv(cls, options: dict[str, object]) -> bool:

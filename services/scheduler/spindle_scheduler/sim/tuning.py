@@ -7,7 +7,7 @@ default configuration plus candidates drawn from the grid of its knobs without r
 runs in all, each the cell's trace at `--rate` on the *tuning seed*; the configuration with the highest goodput
 (ties: higher SLO attainment, then lower P50 TTFT) is kept and evaluated on the comparison's seeds, which must not
 include the tuning seed. The paper's own configuration of each strategy (its defaults on its default shape) is kept
-beside it as `NAME@paper`.
+beside it as `NAME@paper` (not for `spindle`, which no paper configures).
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ def describe(config: dict[str, Any]) -> str:
 
 
 def tune_entries(entries: list[Entry], args: argparse.Namespace, shaper: Shaper, slo: Any) -> list[Entry]:
-    """Every runnable entry tuned, each followed by its paper configuration (`NAME@paper`, untuned)."""
+    """Every runnable entry tuned, each followed by its paper configuration (`NAME@paper`, untuned) where a paper
+    configures it."""
     out: list[Entry] = []
     for e in entries:
         if e.skipped or e.setup is None or e.spec.endswith(PAPER):
@@ -100,6 +101,8 @@ def tune_entries(entries: list[Entry], args: argparse.Namespace, shaper: Shaper,
         tuned, _ = tune_entry(e, args, shaper, slo)
         print(f"{e.spec}: {tuned.note or tuned.skipped}")
         out.append(tuned)
+        if not strategy_class(e.spec).from_paper:
+            continue
         out.append(replace(e, spec=f"{parse_strategy_spec(e.spec)[0]}{PAPER}" if e.spec == e.asked else
                            f"{e.spec}{PAPER}", note="the paper's configuration (untuned)"))  # fmt: skip
     return out

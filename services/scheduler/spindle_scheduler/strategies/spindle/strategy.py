@@ -67,6 +67,7 @@ class SpindleStrategy(RequestSPStrategy):
     needs_latency = True
     prefill_share = 0.8
     tuning = {"prefill_share": (0.5, 0.625, 0.75, 0.8), "max_sp": (0, 8, 16)}  # noqa: RUF012
+    from_paper = False  # Spindle's own: no paper configuration to run beside the tuned one
     splits_context = True
 
     def __init__(
