@@ -160,16 +160,30 @@ class IterationSide(SimBase):
         c_hist = self.prices.mixed_fit(tp).c_hist  # attention per (cached token x query token)
         held = {rid: self._elastic_kv.get(rid, {}) for rid in [p.request_id for p in prefills]}
         held |= {d.request_id: self._elastic_kv.get(d.request_id, {}) for d in decodes}
-        slowest, remote_tokens = 0.0, 0
+        # per member: the chunks and decodes it masters, and the attention it serves for the others over the KV it
+        # holds of theirs (one pass over the parts: a group may join many members)
+        chunks: dict[str, list[tuple[int, int]]] = {m: [] for m in a.instances}
+        own: dict[str, list[int]] = {m: [] for m in a.instances}  # the KV tokens each mastered decode holds there
+        served: dict[str, float] = dict.fromkeys(a.instances, 0.0)
+        remote_tokens = 0
+        for rid, master, n in [(p.request_id, p.master, p.num_tokens) for p in prefills]:
+            if master in chunks:
+                chunks[master].append((held[rid].get(master, 0) - n, n))
+            for m, h in held[rid].items():
+                if m != master and h and m in served:
+                    served[m] += c_hist * h * n
+                    remote_tokens += n
+        for rid, master in [(d.request_id, d.master) for d in decodes]:
+            if master in own:
+                own[master].append(held[rid].get(master, 0))
+            for m, h in held[rid].items():
+                if m != master and h and m in served:
+                    served[m] += c_hist * h
+                    remote_tokens += 1
+        slowest = 0.0
         for m in a.instances:
-            chunks = [(held[p.request_id].get(m, 0) - p.num_tokens, p.num_tokens) for p in prefills if p.master == m]
-            own = [d for d in decodes if d.master == m]
-            kv = sum(held[d.request_id].get(m, 0) for d in own)
-            t = self.prices.step(tp, chunks, len(own), kv + len(own))
-            served = [(held[p.request_id].get(m, 0), p.num_tokens) for p in prefills if p.master != m]
-            served += [(held[d.request_id].get(m, 0), 1) for d in decodes if d.master != m]
-            t += sum(c_hist * h * n for h, n in served if h)
-            remote_tokens += sum(n for h, n in served if h)
+            t = self.prices.step(tp, chunks[m], len(own[m]), sum(own[m]) + len(own[m]))
+            t += served[m]
             slowest = max(slowest, t)
         if remote_tokens:
             per_token = self.config.query_bytes_per_token or 4 * self.config.kv_bytes_per_token
