@@ -46,6 +46,9 @@ class Admit:
     request_id: str
     prefill_instances: tuple[str, ...]  # every instance that computes part of the prompt
     decode_instance: str
+    # what the strategy's plan predicts the request's TTFT to be (None: its plan predicts none): the simulator
+    # reports how far it was from the TTFT the request got (`SimResult.prediction_error["ttft"]`)
+    predicted_ttft_s: float | None = None
 
     @property
     def prefill_instance(self) -> str:

@@ -63,7 +63,7 @@ from .events import EventKind, EventQueue
 from .iteration_side import IterationSide
 from .metrics import RequestRecord, SimSummary, Slo, summarize
 from .prefill_side import PrefillSide
-from .prices import FittedPrices, JudgedPrices
+from .prices import ErrorStats, FittedPrices, JudgedPrices
 from .swaps import Swaps
 from .tier_side import TierSide
 
@@ -245,8 +245,20 @@ class Simulator(PrefillSide, DecodeSide, ColocatedSide, Swaps, IterationSide, Ti
             wall_s=time.perf_counter() - started,
             plan_ns=list(self.core.plan_ns),
             tier=dict(self.tier_stats),
-            prediction_error=self.prices.report() if isinstance(self.prices, JudgedPrices) else {},
+            prediction_error=self._prediction_error(),
         )
+
+    def _prediction_error(self) -> dict[str, dict[str, float | int]]:
+        """How far the strategy's forms were from the prices charged, per kind of work (on a judged cluster), and
+        its plans' predicted TTFT from the TTFT each request got ("ttft", over the finished requests it predicted)."""
+        out = self.prices.report() if isinstance(self.prices, JudgedPrices) else {}
+        ttft = ErrorStats()
+        for r in self.records.values():
+            if r.predicted_ttft is not None and r.state == "finished" and (got := r.ttft) is not None:
+                ttft.add(got, r.predicted_ttft)
+        if ttft.count:
+            out["ttft"] = ttft.as_dict()
+        return out
 
     def _periodic(self, now: float, kind: EventKind, every: float) -> None:
         if self._remaining > 0:
@@ -284,7 +296,10 @@ class Simulator(PrefillSide, DecodeSide, ColocatedSide, Swaps, IterationSide, Ti
                 self._migrate(a, now)
             elif isinstance(a, Reshard):
                 self._reshard(a.instance, a.to, now)
-            elif not isinstance(a, Admit):  # Admit only answers the gateway; RunPrefill carries the placement
+            elif isinstance(a, Admit):  # it answers the gateway; RunPrefill carries the placement
+                if a.predicted_ttft_s is not None and a.request_id in self.records:
+                    self.records[a.request_id].predicted_ttft = a.predicted_ttft_s
+            else:
                 raise AssertionError(f"unexpected action {a!r}")
 
     def _end(self, rec: RequestRecord, state: str, now: float, reason: str = "") -> None:

@@ -43,6 +43,7 @@ class RequestRecord:
     token_times: list[float] = field(default_factory=list)
     preemptions: int = 0  # times its decode was swapped out to the kvstore
     moves: int = 0  # times it was moved, parked, to another decode instance
+    predicted_ttft: float | None = None  # what the strategy's plan predicted at admission (None: no prediction)
     scale_ups: int = 0  # KV-parallel: its outputs went to a member holding none of it (the tail had no room)
     scale_downs: int = 0  # KV-parallel shards of it merged into another holder (ScaleDownKVP)
 

@@ -87,7 +87,7 @@ class RequestSPStrategy(Strategy):
         ids = chunks[-1].instances
         state.plan_work(ids, spec.request_id, finish)
         return [
-            Admit(spec.request_id, ids, decode.id),
+            Admit(spec.request_id, ids, decode.id, predicted_ttft_s=finish - now),
             RunPrefill(spec, chunks, decode.id, kvstore_id(state), shards),
         ]
 

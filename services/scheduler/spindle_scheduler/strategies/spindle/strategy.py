@@ -186,7 +186,7 @@ class SpindleStrategy(RequestSPStrategy):
         ids = chunks[-1].instances
         state.plan_work(ids, spec.request_id, best.finish)
         return [
-            Admit(spec.request_id, ids, decode.id),
+            Admit(spec.request_id, ids, decode.id, predicted_ttft_s=best.finish - now),
             RunPrefill(spec, chunks, decode.id, kvstore_id(state), shards),
         ]
 

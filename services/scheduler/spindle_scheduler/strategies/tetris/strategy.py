@@ -127,7 +127,7 @@ class TetrisStrategy(Strategy):
         chunks = self._chunks(plan, prefills)
         state.plan_work(chunks[-1].instances, spec.request_id, now + plan.ttft_s)
         return [
-            Admit(spec.request_id, chunks[-1].instances, decode.id),
+            Admit(spec.request_id, chunks[-1].instances, decode.id, predicted_ttft_s=plan.ttft_s),
             RunPrefill(spec, chunks, decode.id, kvstore_id(state), shards),
         ]
 
