@@ -8,7 +8,8 @@ thread, as the engines run here, SP sizes 1 and 2) on the instances the stack re
 with the same strategy. Per strategy it prints real and simulated P50 / P90 TTFT, P50 / P90 TPOT and output
 throughput, and the error (sim - real) / real, and writes `{"strategies": {S: {"real": {...}, "sim": {...},
 "error": {...}}}}` (keys ttft_p50, ttft_p90, tpot_p50, tpot_p90, throughput_tok_s) with the trace, the layouts and
-the machine. Make the profile with:
+the machine. `--profile-now` profiles the machine first, in the same run (a profile taken at another time can be
+off by tens of percent on a shared machine); by hand:
 
     OMP_NUM_THREADS=1 .venv/bin/spindle profile --out bench/results/sim_vs_real_profile.json --sp-sizes 1,2 \
         --histories 0,256,512 --chunks 32,128,256,512 --decode-batches 1,2,4,8 --decode-kv-tokens 64,256,512
@@ -80,6 +81,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-lens", default="8,48", help="output length range LO,HI (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="trace and prompt seed (default: %(default)s)")
     p.add_argument("--profile", type=Path, default=DEFAULT_PROFILE, help="this machine's `spindle profile` JSON")
+    p.add_argument(
+        "--profile-now", action="store_true",
+        help="profile this machine first, in the same run (~1.5 min), into --profile: a profile taken at another time "
+        "can be off by tens of percent on a shared machine",
+    )  # fmt: skip
     p.add_argument("--model", default="smollm2")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--kv-cache-tokens", type=int, default=8192)
@@ -161,6 +167,21 @@ def run_strategy(spec: str, args: argparse.Namespace, trace: list[TraceRequest],
             "length_mismatches": measured["length_mismatches"]}  # fmt: skip
 
 
+PROFILE_ARGS = ("--sp-sizes", "1,2", "--histories", "0,256,512", "--chunks", "32,128,256,512", "--decode-batches",
+                "1,2,4,8", "--decode-kv-tokens", "64,256,512")  # fmt: skip
+
+
+def profile_machine(out: Path) -> None:
+    """`spindle profile` with one torch thread per process (as the engines run here), written to `out`."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "spindle_launcher", "profile", "--out", str(out), *PROFILE_ARGS]
+    log.info("profiling this machine: %s", " ".join(cmd))
+    done = subprocess.run(cmd, env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"spindle profile failed ({done.returncode}):\n{done.stderr[-2000:]}")
+
+
 def format_table(results: dict[str, Any]) -> str:
     lines = [f"{'strategy':22s} {'metric':16s} {'real':>10s} {'sim':>10s} {'error':>8s}"]
     for spec, r in results.items():
@@ -179,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     t0 = time.perf_counter()
+    if args.profile_now:
+        profile_machine(args.profile)
     trace = build_trace(args.requests, args.rate, args.prompt_lens, args.output_lens, args.seed)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="spindle-sim-vs-real-"))
     results: dict[str, Any] = {}
