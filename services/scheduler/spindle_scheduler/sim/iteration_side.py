@@ -166,18 +166,20 @@ class IterationSide(SimBase):
         own: dict[str, list[int]] = {m: [] for m in a.instances}  # the KV tokens each mastered decode holds there
         served: dict[str, float] = dict.fromkeys(a.instances, 0.0)
         remote_tokens = 0
-        for rid, master, n in [(p.request_id, p.master, p.num_tokens) for p in prefills]:
-            if master in chunks:
-                chunks[master].append((held[rid].get(master, 0) - n, n))
-            for m, h in held[rid].items():
-                if m != master and h and m in served:
+        for p in prefills:
+            kv, n = held[p.request_id], p.num_tokens
+            if p.master in chunks:
+                chunks[p.master].append((kv.get(p.master, 0) - n, n))
+            for m, h in kv.items():
+                if m != p.master and h and m in served:
                     served[m] += c_hist * h * n
                     remote_tokens += n
-        for rid, master in [(d.request_id, d.master) for d in decodes]:
-            if master in own:
-                own[master].append(held[rid].get(master, 0))
-            for m, h in held[rid].items():
-                if m != master and h and m in served:
+        for d in decodes:
+            kv = held[d.request_id]
+            if d.master in own:
+                own[d.master].append(kv.get(d.master, 0))
+            for m, h in kv.items():
+                if m != d.master and h and m in served:
                     served[m] += c_hist * h
                     remote_tokens += 1
         slowest = 0.0

@@ -17,6 +17,8 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from ..strategy import parse_strategy_spec
+
 SCALARS = ("completed", "rejected", "throughput_tok_s", "goodput_rps", "slo_attainment", "batch_jct_s",
            "max_load_rps")  # fmt: skip
 STAT_KEYS = ("ttft_s", "tpot_s", "e2e_s", "interactive_ttft_s", "interactive_tpot_s")
@@ -72,11 +74,6 @@ def merge_seed_docs(seeds: Sequence[int], docs: Sequence[dict[str, Any]]) -> dic
     return merged
 
 
-def base_name(spec: str) -> str:
-    """The strategy a spec runs: 'tetris' for 'tetris:max_sp=8' and 'tetris@paper'."""
-    return spec.split(":")[0].split("@")[0]
-
-
 def verdicts(strategies: dict[str, Any], num_seeds: int) -> dict[str, Any]:
     """metric -> {"best", "result": "wins" | "tie", "tied_with": [...]} (see the module docstring); {} with one seed."""
     if num_seeds < 2:
@@ -89,7 +86,8 @@ def verdicts(strategies: dict[str, Any], num_seeds: int) -> dict[str, Any]:
         means = {s: _values(strategies[s])[metric] for s in ranges}  # the merged document holds the means
         best = (max if higher else min)(means, key=lambda s: means[s])
         lo, hi = ranges[best]
-        rivals = {s: r for s, r in ranges.items() if base_name(s) != base_name(best)}  # not its own variants
+        mine = parse_strategy_spec(best)[0]
+        rivals = {s: r for s, r in ranges.items() if parse_strategy_spec(s)[0] != mine}  # not its own variants
         tied = [s for s, (a, b) in rivals.items() if a <= hi and b >= lo]
         out[metric] = {"best": best, "result": "tie" if tied else "wins", "tied_with": tied}
     return out

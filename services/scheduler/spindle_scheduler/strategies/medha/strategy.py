@@ -56,7 +56,7 @@ from spindle_protocol.messages import IterationDone, RequestFailed, RequestFinis
 from ...actions import Action, Admit, DecodePart, KVShard, PrefillPart, Reject, RunBatch
 from ...latency import LatencyModel
 from ...mixed_batch import MixedBatchModel
-from ...state import ClusterState
+from ...state import ClusterState, InstanceState
 from ...strategy import Strategy, register_strategy
 from .kvp import Room, Span, fits_ever, place
 from .packing import PackLimits, pack
@@ -97,6 +97,16 @@ class Replica:
         tokens = self.reserved.pop(rid, 0)
         self.reserved_total -= tokens
         self.bypass_used -= tokens if bypass else 0
+
+
+def _ready(group: list[Replica]) -> bool:
+    """No member is running an iteration and some member has work (one loop: this runs on every event)."""
+    work = False
+    for r in group:
+        if r.running is not None:
+            return False
+        work = work or bool(r.queue or r.decoding)
+    return work
 
 
 @dataclass
@@ -169,7 +179,7 @@ class MedhaStrategy(Strategy):
         self._placement_seen: tuple[int, tuple[str, ...] | None] | None = None
         self._groups_cache: list[list[Replica]] | None = None  # `_groups`, until a span or a replica changes
         self._alone_cache: dict[tuple[int, int, int], float] = {}  # `alone_s` of the current model
-        self._live_seen: list | None = None  # the state's live list `_sync` last read
+        self._live_seen: list[InstanceState] | None = None  # the state's live list `_sync` last read
         self._forgotten_seen = 0  # of ClusterState.forgotten_total
         self._model: MixedBatchModel | None = None
         self._ids = itertools.count(1)
@@ -258,7 +268,6 @@ class MedhaStrategy(Strategy):
         if any(rid in self._waiting_ids for rid in gone):
             self.waiting = deque(p for p in self.waiting if p.rid in state.requests)
             self._waiting_ids = {p.rid for p in self.waiting}
-            self._placement_version += 1
 
     def _drop(self, rid: str) -> None:
         self._placement_version += 1  # its reservations are free again
@@ -367,11 +376,7 @@ class MedhaStrategy(Strategy):
         self._place(now)
         actions: list[Action] = []
         for group in self._groups():
-            if len(group) == 1:  # most groups: one replica (the test below, without its generators)
-                r = group[0]
-                if r.running is not None or not (r.queue or r.decoding):
-                    continue
-            elif any(g.running is not None for g in group) or not any(g.queue or g.decoding for g in group):
+            if not _ready(group):
                 continue
             batch = self._iteration(group[0], now) if len(group) == 1 else self._group_iteration(group, now)
             if batch is not None:
