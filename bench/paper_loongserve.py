@@ -152,7 +152,14 @@ class Run:
     max_rate: float
 
 
-def runs(chunks: dict[str, int], n: dict[str, int], multi_node: bool) -> dict[str, Run]:
+def with_options(spec: str, extra: str) -> str:
+    """`spec` with `extra` options added when it is a LoongServe spec (`--loongserve-options`)."""
+    if not extra or not spec.startswith("loongserve"):
+        return spec
+    return f"{spec}{',' if ':' in spec else ':'}{extra}"
+
+
+def runs(chunks: dict[str, int], n: dict[str, int], multi_node: bool, extra: str = "") -> dict[str, Run]:
     out = {}
     for key, (workload, light, max_rate) in WORKLOADS.items():
         systems = {
@@ -161,7 +168,9 @@ def runs(chunks: dict[str, int], n: dict[str, int], multi_node: bool) -> dict[st
             SF: (f"chunked:chunk_size={chunks[key]}", "tp8"),
             DS: ("single", "ds"),
         }
-        out[key] = Run(workload, systems, n[key], light, max_rate)
+        out[key] = Run(
+            workload, {k: (with_options(v, extra), c) for k, (v, c) in systems.items()}, n[key], light, max_rate
+        )
     if multi_node:
         workload, light, max_rate = WORKLOADS["Mixed"]
         systems = {
@@ -169,6 +178,7 @@ def runs(chunks: dict[str, int], n: dict[str, int], multi_node: bool) -> dict[st
             VLLM: ("chunked:chunk_size=10000000", "tp8_2node"),
             SF: (f"chunked:chunk_size={chunks['Mixed']}", "tp8_2node"),
         }
+        systems = {k: (with_options(v, extra), c) for k, (v, c) in systems.items()}
         out[MULTI_NODE] = Run(workload, systems, n["Mixed"], 2 * light, max_rate)
     return out
 
@@ -327,14 +337,15 @@ def evaluate(args: argparse.Namespace, bar_total: Callable[[int], None], bar: tq
     for key, (workload, _, _) in WORKLOADS.items():
         chunks[key], chunk_info[key] = splitfuse_chunk(workload, kv_tp8)
         chunk_info[key]["chunk"] = chunks[key]
-    panels = runs(chunks, n, not args.no_multi_node)
+    panels = runs(chunks, n, not args.no_multi_node, args.loongserve_options)
+    ablation = {k: (with_options(v, args.loongserve_options), c) for k, (v, c) in ABLATION.items()}
     # phase 1: every max-load search, LoongServe's P90 goodput per alpha (it sets the shared SLO), Eq. 7
     tasks: dict[Any, tuple[Callable[..., Any], tuple[Any, ...]]] = {}
     for label, run in panels.items():
         for name, (spec, key) in run.systems.items():
             tasks["max load", label, name] = (task_search, (spec, key, run.workload, run.n, run.light, tol,
                                                             run.max_rate, "mean", None, None, True))  # fmt: skip
-    ls_spec, ls_key = ABLATION[LS]
+    ls_spec, ls_key = ablation[LS]
     for alpha in alphas:
         tasks["goodput", alpha, LS] = (task_search, (ls_spec, ls_key, f"loongserve-zipf:{alpha:g}", n["zipf"],
                                                      ZIPF_LIGHT, tol, 1e4, "p90"))  # fmt: skip
@@ -355,7 +366,7 @@ def evaluate(args: argparse.Namespace, bar_total: Callable[[int], None], bar: tq
                 bar.update(1)
     for alpha in alphas:
         base = first["goodput", alpha, LS]
-        for name, (spec, key) in ABLATION.items():
+        for name, (spec, key) in ablation.items():
             if name != LS and base.get("slo_s"):
                 tasks["goodput", alpha, name] = (task_search, (spec, key, f"loongserve-zipf:{alpha:g}", n["zipf"],
                                                                ZIPF_LIGHT, tol, 1e4, "p90", base["slo_s"],
@@ -365,7 +376,8 @@ def evaluate(args: argparse.Namespace, bar_total: Callable[[int], None], bar: tq
                 bar.update(1)
     second = execute(tasks, args.jobs, bar)
     results: dict[str, Any] = {
-        "paper": PAPER, "num_requests": n, "rel_tol": tol, "quick": quick, "strategy_snapshot": snapshot(),
+        "paper": PAPER, "num_requests": n, "rel_tol": tol, "quick": quick,
+        "loongserve_options": args.loongserve_options, "strategy_snapshot": snapshot(),
         "clusters": {k: s.shape.as_dict() for k, s in setups.items()}, "splitfuse_chunks": chunk_info,
         "end_to_end": {}, "ablation": {}, "analytical_model": first["eq7",],
     }  # fmt: skip
@@ -585,6 +597,9 @@ def main() -> None:
     p.add_argument("--no-multi-node", action="store_true", help="skip §7.3's 16-GPU run")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="simulations run in parallel")
     p.add_argument("--out", type=Path, help="default bench/results/paper_loongserve[_quick].json")
+    p.add_argument("--loongserve-options", default="", metavar="OPTS",
+                   help="options added to every LoongServe system, e.g. tipping_tokens=0 (the paper's time-based "
+                        "tipping point)")  # fmt: skip
     args = p.parse_args()
     args.out = args.out or RESULTS / f"paper_loongserve{'_quick' if args.quick else ''}.json"
     start = time.perf_counter()

@@ -13,7 +13,9 @@ fraction min(1, 2^n p): farther regions keep fewer tokens, and p = 0 is dense at
 prints the rule as 1 - p = (1 - p') / 2^n, which with p the *drop* ratio keeps *more* of the farther regions (against
 its own text, "a higher level ... drops more unimportant tokens so that a token attends to fewer distant tokens",
 and its Fig. 8, where level 2's kept tokens include level 3's); read with p the *kept* share it is the rule we
-implement, the drop ratio doubling per level. Within each segment the least important tokens go first, importance
+implement by default (`rule="doubling"`), the drop ratio doubling per level. `rule="printed"` takes the formula as
+printed, p and p' drop ratios: level 2+n keeps min(1, 2^n (1 - p)), so for p <= 1/2 only level 2 drops.
+Within each segment the least important tokens go first, importance
 being the attention the token received in the previous layer from the same (KV) head's queries (`key_importance`),
 so the kept sets are nested across levels. Received attention summed over the queries that see a token ranks a
 prompt's last tokens lowest (few queries come after them): by default (`per_query=True`) it is the mean over the
@@ -34,6 +36,8 @@ from torch import Tensor
 
 from .merge import merge_attn_states_many
 
+CSA_RULES = ("doubling", "printed")  # how the drop ratio grows with the level (see the module docstring)
+
 
 def max_levels(members: int) -> int:
     """Levels over `members` segments up to the whole sequence: 1 + ceil(log2(members))."""
@@ -47,6 +51,7 @@ class CSALevels:
     segments: tuple[tuple[int, int], ...]
     num_levels: int
     drop: float = 0.0  # p: the fraction of each segment dropped at level 2
+    rule: str = "doubling"  # the drop at the levels above 2: `CSA_RULES`
 
     def __post_init__(self) -> None:
         if not self.segments or self.segments[0][0] != 0:
@@ -60,24 +65,32 @@ class CSALevels:
             raise ValueError(f"{len(self.segments)} segments take 1 to {most} levels, got {self.num_levels}")
         if not 0.0 <= self.drop < 1.0:
             raise ValueError(f"the drop ratio must be in [0, 1), got {self.drop}")
+        if self.rule not in CSA_RULES:
+            raise ValueError(f"the CSA level rule must be one of {', '.join(CSA_RULES)}, got {self.rule!r}")
 
     @classmethod
-    def even(cls, num_tokens: int, members: int, num_levels: int | None = None, drop: float = 0.0) -> CSALevels:
+    def even(
+        cls, num_tokens: int, members: int, num_levels: int | None = None, drop: float = 0.0, rule: str = "doubling"
+    ) -> CSALevels:
         """Segments as even as they go (the first ones one token longer); every level by default."""
         base, extra = divmod(num_tokens, members)
         bounds = [0]
         for m in range(members):
             bounds.append(bounds[-1] + base + (m < extra))
         segments = tuple(itertools.pairwise(bounds))
-        return cls(segments, max_levels(members) if num_levels is None else num_levels, drop)
+        return cls(segments, max_levels(members) if num_levels is None else num_levels, drop, rule)
 
     @property
     def num_tokens(self) -> int:
         return self.segments[-1][1]
 
     def kept_fraction(self, level: int) -> float:
-        """Level 1 keeps everything, level 2+n drops min(1, 2^n p)."""
-        return 1.0 if level == 1 else 1.0 - min(1.0, self.drop * 2 ** (level - 2))
+        """Level 1 keeps everything, level 2+n drops min(1, 2^n p) (`printed`: keeps min(1, 2^n (1 - p)))."""
+        if level == 1:
+            return 1.0
+        if self.rule == "printed":
+            return min(1.0, (1.0 - self.drop) * 2 ** (level - 2))
+        return 1.0 - min(1.0, self.drop * 2 ** (level - 2))
 
     def kept_count(self, level: int, member: int) -> int:
         """Tokens of `member`'s segment kept at `level` (the same for every head)."""

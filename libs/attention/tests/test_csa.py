@@ -70,6 +70,23 @@ def test_drop_ratio_doubles_per_level_kept_sets_nest_and_spare_the_own_segment()
     assert not (masks[0] & masks[1]).any() and not (masks[1] & masks[2]).any()  # the levels are disjoint
 
 
+def test_the_printed_rule_keeps_more_of_farther_levels_and_still_equals_its_oracle() -> None:
+    """§3.2.4's formula as printed, 1 - p = (1 - p') / 2^n with p, p' drop ratios: level 2+n keeps 2^n (1 - p)."""
+    levels = CSALevels.even(100, 8, 4, drop=0.7, rule="printed")
+    assert [levels.kept_fraction(lv) for lv in (1, 2, 3, 4)] == pytest.approx([1.0, 0.3, 0.6, 1.0])
+    assert CSALevels.even(100, 8, 4, drop=0.3, rule="printed").kept_fraction(3) == 1.0  # p <= 1/2: level 2 only
+    q, k, v = _qkv(61, seed=3)
+    odd = CSALevels.even(61, 5, 4, 0.6, "printed")
+    kept = kept_tokens(odd, torch.rand(2, 61, generator=torch.Generator().manual_seed(4)), 2)
+    assert (kept[1] <= kept[2]).all()  # nested the other way: level 3's kept tokens include level 2's
+    out, lse = csa_attention(q, k, v, odd, kept)
+    want, want_lse = dense_oracle(q, k, v, odd, kept)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="level rule"):
+        CSALevels.even(100, 4, 3, drop=0.2, rule="halving")
+
+
 def test_levels_group_neighbours_and_end_with_the_whole_sequence() -> None:
     levels = CSALevels.even(50, 5)
     assert levels.num_levels == 4 and levels.segments[0] == (0, 10)

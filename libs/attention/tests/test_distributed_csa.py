@@ -23,10 +23,19 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def _case(
-    me: int, group, t: int, members: int, num_levels: int, drop: float, hq: int, hkv: int, partitions: str = "member"
+    me: int,
+    group,
+    t: int,
+    members: int,
+    num_levels: int,
+    drop: float,
+    hq: int,
+    hkv: int,
+    partitions: str = "member",
+    rule: str = "doubling",
 ) -> int:
     q, k, v = _qkv(t, hq, hkv, seed=t + members)
-    levels = CSALevels.even(t, members, num_levels, drop)
+    levels = CSALevels.even(t, members, num_levels, drop, rule)
     importance = torch.rand(hkv, t, generator=torch.Generator().manual_seed(t))
     s, e = levels.segments[me]
     stats = CommStats()
@@ -58,6 +67,9 @@ def _worker(rank: int, ws: int) -> None:
                 sparse = _case(rank, None, t, ws, num_levels, drop, hq, hkv, partitions)
                 if num_levels > 1:
                     assert sparse <= dense, (num_levels, drop, sparse, dense)
+        # the formula as printed: farther levels keep more (at 0.6, level 3 keeps 80 %, level 4 all)
+        printed = _case(rank, None, t, ws, most, 0.6, hq, hkv, partitions, rule="printed")
+        assert printed <= dense
 
 
 @pytest.mark.parametrize("ws", [2, 3, 4, 5])

@@ -19,14 +19,23 @@ def max_levels(members: int) -> int:
     return 1 + math.ceil(math.log2(members)) if members > 1 else 1
 
 
-def kept_fraction(level: int, drop: float) -> float:
-    return 1.0 if level == 1 else 1.0 - min(1.0, drop * 2 ** (level - 2))
+CSA_RULES = ("doubling", "printed")  # as `spindle_attention.csa`: the drop doubles per level / the printed formula
 
 
-def _check(members: int, levels: int, drop: float) -> None:
+def kept_fraction(level: int, drop: float, rule: str = "doubling") -> float:
+    if level == 1:
+        return 1.0
+    if rule == "printed":
+        return min(1.0, (1.0 - drop) * 2 ** (level - 2))
+    return 1.0 - min(1.0, drop * 2 ** (level - 2))
+
+
+def _check(members: int, levels: int, drop: float, rule: str = "doubling") -> None:
     if members < 1 or not 1 <= levels <= max_levels(members) or not 0.0 <= drop < 1.0:
         raise ValueError(f"CSA over {members} members takes 1 to {max_levels(members)} levels and a drop in [0, 1), "
                          f"got {levels} and {drop}")  # fmt: skip
+    if rule not in CSA_RULES:
+        raise ValueError(f"the CSA level rule must be one of {', '.join(CSA_RULES)}, got {rule!r}")
 
 
 def _block(level: int, levels: int, member: int) -> int:
@@ -37,16 +46,16 @@ def _block(level: int, levels: int, member: int) -> int:
     return member // size * size
 
 
-def pair_fraction(members: int, levels: int, drop: float) -> float:
+def pair_fraction(members: int, levels: int, drop: float, rule: str = "doubling") -> float:
     """The share of a prompt's causal attention pairs CSA attends (1.0 with nothing dropped)."""
-    _check(members, levels, drop)
+    _check(members, levels, drop, rule)
     if levels == 1 or drop == 0.0:
         return 1.0
     kept = members * 0.5  # own segments' causal halves, in units of segment^2
     for q in range(members):
         for k in range(q):
             level = next(v for v in range(2, levels + 1) if _block(v, levels, k) == _block(v, levels, q))
-            kept += kept_fraction(level, drop) ** 2
+            kept += kept_fraction(level, drop, rule) ** 2
     return kept / (members * members * 0.5)
 
 
@@ -66,7 +75,15 @@ def _head_runs(q_heads: int, kv_heads: int, size: int, index: int) -> tuple[rang
 
 
 def alltoall_bytes(
-    tokens: int, members: int, levels: int, drop: float, q_heads: int, kv_heads: int, head_dim: int, elem: int
+    tokens: int,
+    members: int,
+    levels: int,
+    drop: float,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    elem: int,
+    rule: str = "doubling",
 ) -> float:
     """Bytes one layer's SP attention sends over all members of an all-to-all (Ulysses) group, `tokens` in equal
     segments: with one level plain Ulysses (every member's q, k, v and positions to each member for its heads, the
@@ -74,7 +91,7 @@ def alltoall_bytes(
     the members with later queries outside their lower group, queries from those with earlier keys there, only the
     rows kept at the level and each row once over the levels (a member's kept rows are a prefix), the outputs of
     the queries back. Level 1 (a member's own segment) sends nothing."""
-    _check(members, levels, drop)
+    _check(members, levels, drop, rule)
     seg, row = tokens / members, head_dim * elem
     if levels == 1:
         total = 0.0
@@ -94,7 +111,7 @@ def alltoall_bytes(
             lower_size = min(2 ** (v - 2), members - lower)
             with_keys = lower + lower_size < first + size  # later queries in the group, outside the lower group
             with_queries = lower > first  # earlier keys there
-            n = kept_fraction(v, drop) * seg
+            n = kept_fraction(v, drop, rule) * seg
             for dst in range(first, first + size):
                 if dst == src:
                     continue

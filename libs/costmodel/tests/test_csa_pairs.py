@@ -9,16 +9,17 @@ from spindle_costmodel.csa import alltoall_bytes, pair_fraction
 
 
 @pytest.mark.parametrize(("members", "levels"), [(2, 2), (4, 3), (4, 2), (8, 4), (8, 3), (6, 4)])
-@pytest.mark.parametrize("drop", [0.0, 0.125, 0.25, 0.5])
-def test_pair_fraction_matches_the_reference_mask(members: int, levels: int, drop: float) -> None:
+@pytest.mark.parametrize(("drop", "rule"), [(0.0, "doubling"), (0.125, "doubling"), (0.25, "doubling"),
+                                            (0.5, "doubling"), (0.625, "printed"), (0.25, "printed")])  # fmt: skip
+def test_pair_fraction_matches_the_reference_mask(members: int, levels: int, drop: float, rule: str) -> None:
     t = 64 * members  # segments of 64: every kept count is whole
-    csa = CSALevels.even(t, members, levels, drop)
+    csa = CSALevels.even(t, members, levels, drop, rule)
     importance = torch.rand(1, t, generator=torch.Generator().manual_seed(members))
     attended, dense = dropped_pairs(csa, kept_tokens(csa, importance, 1))
     # the reference counts each own segment's diagonal (T(T+1)/2 pairs); the model counts halves of squares
     diagonal = t
-    assert pair_fraction(members, levels, drop) == pytest.approx((attended - diagonal / 2) / (dense - diagonal / 2),
-                                                                 rel=2e-2)  # fmt: skip
+    want = (attended - diagonal / 2) / (dense - diagonal / 2)
+    assert pair_fraction(members, levels, drop, rule) == pytest.approx(want, rel=2e-2)
 
 
 def test_nothing_dropped_or_one_level_keeps_every_pair_and_bad_settings_are_refused() -> None:
@@ -31,15 +32,16 @@ def test_nothing_dropped_or_one_level_keeps_every_pair_and_bad_settings_are_refu
 
 
 @pytest.mark.parametrize(("members", "levels"), [(2, 2), (4, 3), (4, 2), (8, 4), (6, 4), (5, 3)])
-@pytest.mark.parametrize("drop", [0.0, 0.125, 0.25])
+@pytest.mark.parametrize(("drop", "rule"), [(0.0, "doubling"), (0.125, "doubling"), (0.25, "doubling"),
+                                            (0.625, "printed")])  # fmt: skip
 @pytest.mark.parametrize(("q_heads", "kv_heads"), [(9, 3), (32, 2), (8, 8)])
 def test_alltoall_bytes_are_what_csa_all_to_all_sends(
-    members: int, levels: int, drop: float, q_heads: int, kv_heads: int
+    members: int, levels: int, drop: float, rule: str, q_heads: int, kv_heads: int
 ) -> None:
     from spindle_attention.distributed.csa_all_to_all import back_heads, forward_rows
 
     t, d, elem = 64 * members, 16, 4  # segments of 64: every kept count is whole
-    csa = CSALevels.even(t, members, levels, drop)
+    csa = CSALevels.even(t, members, levels, drop, rule)
     sent = 0
     for src in range(members):
         for dst in range(members):
@@ -50,7 +52,7 @@ def test_alltoall_bytes_are_what_csa_all_to_all_sends(
             for level in range(2, levels + 1):
                 heads = back_heads(csa, level, src, dst, q_heads, kv_heads)
                 sent += len(heads) * csa.kept_count(level, src) * (4 + d * elem)
-    assert alltoall_bytes(t, members, levels, drop, q_heads, kv_heads, d, elem) == pytest.approx(sent, rel=1e-9)
+    assert alltoall_bytes(t, members, levels, drop, q_heads, kv_heads, d, elem, rule) == pytest.approx(sent, rel=1e-9)
 
 
 def test_plain_alltoall_bytes_and_what_csa_saves() -> None:

@@ -87,6 +87,8 @@ def test_cli_rejects_bad_input_before_starting_processes(tmp_path, capsys):
     assert main([*a2a, "--csa-drop", "0.2", "--csa-levels", "4"]) == 2
     assert "--csa-levels must be in [1, 3]" in capsys.readouterr().err
     assert main([*a2a, "--csa-levels", "2"]) == 2
+    assert main([*a2a, "--csa-rule", "printed"]) == 2
+    assert "need --csa-drop" in capsys.readouterr().err
     prompt.write_text('["a"]')
     assert main(["--prompt-file", str(prompt), "--plan", "0:@0"]) == 2
 
@@ -147,8 +149,9 @@ def test_csa_over_all_to_all_matches_with_nothing_dropped_and_reports_agreement_
         VerifySpec(tiny_dir, "float32", "0:@0,1,2,3", "all-to-all", ids, 1, None, 6, dump_kv=True, csa_drop=0.0),
         VerifySpec(tiny_dir, "float32", "0:@0,1,2", "all-to-all", ids, 1, None, 6, csa_drop=0.0, csa_levels=2),
         VerifySpec(tiny_dir, "float32", "0:@0,1,2,3", "all-to-all", ids, 1, None, 6, csa_drop=0.3),
+        VerifySpec(tiny_dir, "float32", "0:@0,1,2,3", "all-to-all", ids, 1, None, 6, csa_drop=0.7, csa_rule="printed"),
     ]
-    exact, two_levels, sparse = verify_many(specs, timeout_s=240)
+    exact, two_levels, sparse, printed = verify_many(specs, timeout_s=240)
     _check(exact)
     _check(two_levels)
     assert sparse.approximate and sparse.match  # only a leak fails an approximation
@@ -161,6 +164,9 @@ def test_csa_over_all_to_all_matches_with_nothing_dropped_and_reports_agreement_
     assert all(c["csa_dropped_tokens"] == 0 for c in chunks(exact))
     # 203 tokens over 4: segments 51, 51, 51, 50; level 2 drops 30 % of each (rounded)
     assert sorted(c["csa_dropped_tokens"] for c in chunks(sparse)) == [15, 15, 15, 15]
+    # the printed rule at 0.7: level 2 keeps 30 % (15 of 51, 15 of 50), level 3 60 %
+    assert printed.approximate and printed.match
+    assert sorted(c["csa_dropped_tokens"] for c in chunks(printed)) == [35, 36, 36, 36]
     total = sum(sum(c["bytes_by_phase"].values()) for c in chunks(sparse))
     assert 0 < total < sum(sum(c["bytes_by_phase"].values()) for c in chunks(exact))
 

@@ -200,9 +200,11 @@ class RunPrefill(msgspec.Struct, frozen=True, kw_only=True):
     kvstore_rank: int = -1
     chunks: list[SPChunkSpec] = []
     ranks: dict[str, int] = {}
-    # CSPS's sparse attention (CSA) over a one-chunk all-to-all plan: drop ratio at level 2 (0: off), levels (0: all)
+    # CSPS's sparse attention (CSA) over a one-chunk all-to-all plan: drop ratio at level 2 (0: off), levels (0: all),
+    # the drop above level 2 ("doubling" or "printed": spindle_attention.csa)
     csa_drop: float = 0.0
     csa_levels: int = 0
+    csa_rule: str = "doubling"
 
 
 class KVShardSpec(msgspec.Struct, frozen=True, kw_only=True):

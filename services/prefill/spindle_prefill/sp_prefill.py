@@ -87,7 +87,7 @@ async def run_sp_job(inst: PrefillInstance, job: PrefillJob) -> None:
         csa_drop = cmd.csa_drop if cmd.csa_drop or cmd.csa_levels else None
         csa_levels = cmd.csa_levels or None
         if csa_drop is not None:  # CSA's checks (its plan, its settings) before any chunk runs
-            job.stats["csa_dropped_tokens"] = csa_dropped_tokens(plan, csa_drop, csa_levels)
+            job.stats["csa_dropped_tokens"] = csa_dropped_tokens(plan, csa_drop, csa_levels, cmd.csa_rule)
     except (ValueError, KeyError) as e:  # members would wait for us until their data-plane timeout
         await _give_up(inst, cmd.chunks, rid, str(e))
         await inst.fail(job, 400, f"bad SP request: {e}")
@@ -104,7 +104,7 @@ async def run_sp_job(inst: PrefillInstance, job: PrefillJob) -> None:
 
     def work(engine: Engine) -> tuple[Sampled | None, torch.Tensor, list]:
         sp = SPPrefill(engine.model, engine.cache, engine.allocator, rid, prompt, plan, member, ranks,
-                       csa_drop=csa_drop, csa_levels=csa_levels)  # fmt: skip
+                       csa_drop=csa_drop, csa_levels=csa_levels, csa_rule=cmd.csa_rule)  # fmt: skip
         for k in sp.chunk_indices:
             t0 = time.time()
             logits = sp.run_chunk_or_release(k)

@@ -88,9 +88,10 @@ class RunPrefill:
     # master) holds the first shard, the last one (the tail) also takes every new token. Empty: all on one.
     decode_shards: tuple[KVShard, ...] = ()
     # CSPS's sparse attention (CSA) over a one-chunk all-to-all plan: the drop ratio at level 2 (0: off) and the
-    # levels (0: every level)
+    # levels (0: every level); the drop above level 2 ("doubling" or "printed": spindle_costmodel.csa)
     csa_drop: float = 0.0
     csa_levels: int = 0
+    csa_rule: str = "doubling"
 
     def __post_init__(self) -> None:
         assert self.chunks and self.chunks[0].start == 0, "a plan starts at token 0"
@@ -124,7 +125,7 @@ class RunPrefill:
         if not self.csa_drop:
             return 1.0
         sp = self.chunks[0].sp
-        return pair_fraction(sp, self.csa_levels or max_levels(sp), self.csa_drop)
+        return pair_fraction(sp, self.csa_levels or max_levels(sp), self.csa_drop, self.csa_rule)
 
     @property
     def is_single(self) -> bool:

@@ -64,12 +64,12 @@ class SchedulerConfig:
             raise ValueError(f"max_num_requests must be >= 1, got {self.max_num_requests}")
         if not 0.0 < self.batch_share <= 1.0:
             raise ValueError(f"batch_share must be in (0, 1], got {self.batch_share}")
+        if self.dead_after_s <= 0:
+            raise ValueError(f"dead_after_s must be > 0, got {self.dead_after_s}")
 
     @property
     def max_batch_requests(self) -> int:
         return max(1, int(self.batch_share * self.max_num_requests))
-        if self.dead_after_s <= 0:
-            raise ValueError(f"dead_after_s must be > 0, got {self.dead_after_s}")
 
 
 class SchedulerCore:

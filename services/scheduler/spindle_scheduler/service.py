@@ -209,6 +209,7 @@ class SchedulerService:
             ranks=ranks,
             csa_drop=a.csa_drop,
             csa_levels=a.csa_levels,
+            csa_rule=a.csa_rule,
         )
         async with self._plan_lock:  # another admission's plan must not interleave with this one's commands
             if decode.kvp_group:  # a KV-parallel group: its leader learns the placement before any KV arrives

@@ -67,6 +67,8 @@ def test_registry_and_unknown_strategy():
         create_strategy("nope")
     with pytest.raises(ValueError):
         SchedulerConfig(max_num_requests=0)
+    with pytest.raises(ValueError, match="dead_after_s"):
+        SchedulerConfig(dead_after_s=0)
 
 
 def test_single_picks_least_queue_and_most_free_kv():

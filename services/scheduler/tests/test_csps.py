@@ -103,10 +103,15 @@ def test_plans_run_all_to_all_with_csa_only_where_asked_and_possible() -> None:
     assert two.csa_levels == 2 and two.attention_kept > sparse.attention_kept  # fewer far levels to drop in
     alone = _plan(_core("csps:drop=0.25", num_prefill=1), "b", 40_000)
     assert alone.chunks[0].sp == 1 and alone.csa_drop == 0.0  # one instance: nothing to drop
+    printed = _plan(_core("csps:drop=0.25,level_rule=printed"), "a", 40_000)
+    assert printed.csa_rule == "printed" and sparse.csa_rule == "doubling"
+    assert sparse.attention_kept < printed.attention_kept < 1.0  # the printed rule drops at level 2 only
     fixed = _plan(_core("csps:spt_tokens=16000"), "c", 20_000)
     assert fixed.chunks[0].sp == 2  # two SPTs' worth of prompt
     for bad, why in (("drop=1.0", "drop must be in"), ("drop=0.2,accuracy_loss=0", "not both"),
-                     ("accuracy_loss=2", "share of answers"), ("ttft_s=0", "must be > 0")):  # fmt: skip
+                     ("accuracy_loss=2", "share of answers"), ("ttft_s=0", "must be > 0"),
+                     ("level_rule=halving", "level_rule must be one of"),
+                     ("level_rule=printed,accuracy_loss=0", "give a fixed drop")):  # fmt: skip
         with pytest.raises(ValueError, match=why):
             create_strategy(f"csps:{bad}", LATENCY)
 

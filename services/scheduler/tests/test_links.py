@@ -62,8 +62,8 @@ def test_csa_all_to_all_bytes_are_priced():
     prices = CostModelPrices(COST, Parallelism(sp_kind="ulysses"), 1)
     dense = prices.sp_prefill(4, 0, 32768)
     # one level is plain Ulysses: the bytes counted CSA's way cost what the cost model's all-to-all costs
-    assert prices.sp_prefill(4, 0, 32768, csa=(1, 0.0)) == pytest.approx(dense, rel=0.01)
+    assert prices.sp_prefill(4, 0, 32768, csa=(1, 0.0, "doubling")) == pytest.approx(dense, rel=0.01)
     keep = pair_fraction(4, 3, 0.1)
     pairs_only = prices.sp_prefill(4, 0, 32768, keep)  # what was priced before: CSA's compute, dense bytes
-    with_bytes = prices.sp_prefill(4, 0, 32768, keep, csa=(3, 0.1))
+    with_bytes = prices.sp_prefill(4, 0, 32768, keep, csa=(3, 0.1, "doubling"))
     assert with_bytes < pairs_only < dense

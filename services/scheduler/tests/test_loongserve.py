@@ -22,7 +22,7 @@ from spindle_scheduler.latency import (
 from spindle_scheduler.sim import Simulator
 from spindle_scheduler.sim.invariants import check_invariants
 from spindle_scheduler.sim.named_cluster import ClusterSpec, named_cluster
-from spindle_scheduler.strategies.loongserve.batching import plan_batches
+from spindle_scheduler.strategies.loongserve.batching import eq7, plan_batches, tipping_time
 from spindle_scheduler.testing import request_spec
 from spindle_scheduler.workloads import make_workload
 
@@ -94,6 +94,29 @@ def test_dp_gives_a_long_prompt_every_instance_and_short_ones_their_own() -> Non
     # memory: a prompt larger than one instance's room needs a group that holds it
     _, cuts = plan_batches([3000], [3100], [1000, 1000, 1000, 1000], EQ7)
     assert cuts[0].dop == 4
+
+
+def test_tipping_time_is_where_doubling_a_batch_stops_paying() -> None:
+    """Eq. 7 with a fixed cost a and b per token: doubling from n tokens gains a / 2n of a / n + b per token, under
+    1 % from n > 49 a / b; batches double from 512 tokens, so the profiled point is 65,536 tokens here."""
+    coeffs = {1: (0.01, 1e-5, 0.0), 2: (0.02, 5e-6, 0.0)}
+    assert tipping_time(coeffs) == pytest.approx(0.01 + 1e-5 * 65_536)
+    assert tipping_time({1: (0.0, 1e-5, 0.0)}) == pytest.approx(512e-5)  # nothing fixed: no gain at all
+
+
+def test_the_papers_tipping_rule_stops_a_batch_at_the_profiled_time() -> None:
+    """`tipping_tokens=0`: requests join a prefill batch while its predicted iteration stays under the tipping
+    time (0.913 s here: two 6,000-token prompts on the three idle instances take 0.91 s, three 1.33 s); the token
+    rule (8,192 per instance) takes four of them."""
+    tip = tipping_time(EQ7)
+    assert eq7(EQ7, 3, 2 * 6000, 2 * 6000**2) <= tip < eq7(EQ7, 3, 3 * 6000, 3 * 6000**2)
+    for opts, taken in (({"tipping_tokens": 0}, ["r1", "r2"]), ({}, ["r1", "r2", "r3", "r4"])):
+        core = elastic_core(blocks=2000, **opts)
+        (first,) = batches([a for k in range(6) for a in core.admit(request_spec(f"r{k}", prompt=6000, out=10), 0.0)])
+        assert [p.request_id for p in first.prefills] == ["r0"]  # the first arrival starts alone, on all four
+        (prefill,) = [b for b in batches(finish_prefill(core, first, 1.0)) if b.prefills]
+        assert len(prefill.instances) == 3 and [p.request_id for p in prefill.prefills] == taken, opts
+    assert create_strategy("loongserve:tipping_tokens=0", latency()).describe() == "loongserve:tipping_tokens=0"
 
 
 # ---- the manager in the core ----
@@ -190,7 +213,14 @@ def a800_node() -> object:
 
 
 @pytest.mark.parametrize(
-    "spec", ["loongserve", "loongserve:max_dop=1", "loongserve:fixed_dop=4", "loongserve:max_ooe=4,exact_dp=1"]
+    "spec",
+    [
+        "loongserve",
+        "loongserve:max_dop=1",
+        "loongserve:fixed_dop=4",
+        "loongserve:max_ooe=4,exact_dp=1",
+        "loongserve:tipping_tokens=0",
+    ],
 )
 def test_paper_cluster_runs_with_every_invariant(spec: str, a800_node: object) -> None:
     setup = a800_node

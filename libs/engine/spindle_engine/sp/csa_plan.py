@@ -8,7 +8,7 @@ from spindle_attention.csa import CSALevels, max_levels
 from .plan import SPPlan
 
 
-def csa_levels_for(plan: SPPlan, drop: float, levels: int | None = None) -> CSALevels:
+def csa_levels_for(plan: SPPlan, drop: float, levels: int | None = None, rule: str = "doubling") -> CSALevels:
     """The levels over the plan's members' segments, in member order (ValueError for a plan CSA cannot run)."""
     chunks = plan.chunks
     if len(chunks) != 1 or chunks[0].layout != "all-to-all" or chunks[0].sp < 2:
@@ -17,7 +17,7 @@ def csa_levels_for(plan: SPPlan, drop: float, levels: int | None = None) -> CSAL
     if any(p.numel() == 0 for p in shards):
         raise ValueError(f"CSA needs a token on every member: {plan.num_tokens} tokens over {chunks[0].sp}")
     segments = tuple((int(p[0]), int(p[-1]) + 1) for p in shards)
-    return CSALevels(segments, levels if levels is not None else max_levels(len(segments)), drop)
+    return CSALevels(segments, levels if levels is not None else max_levels(len(segments)), drop, rule)
 
 
 def dropped_at_level2(levels: CSALevels, member: int) -> int:
@@ -28,7 +28,7 @@ def dropped_at_level2(levels: CSALevels, member: int) -> int:
     return e - s - levels.kept_count(2, member)
 
 
-def csa_dropped_tokens(plan: SPPlan, drop: float, levels: int | None = None) -> int:
+def csa_dropped_tokens(plan: SPPlan, drop: float, levels: int | None = None, rule: str = "doubling") -> int:
     """The prompt's tokens dropped at level 2 over every member (what a response's usage reports)."""
-    csa = csa_levels_for(plan, drop, levels)
+    csa = csa_levels_for(plan, drop, levels, rule)
     return sum(dropped_at_level2(csa, m) for m in range(len(csa.segments)))

@@ -73,6 +73,7 @@ class SPPrefill:
     tag_base: int = RANK_GROUP_TAG  # the ring's tags (an elastic group gives each iteration its own)
     csa_drop: float | None = None  # CSA's drop ratio p at level 2 (None: plain SP)
     csa_levels: int | None = None  # CSA's levels (None: every level)
+    csa_rule: str = "doubling"  # CSA's drop above level 2 (`spindle_attention.csa.CSA_RULES`)
     reports: list[ChunkReport] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -89,7 +90,11 @@ class SPPrefill:
                 raise ValueError(f"retention members {sorted(self.retain)} are not all plan members")
             if self.plan.chunks[-1].attention != "ring":
                 raise ValueError("KV retention needs a ring layout in the last chunk, not all-to-all")
-        self.csa = csa_levels_for(self.plan, self.csa_drop, self.csa_levels) if self.csa_drop is not None else None
+        self.csa = (
+            csa_levels_for(self.plan, self.csa_drop, self.csa_levels, self.csa_rule)
+            if self.csa_drop is not None
+            else None
+        )
         self.held = HeldKV(self.cache, self.allocator, self.request_id)
         self.steps = self.plan.steps()
         self._ids = torch.tensor(self.token_ids, dtype=torch.int64, device=self.model.device)

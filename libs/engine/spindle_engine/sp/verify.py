@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from spindle_attention.csa import max_levels
+from spindle_attention.csa import CSA_RULES, max_levels
 from spindle_model import CausalAttention, LlamaModel, load_state_dict, resolve_model
 
 from ..config import DTYPES, EngineConfig, check_device
@@ -376,8 +376,8 @@ def check_csa(spec: VerifySpec) -> None:
         most = max_levels(chunks[0].sp)
         if spec.csa_levels is not None and not 1 <= spec.csa_levels <= most:
             raise ValueError(f"--csa-levels must be in [1, {most}] over {chunks[0].sp} members, got {spec.csa_levels}")
-    elif spec.csa_levels is not None:
-        raise ValueError("--csa-levels needs --csa-drop")
+    elif spec.csa_levels is not None or spec.csa_rule != "doubling":
+        raise ValueError("--csa-levels and --csa-rule need --csa-drop")
 
 
 def check_kvp(spec: VerifySpec) -> None:
@@ -470,6 +470,9 @@ def build_parser() -> argparse.ArgumentParser:
         "per level): 0 must MATCH; P > 0 reports greedy agreement and the logit error instead of failing",
     )
     ap.add_argument("--csa-levels", type=int, default=None, help="with --csa-drop: CSA levels (default every level)")
+    ap.add_argument("--csa-rule", choices=CSA_RULES, default="doubling",
+                    help="with --csa-drop: the drop above level 2: doubling per level (default) or the paper's "
+                         "formula as printed (farther levels keep more)")  # fmt: skip
     ap.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel size of the decode instance")
     ap.add_argument(
         "--kvp",
@@ -553,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = VerifySpec(
             args.model, args.dtype, args.plan, args.layout, ids, args.decode_tp, retain, args.max_new_tokens,
             args.dump_kv, args.threads, args.kvp, split, args.scale_up_at, args.scale_down_at, args.scale_down_member,
-            args.csa_drop, args.csa_levels, device=check_verify_device(args),
+            args.csa_drop, args.csa_levels, args.csa_rule, device=check_verify_device(args),
         )  # fmt: skip
         check_kvp(spec)
         check_csa(spec)

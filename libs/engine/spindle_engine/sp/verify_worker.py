@@ -62,6 +62,7 @@ class VerifySpec:
     scale_down_member: int | None = None  # which one; default the last prompt holder (kvp - 1)
     csa_drop: float | None = None  # CSA over a one-chunk all-to-all plan (0: exact; > 0: an approximation)
     csa_levels: int | None = None
+    csa_rule: str = "doubling"  # the drop above level 2 (spindle_attention.csa.CSA_RULES)
 
     # where every rank runs: "cpu", "cuda" (rank r on GPU r mod the GPUs torch sees) or "cuda:N" (all on GPU N);
     # tensors between ranks cross the gloo group through host memory (p2p staging)
@@ -172,7 +173,7 @@ def run_prefill(spec: VerifySpec, member: int, ranks: dict[int, int], config: Mo
     allocator = BlockAllocator(num_blocks, BLOCK_SIZE)
     retain = retention_targets(n, tuple(spec.retain)) if spec.retain is not None else None
     sp = SPPrefill(model, cache, allocator, "verify", spec.token_ids, plan, member, ranks, retain,
-                   csa_drop=spec.csa_drop, csa_levels=spec.csa_levels)  # fmt: skip
+                   csa_drop=spec.csa_drop, csa_levels=spec.csa_levels, csa_rule=spec.csa_rule)  # fmt: skip
     _inject_fault(model, member)
     try:
         logits = sp.run()

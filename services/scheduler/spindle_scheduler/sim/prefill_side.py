@@ -47,7 +47,7 @@ class PrefillSide(SimBase):
         keep = job.plan.attention_kept
         cross = len({self.instances[i].node for i in chunk.instances}) > 1  # a group over two nodes or more
         plan = job.plan
-        csa = (plan.csa_levels or max_levels(chunk.sp), plan.csa_drop) if plan.csa_drop else None
+        csa = (plan.csa_levels or max_levels(chunk.sp), plan.csa_drop, plan.csa_rule) if plan.csa_drop else None
         seconds = self.prices.sp_prefill(chunk.sp, chunk.start, chunk.num_tokens, keep, cross, csa)
         for k, iid in enumerate(chunk.instances):
             m = self.instances[iid]

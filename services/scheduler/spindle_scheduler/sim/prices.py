@@ -32,7 +32,7 @@ from ..latency import LatencyModel
 from ..mixed_batch import MixedFit
 
 Chunks = Iterable[tuple[int, int]]  # (history, tokens) per prompt chunk
-Csa = tuple[int, float]  # CSPS's sparse attention: (levels, drop ratio at level 2)
+Csa = tuple[int, float, str]  # CSPS's sparse attention: (levels, drop ratio at level 2, rule above level 2)
 
 
 class FittedPrices:
@@ -142,9 +142,9 @@ class CostModelPrices(FittedPrices):
     def csa_alltoall_s(self, sp: int, tokens: int, csa: Csa, par: Parallelism) -> float:
         """CSA's all-to-all over every layer: the bytes it sends (`spindle_costmodel.csa.alltoall_bytes`, each
         member a 1/sp share of them) on the group's link, one message per peer and direction."""
-        m, levels, drop = self.cm.model, *csa
+        m, (levels, drop, rule) = self.cm.model, csa
         q_heads, kv_heads = m.heads // par.tp, max(1, -(-m.kv_heads // par.tp))
-        nbytes = alltoall_bytes(tokens, sp, levels, drop, q_heads, kv_heads, m.head_dim, m.dtype_bytes)
+        nbytes = alltoall_bytes(tokens, sp, levels, drop, q_heads, kv_heads, m.head_dim, m.dtype_bytes, rule)
         link = self.cm.hw.link(par.spans_nodes("sp", self.cm.hw.gpus_per_node))
         return m.layers * (nbytes / sp / link.bandwidth + 2 * (sp - 1) * link.latency_s)
 

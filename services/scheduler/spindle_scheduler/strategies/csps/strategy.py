@@ -13,7 +13,8 @@ CSA is off by default (`drop=0`). `drop=P` turns it on at a fixed ratio; `accura
 the levels and P per request from the measured quality table (`configure.py`, §3.2.6). `levels=N` fixes the levels
 (0: every level with a fixed drop; any measured level count with the objectives). A request placed on
 one instance runs dense (CSA needs two segments). What the paper leaves open, chosen here: the drop ratio doubles
-per level (see `spindle_attention.csa`); importance is the attention a token received from its own segment's
+per level (see `spindle_attention.csa`; `level_rule=printed` takes §3.2.4's formula as printed, under which only
+level 2 drops for p <= 1/2); importance is the attention a token received from its own segment's
 queries in the previous layer, per query (measurable on each member alone).
 """
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from spindle_costmodel.csa import max_levels, pair_fraction
+from spindle_costmodel.csa import CSA_RULES, max_levels, pair_fraction
 from spindle_protocol.messages import RequestSpec
 
 from ...actions import Action, RunPrefill
@@ -49,8 +50,13 @@ class CSPSStrategy(RequestSPStrategy):
         levels: int = 0,
         accuracy_loss: float | None = None,
         ttft_s: float | None = None,
+        level_rule: str = "doubling",
     ) -> None:
         super().__init__(latency, max_sp=max_sp, layout="all-to-all")
+        if level_rule not in CSA_RULES:
+            raise ValueError(f"csps: level_rule must be one of {', '.join(CSA_RULES)}, got {level_rule!r}")
+        if level_rule != "doubling" and (accuracy_loss is not None or ttft_s is not None):
+            raise ValueError("csps: the quality table was measured with level_rule=doubling; give a fixed drop")
         if not 0.0 <= drop < 1.0:
             raise ValueError(f"csps: drop must be in [0, 1), got {drop}")
         if drop and (accuracy_loss is not None or ttft_s is not None):
@@ -61,7 +67,7 @@ class CSPSStrategy(RequestSPStrategy):
             raise ValueError(f"csps: ttft_s must be > 0, got {ttft_s}")
         if levels < 0 or spt_tokens < 0:
             raise ValueError(f"csps: levels and spt_tokens must be >= 0, got {levels} and {spt_tokens}")
-        self.spt_tokens, self.drop, self.levels = spt_tokens, drop, levels
+        self.spt_tokens, self.drop, self.levels, self.level_rule = spt_tokens, drop, levels, level_rule
         self.accuracy_loss, self.ttft_s = accuracy_loss, ttft_s
         self.quality = QualityTable.load() if accuracy_loss is not None or ttft_s is not None else None
         self._now = 0.0
@@ -71,6 +77,7 @@ class CSPSStrategy(RequestSPStrategy):
         return {
             "max_sp": self.max_sp, "spt_tokens": self.spt_tokens, "drop": self.drop, "levels": self.levels,
             "accuracy_loss": self.accuracy_loss, "ttft_s": self.ttft_s,
+            "level_rule": self.level_rule if self.level_rule != "doubling" else None,  # the default goes unsaid
         }  # fmt: skip
 
     def plan(self, spec: RequestSpec, state: ClusterState, now: float) -> list[Action]:
@@ -108,7 +115,7 @@ class CSPSStrategy(RequestSPStrategy):
     def _whole(self, ready: Sequence[float], s: int, n: int) -> tuple[float, Steps]:
         """The whole prompt on the s instances that free first, with the CSA settings this plan gives s."""
         levels, drop = self._decided[s] = self._decide(s, n, ready[s - 1])
-        keep = pair_fraction(s, self._levels(s, levels), drop)
+        keep = pair_fraction(s, self._levels(s, levels), drop, self.level_rule)
         return ready[s - 1] + self.latency.prefill.predict(s, 0, n, keep), [(0, n, s)]  # type: ignore[union-attr]
 
     def _with_csa(self, run: RunPrefill) -> RunPrefill:
@@ -116,4 +123,5 @@ class CSPSStrategy(RequestSPStrategy):
         levels, drop = self._decided.get(sp, (None, 0.0))
         if not drop:
             return run
-        return dataclasses.replace(run, csa_drop=drop, csa_levels=self._levels(sp, levels) if levels else 0)
+        levels = self._levels(sp, levels) if levels else 0
+        return dataclasses.replace(run, csa_drop=drop, csa_levels=levels, csa_rule=self.level_rule)

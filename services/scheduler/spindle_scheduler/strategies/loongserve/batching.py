@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 Coeffs = Mapping[int, tuple[float, float, float]]  # DoP -> Eq. 7's (alpha, beta, gamma)
 EXACT_BUDGET = 40_000  # n^2 m^2 up to which the default search is exhaustive (~20 ms in Python)
+TIPPING_GAIN = 0.01  # doubling a prefill batch that gains less than this in time per token: past the tipping point
+TIPPING_PROMPT = 512  # the prompts of the profiled batches
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,21 @@ def eq7(coeffs: Coeffs, dop: int, s1: float, s2: float) -> float:
     if c is None:
         return math.inf
     return max(0.0, c[0] + c[1] * s1 + c[2] * s2)
+
+
+def tipping_time(coeffs: Coeffs) -> float:
+    """§5.1's tipping point as the paper profiles it: the iteration time past which a prefill batch gains next to
+    nothing by growing. Batches of `TIPPING_PROMPT`-token prompts on one instance (Eq. 7 at its lowest DoP) double
+    until doubling cuts the time per token by less than `TIPPING_GAIN`; the time of that batch."""
+    dop = min(coeffs)
+    tokens = float(TIPPING_PROMPT)
+    per = eq7(coeffs, dop, tokens, tokens * TIPPING_PROMPT) / tokens
+    for _ in range(40):
+        t2 = eq7(coeffs, dop, 2 * tokens, 2 * tokens * TIPPING_PROMPT)
+        if per - t2 / (2 * tokens) < TIPPING_GAIN * per:
+            return eq7(coeffs, dop, tokens, tokens * TIPPING_PROMPT)
+        tokens, per = 2 * tokens, t2 / (2 * tokens)
+    return eq7(coeffs, dop, tokens, tokens * TIPPING_PROMPT)
 
 
 def plan_batches(

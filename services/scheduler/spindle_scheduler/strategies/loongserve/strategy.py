@@ -28,7 +28,9 @@ Predictions use Eq. 7 (`latency.batch_prefill`, fitted per DoP). Decode iteratio
 group (Appendix A's greedy execution falls out: groups do not wait for each other).
 
 Choices the paper leaves open, and the options for the other choice:
-- The tipping point: `tipping_tokens` (default 8192 prompt tokens per instance of the batch's group).
+- The tipping point: `tipping_tokens` (default 8192 prompt tokens per instance of the batch's group), or with
+  `tipping_tokens=0` the paper's rule: no request joins a batch whose predicted iteration (Eq. 7 on its group)
+  would pass the tipping time profiled from Eq. 7 (`batching.tipping_time`).
 - The decode compute-bound batch size: `scale_up_batch` (0 = the smallest power of two at which a group of
   two decodes 10 % faster than one in the latency model; never, when it has no multi-master fit).
 - Baselines of §7.4.1 as options: `max_dop=1` (replication: every request on one instance), `fixed_dop=N`
@@ -59,7 +61,7 @@ from ...actions import Action, Admit, DecodePart, FailRequest, KVShard, MigrateK
 from ...latency import LatencyModel
 from ...state import ClusterState
 from ...strategy import Strategy, register_strategy
-from .batching import eq7, plan_batches
+from .batching import eq7, plan_batches, tipping_time
 from .pool import Decoding, Group, Member
 
 ROLE = "elastic"
@@ -120,8 +122,8 @@ class LoongServeStrategy(Strategy):
         for name, value in (("max_dop", max_dop), ("fixed_dop", fixed_dop), ("max_ooe", max_ooe)):
             if value < 0:
                 raise ValueError(f"loongserve: {name} must be >= 0, got {value}")
-        if tipping_tokens < 1 or scale_up_batch < 0:
-            raise ValueError("loongserve: tipping_tokens must be >= 1 and scale_up_batch >= 0")
+        if tipping_tokens < 0 or scale_up_batch < 0:
+            raise ValueError("loongserve: tipping_tokens and scale_up_batch must be >= 0")
         if fixed_dop and max_dop and fixed_dop > max_dop:
             raise ValueError(f"loongserve: fixed_dop {fixed_dop} exceeds max_dop {max_dop}")
         self.max_dop, self.fixed_dop, self.tipping_tokens = max_dop, fixed_dop, tipping_tokens
@@ -133,6 +135,7 @@ class LoongServeStrategy(Strategy):
         self.coeffs = dict(self.latency.batch_prefill.coeffs)
         if fixed_dop and fixed_dop not in self.coeffs:
             raise ValueError(f"loongserve: no Eq. 7 fit at fixed_dop={fixed_dop} (have {sorted(self.coeffs)})")
+        self.tipping_s = 0.0 if tipping_tokens else tipping_time(self.coeffs)
         self.members: dict[str, Member] = {}
         self.pending: deque[Pending] = deque()
         self.decoding: dict[str, Decoding] = {}
@@ -156,7 +159,7 @@ class LoongServeStrategy(Strategy):
 
     def describe(self) -> str:
         defaults = {"tipping_tokens": 8192, "preempt": 1, "migrate": 1}
-        opts = {k: v for k, v in self.options().items() if v and defaults.get(k) != v}
+        opts = {k: v for k, v in self.options().items() if defaults.get(k, 0) != v}
         return f"{self.name}:{','.join(f'{k}={v}' for k, v in opts.items())}" if opts else self.name
 
     # ---- the pool as heartbeats show it ----
@@ -522,17 +525,25 @@ class LoongServeStrategy(Strategy):
         room = sum(m.free_tokens() for m in members) - sum(p.need for p in already)  # `already` lands on them
         pool = sum(m.free_tokens() for m in self.members.values()) - sum(p.need for p in already)
         tokens = sum(p.prompt for p in already)
+        squares = float(sum(p.prompt * p.prompt for p in already))
         width = max(1, len(members))
+        dop = max((d for d in self.coeffs if d <= width), default=min(self.coeffs))
         out: list[Pending] = []
         passed = False
         for p in self.pending:
             if p.rid in taken:
                 continue
             fits = p.need <= room and p.need <= pool
-            over = bool(out or already) and tokens + p.prompt > self.tipping_tokens * width
+            if not (out or already):
+                over = False
+            elif self.tipping_s:  # the paper's rule: the batch's predicted iteration past the tipping time
+                over = eq7(self.coeffs, dop, tokens + p.prompt, squares + p.prompt * p.prompt) > self.tipping_s
+            else:
+                over = tokens + p.prompt > self.tipping_tokens * width
             if fits and not over:
                 out.append(p)
                 room, pool, tokens = room - p.need, pool - p.need, tokens + p.prompt
+                squares += p.prompt * p.prompt
                 continue
             if over or self._ooe >= self.max_ooe:
                 break
