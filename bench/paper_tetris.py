@@ -80,9 +80,26 @@ def cluster_8b(num_prefill: int = 16, num_decode: int = 2) -> tuple[LatencyModel
     return load_paper_calibration(), config
 
 
-def cluster_70b() -> tuple[LatencyModel, SimConfig]:
+def baselines_70b(num_prefill: int) -> dict[str, str]:
+    """The fixed-SP baselines of a 70B cluster: its two largest groups (SP 8 and 4 on the paper's 8 instances)."""
+    if num_prefill == 8:
+        return BASELINES_70B
+    half = num_prefill // 2
+    return {f"Fixed SP={num_prefill}": f"fixed-sp:sp={num_prefill}", f"Fixed SP={half}": f"fixed-sp:sp={half}",
+            "LoongServe Disagg.": "request-sp"}  # fmt: skip
+
+
+def cluster_70b(num_prefill: int = 8) -> tuple[LatencyModel, SimConfig]:
+    nodes = (num_prefill * 4 + 4 * 8) // 8  # TP4 prefill instances and 4 decode instances of TP 8
     spec = ClusterSpec(
-        "a100-80g", "llama3-70b", nodes=8, prefill_tp=4, decode_tp=8, num_prefill=8, num_decode=4, num_colocated=0
+        "a100-80g",
+        "llama3-70b",
+        nodes=nodes,
+        prefill_tp=4,
+        decode_tp=8,
+        num_prefill=num_prefill,
+        num_decode=4,
+        num_colocated=0,
     )
     setup = named_cluster(spec, colocated=False, scheduler=SchedulerConfig(max_num_requests=10**5))
     return setup.latency, setup.config
@@ -246,18 +263,29 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=1000)
     p.add_argument("--quick", action="store_true", help="200 requests, 3 rates a workload, no max-load search")
     p.add_argument("--no-70b", action="store_true", help="skip the Llama-3-70B run")
+    p.add_argument("--only-70b", action="store_true", help="only the Llama-3-70B run")
+    p.add_argument("--prefill-70b", type=int, default=8, metavar="N",
+                   help="TP-4 prefill instances of the 70B run (default 8, the paper's 32 GPUs; 16 is the ablation "
+                        "with twice the SP choices)")  # fmt: skip
     p.add_argument("--out", type=Path, default=RESULTS / "paper_tetris.json")
     args = p.parse_args()
     n = 200 if args.quick else args.num_requests
     step = 3 if args.quick else 1
+    if args.no_70b and args.only_70b:
+        p.error("--no-70b and --only-70b exclude each other")
+    if args.prefill_70b < 2 or args.prefill_70b % 2:
+        p.error(f"--prefill-70b must be an even number >= 2, got {args.prefill_70b}")
     runs_todo: list[tuple[str, str, dict[str, str], Any, list[float]]] = [
         (f"8b {w}{suffix}", w, BASELINES, lambda shape=shape: cluster_8b(*shape), RATES[w][::step])
         for suffix, shape in SHAPES_8B.items()
         for w in RATES
-    ]
+    ] if not args.only_70b else []  # fmt: skip
     if not args.no_70b:
-        rates_70b = [0.25, 0.5, 0.75, 1, 1.25, 1.5, 2][::step]
-        runs_todo.append(("70b tetris-medium", "tetris-medium", BASELINES_70B, cluster_70b, rates_70b))
+        scale = args.prefill_70b / 8
+        rates_70b = [round(r * scale, 4) for r in (0.25, 0.5, 0.75, 1, 1.25, 1.5, 2)][::step]
+        key = "70b tetris-medium" if args.prefill_70b == 8 else f"70b {args.prefill_70b}+4 medium"
+        runs_todo.append((key, "tetris-medium", baselines_70b(args.prefill_70b),
+                          lambda: cluster_70b(args.prefill_70b), rates_70b))  # fmt: skip
     per_run = len(strategies("x", BASELINES)) + (0 if args.quick else len(BASELINES) + 2)
     start = time.perf_counter()
     results: dict[str, Any] = {"paper": PAPER, "num_requests": n, "runs": {}}

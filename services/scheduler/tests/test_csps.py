@@ -135,3 +135,41 @@ def test_csa_shortens_simulated_prefill_and_keeps_the_invariants() -> None:
         assert all(r.state == "finished" for r in result.records)
         ttft[spec] = result.summary().ttft_s.mean
     assert ttft["csps:drop=0.3"] < ttft["csps"]
+
+
+def _two_nodes(strategy: str) -> SchedulerCore:
+    """8 prefill instances, ranks 0-3 on node a and 4-7 on node b, and one decode instance."""
+    core = SchedulerCore(create_strategy(strategy, LATENCY), SchedulerConfig())
+    for rank in range(8):
+        core.on_heartbeat(InstanceInfo(instance_id=f"p{rank}", role="prefill", rank=rank, pid=0, started_at=0.0,
+                                       updated_at=0.0, kv_blocks_total=10**6, block_size=16,
+                                       node="a" if rank < 4 else "b"))  # fmt: skip
+    core.on_heartbeat(InstanceInfo(instance_id="d", role="decode", rank=8, pid=0, started_at=0.0, updated_at=0.0,
+                                   kv_blocks_total=10**6, block_size=16, node="b"))  # fmt: skip
+    return core
+
+
+def test_groups_pack_onto_the_fewest_nodes_in_gpu_id_order() -> None:
+    """§3.2.4's proximity-aware allocation: with p1 busy, a group of 4 takes node b whole (one node), where the
+    first free in rank order (p0, p2, p3, p4) would span both; a group of 8 places its segments node by node."""
+    near = _core_busy("csps:max_sp=4", "p1")
+    run = _plan(near, "a", 40_000)
+    assert run.chunks[0].instances == ("p4", "p5", "p6", "p7")
+    far = _core_busy("csps:max_sp=4,first_free=1", "p1")
+    assert _plan(far, "a", 40_000).chunks[0].instances == ("p0", "p2", "p3", "p4")
+    assert create_strategy("csps:first_free=1", LATENCY).describe() == "csps:max_sp=16,first_free=1"
+
+    from spindle_scheduler.strategies.csps.placement import node_order, proximity_group
+
+    insts = list(_two_nodes("csps").state.live("prefill"))
+    order = node_order(insts)
+    mixed = [insts[k] for k in (6, 1, 7, 0, 2, 5)]  # 3 free on a, 3 on b
+    assert [i.id for i in proximity_group(mixed, 3, order)] == ["p0", "p1", "p2"]  # one node; the first on ties
+    assert [i.id for i in proximity_group(mixed, 4, order)] == ["p0", "p1", "p2", "p5"]  # a's segments first
+    assert [i.id for i in proximity_group([insts[k] for k in (0, 4, 5, 6)], 1, order)] == ["p0"]
+
+
+def _core_busy(strategy: str, busy: str) -> SchedulerCore:
+    core = _two_nodes(strategy)
+    core.state.plan_work((busy,), "earlier", until=1e6)
+    return core

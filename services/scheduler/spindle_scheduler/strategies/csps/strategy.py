@@ -5,9 +5,15 @@ strategy takes; Table 3's volumes are measured by `spindle verify --kvp`).
 Per request, as CSPS §3.2.2 with `spt_tokens` > 0: the GPU count is the prompt over the SPT length that fills a
 GPU's KV (at least 1, at most the live prefill instances and `max_sp`), on the instances that free up first;
 with `spt_tokens=0` (the default here, where the instances are small) the SP size with the lowest predicted TTFT,
-as `request-sp`. SP-NTP or SP-TP by §3.2.2's byte rule (`architecture.py`): with TP-1 instances (this stack, and
-every simulated cluster whose prefill instances have TP 1) that is always SP-NTP, which is the layout the services
-run; SP-TP (CSA computing fewer pairs, not sending fewer bytes) is not a services layout yet.
+as `request-sp`. Among the instances free when the group can start, §3.2.4's proximity-aware allocation packs it on
+the fewest nodes and places the segments in GPU-id order (`placement.py`; predicted with the cross-node form where
+the group spans nodes); `first_free=1` takes the instances that free first, in rank order.
+
+SP-NTP or SP-TP: §3.2.2's byte rule (`architecture.sp_architecture`) weighs gathering the attention weights of a TP
+deployment (SP-NTP) against all-gathering the hidden states (SP-TP). Here every SP member is a TP-1 instance that
+holds all its weights, where the rule always picks SP-NTP, so every plan runs all-to-all (the layout the services
+run). SP-TP is priced for a whole simulated run (`spindle sim --sp-kind sp-tp`), not chosen per request: the
+services have no SP-TP layout (the library has `sp_tp_attention`).
 
 CSA is off by default (`drop=0`). `drop=P` turns it on at a fixed ratio; `accuracy_loss=A` and/or `ttft_s=T` choose
 the levels and P per request from the measured quality table (`configure.py`, §3.2.6). `levels=N` fixes the levels
@@ -26,13 +32,14 @@ from collections.abc import Sequence
 from spindle_costmodel.csa import CSA_RULES, max_levels, pair_fraction
 from spindle_protocol.messages import RequestSpec
 
-from ...actions import Action, RunPrefill
+from ...actions import Action, PrefillChunk, RunPrefill
 from ...latency import LatencyModel
-from ...state import ClusterState
+from ...state import ClusterState, InstanceState
 from ...strategy import register_strategy
 from ..request_sp import RequestSPStrategy, Steps
 from .architecture import gpus_for
 from .configure import QualityTable, choose
+from .placement import node_order, proximity_group
 
 
 @register_strategy("csps")
@@ -51,6 +58,7 @@ class CSPSStrategy(RequestSPStrategy):
         accuracy_loss: float | None = None,
         ttft_s: float | None = None,
         level_rule: str = "doubling",
+        first_free: int = 0,
     ) -> None:
         super().__init__(latency, max_sp=max_sp, layout="all-to-all")
         if level_rule not in CSA_RULES:
@@ -68,6 +76,12 @@ class CSPSStrategy(RequestSPStrategy):
         if levels < 0 or spt_tokens < 0:
             raise ValueError(f"csps: levels and spt_tokens must be >= 0, got {levels} and {spt_tokens}")
         self.spt_tokens, self.drop, self.levels, self.level_rule = spt_tokens, drop, levels, level_rule
+        if first_free not in (0, 1):
+            raise ValueError(f"csps: first_free must be 0 or 1, got {first_free}")
+        self.first_free = first_free
+        self._prefills: list[InstanceState] = []  # this plan's prefill instances, the first free first
+        self._order: dict[str, int] = {}
+        self._groups: dict[int, list[InstanceState]] = {}  # this plan's group per SP size
         self.accuracy_loss, self.ttft_s = accuracy_loss, ttft_s
         self.quality = QualityTable.load() if accuracy_loss is not None or ttft_s is not None else None
         self._now = 0.0
@@ -78,10 +92,13 @@ class CSPSStrategy(RequestSPStrategy):
             "max_sp": self.max_sp, "spt_tokens": self.spt_tokens, "drop": self.drop, "levels": self.levels,
             "accuracy_loss": self.accuracy_loss, "ttft_s": self.ttft_s,
             "level_rule": self.level_rule if self.level_rule != "doubling" else None,  # the default goes unsaid
+            "first_free": self.first_free,
         }  # fmt: skip
 
     def plan(self, spec: RequestSpec, state: ClusterState, now: float) -> list[Action]:
-        self._now, self._decided = now, {}
+        self._now, self._decided, self._groups = now, {}, {}
+        self._prefills = sorted(state.live("prefill"), key=lambda i: (i.busy_until(now), i.info.rank))
+        self._order = node_order(self._prefills)
         actions = super().plan(spec, state, now)
         return [self._with_csa(a) if isinstance(a, RunPrefill) else a for a in actions]
 
@@ -113,10 +130,25 @@ class CSPSStrategy(RequestSPStrategy):
         return choose(self.quality, sp, self.accuracy_loss, self.ttft_s, ttft, fixed if self.levels else "any")
 
     def _whole(self, ready: Sequence[float], s: int, n: int) -> tuple[float, Steps]:
-        """The whole prompt on the s instances that free first, with the CSA settings this plan gives s."""
+        """The whole prompt on s instances free by when the s-th frees, with the CSA settings this plan gives s."""
         levels, drop = self._decided[s] = self._decide(s, n, ready[s - 1])
         keep = pair_fraction(s, self._levels(s, levels), drop, self.level_rule)
-        return ready[s - 1] + self.latency.prefill.predict(s, 0, n, keep), [(0, n, s)]  # type: ignore[union-attr]
+        group = self._groups[s] = self._group(s)
+        cross = len({i.info.node for i in group}) > 1
+        return ready[s - 1] + self.latency.prefill_seconds(s, 0, n, keep, cross), [(0, n, s)]  # type: ignore[union-attr]
+
+    def _group(self, s: int) -> list[InstanceState]:
+        """The s members: by proximity among those free as early as the s-th, or the first free (`first_free`)."""
+        if self.first_free or s == 1:
+            return sorted(self._prefills[:s], key=lambda i: i.info.rank)
+        start = self._prefills[s - 1].busy_until(self._now)
+        free = [i for i in self._prefills if i.busy_until(self._now) <= start]
+        return proximity_group(free, s, self._order)
+
+    def _chunks(self, steps: Steps, prefills: Sequence, state: ClusterState) -> tuple[PrefillChunk, ...]:
+        ((start, end, size),) = steps  # one chunk: the whole prompt
+        ids = tuple(i.id for i in self._groups[size])
+        return (PrefillChunk(start, end, ids, self.layout if size > 1 else "contiguous"),)
 
     def _with_csa(self, run: RunPrefill) -> RunPrefill:
         sp = run.chunks[0].sp
