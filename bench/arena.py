@@ -267,6 +267,8 @@ def main() -> None:
     p.add_argument("--papers", action="store_true", help="also each paper's own workload and cluster (paper:NAME)")
     p.add_argument("--num-requests", type=int, default=600)
     p.add_argument("--jobs", type=int, default=2, help="cells run in parallel (processes)")
+    p.add_argument("--compare-jobs", type=int, default=1, metavar="N",
+                   help="strategies of a cell simulated at once (`spindle sim compare --jobs`; default 1)")  # fmt: skip
     p.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
     p.add_argument("--seeds", default=SEEDS, help=f"evaluation seeds (default {SEEDS})")
     p.add_argument("--window", type=float, default=WINDOW_S, help=f"seconds of load per probed rate ({WINDOW_S:g})")
@@ -301,6 +303,8 @@ def main() -> None:
             jobs[name] = paper_argv(PAPERS[scenario], min(n, 300), stem, rules)
         else:
             jobs[name] = compare_argv(CLUSTERS[cluster], SCENARIOS[scenario], tuple(args.strategies), n, stem, rules)
+        if args.compare_jobs != 1:
+            jobs[name] += ["--jobs", str(args.compare_jobs)]
         print("spindle sim compare " + shlex.join(jobs[name]))
     cells: dict[str, dict[str, Any]] = {}
     walls: dict[str, float] = {}

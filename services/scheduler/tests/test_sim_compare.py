@@ -111,6 +111,18 @@ def test_max_load_on_a_small_trace(tmp_path: Path, capsys: pytest.CaptureFixture
         assert s["slo_attainment"] is None and s["batch_jct_s"] is None and s["interactive_ttft_s"] is None
 
 
+def test_jobs_run_the_strategies_in_forked_processes_with_the_same_results(tmp_path: Path) -> None:
+    argv = ["--strategies", "single,request-sp", "chunked", *GIVEN, *SMALL, "--rate", "2", "--max-load",
+            "--max-rate", "16", "--max-load-window", "4"]  # fmt: skip
+    alone = _compare(tmp_path, *argv)
+    forked = _compare(tmp_path, *argv, "--jobs", "3")
+    for doc in (alone, forked):
+        for s in doc["strategies"].values():
+            s.pop("plan_us")  # wall time of plan(), the one number that may differ
+    assert forked == alone and all(s["max_load_rps"] for s in alone["strategies"].values())
+    assert main(["compare", *argv, "--jobs", "0"]) == 2
+
+
 def test_a_batch_job_and_the_attainment_rule(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     mixed = ["--workload", "mixed-batch:0.25", "--num-requests", "40", "--seed", "1"]
     argv = ["--strategies", "single,chunked", *GIVEN, *mixed, "--rate", "2", "--slo-ttft", "5", "--slo-tpot", "0.1"]

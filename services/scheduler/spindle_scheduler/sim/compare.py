@@ -61,6 +61,7 @@ from .cli import (
     use_trace_file,
 )
 from .executor import simulate
+from .forked import map_forked
 from .loadsearch import MaxLoad, Probe, light_load
 from .metrics import SimSummary, Stats, strict_json
 from .named_cluster import ClusterShape
@@ -140,6 +141,10 @@ def build_compare_parser() -> argparse.ArgumentParser:
         "metric only where its range does not overlap another's (else a tie)",
     )
     _add_max_load_args(p)
+    p.add_argument(
+        "--jobs", type=int, default=1, metavar="N",
+        help="strategies simulated at once, in forked processes (default 1); the results do not depend on it",
+    )  # fmt: skip
     return p
 
 
@@ -200,15 +205,17 @@ def shared_slo(entries: list[Entry], args: argparse.Namespace) -> SharedSlo | No
     if not args.max_load or args.max_load_attainment is not None or args.max_load_slo is not None:
         return None
     best, rates = (math.inf, ""), {}
-    for e in entries:
-        if e.skipped or e.setup is None:
-            continue
+
+    def light(e: Entry) -> tuple[float, float]:
+        assert e.setup is not None
         probe = Probe(e.spec, args.workload, e.setup.latency, e.setup.config, args.num_requests, args.seed,
                       args.arrival, args.cv, args.max_load_window)  # fmt: skip
         if args.light_rate is not None:
-            rate, value = args.light_rate, probe.latency_at(args.metric, args.percentile)(args.light_rate)
-        else:
-            rate, value = light_load(probe, args.metric, args.percentile, args.start_rate)
+            return args.light_rate, probe.latency_at(args.metric, args.percentile)(args.light_rate)
+        return light_load(probe, args.metric, args.percentile, args.start_rate)
+
+    runnable = [e for e in entries if not e.skipped and e.setup is not None]
+    for e, (rate, value) in zip(runnable, map_forked(light, runnable, args.jobs), strict=True):
         rates[e.spec] = rate
         if value < best[0]:
             best = (value, e.spec)
@@ -418,9 +425,14 @@ def run_seed(entries: list[Entry], args: argparse.Namespace) -> list[Entry]:
     if args.rate is not None or (args.trace is not None and not args.max_load):
         trace = make_workload(args.workload, args.num_requests, args.rate, args.seed, args.arrival, args.cv)
     shared = shared_slo(entries, args)
-    done: list[Entry] = []
-    for entry in entries:
+
+    def outcome(entry: Entry) -> tuple[SimSummary | None, MaxLoad | None, str]:
         ran = run_entry(entry, args, trace, shared)
+        return ran.summary, ran.max_load, ran.skipped
+
+    done: list[Entry] = []
+    for entry, (summary, max_load, skipped) in zip(entries, map_forked(outcome, entries, args.jobs), strict=True):
+        ran = replace(entry, summary=summary, max_load=max_load, skipped=skipped)
         done.append(SeedRun(**{f: getattr(ran, f) for f in Entry.__dataclass_fields__}, shared=shared))
         if ran.max_load is not None:
             print(_describe_max_load(ran.max_load))
@@ -444,6 +456,8 @@ def compare_main(argv: list[str]) -> int:
             raise ValueError(f"--rate must be > 0 requests/s, got {args.rate}")
         _slo(args)  # a bad SLO fails before any run
         check_max_load_args(args)
+        if args.jobs < 1:
+            raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
         shaper = Shaper(args)
         entries = prepare(args, specs, shaper)
         seeds = parse_seeds(args.seeds) if args.seeds else [args.seed]
