@@ -258,6 +258,13 @@ def test_tune_searches_every_strategy_alike_and_keeps_the_paper_variant(tmp_path
         assert s["config"]["spec"] == spec and "tuned on seed 99 (3 runs)" in printed
         for knob, value in tuned["chosen"].items():
             assert knob in ("prefill_share", "decode_tp") or f"{knob}={value}" in spec, (spec, knob)
+    forked = _compare(
+        tmp_path, *cell, "--slo-ttft", "2", "--tune", "--tune-budget", "3", "--seeds", "1,2", "--jobs", "2"
+    )
+    for doc in (d, forked):
+        for s in doc["strategies"].values():
+            s.pop("plan_us")
+    assert forked == d  # the search's runs in forked processes choose the same configurations
     # the evaluation never uses the tuning seed, and the search needs a load point and an SLO
     assert main(["compare", *cell, "--slo-ttft", "2", "--tune", "--tune-seed", "1", "--seeds", "1,2"]) == 2
     assert "tuning seed 1 is also evaluated" in capsys.readouterr().err

@@ -143,7 +143,8 @@ def build_compare_parser() -> argparse.ArgumentParser:
     _add_max_load_args(p)
     p.add_argument(
         "--jobs", type=int, default=1, metavar="N",
-        help="strategies simulated at once, in forked processes (default 1); the results do not depend on it",
+        help="simulations at once (the tuning runs, the light-load probes, each strategy's run and max-load search), "
+        "in forked processes (default 1); the results do not depend on it",
     )  # fmt: skip
     return p
 

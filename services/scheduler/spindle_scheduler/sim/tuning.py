@@ -21,6 +21,7 @@ from typing import Any
 from ..strategy import parse_strategy_spec, strategy_class
 from ..workloads import make_workload
 from .executor import simulate
+from .forked import map_forked
 from .named_cluster import SimSetup
 from .shapes import Entry, Shaper, check_runs
 
@@ -59,28 +60,31 @@ def objective(summary: Any) -> tuple[float, float, float]:
 
 
 def tune_entry(entry: Entry, args: argparse.Namespace, shaper: Shaper, slo: Any) -> tuple[Entry, list[Tried]]:
-    """The entry's strategy at the best configuration the search found on the tuning seed."""
+    """The entry's strategy at the best configuration the search found on the tuning seed (the runs `--jobs` at a
+    time)."""
     cls = strategy_class(entry.spec)
     trace = make_workload(args.workload, args.num_requests, args.rate, args.tune_seed, args.arrival, args.cv)
-    tried: list[Tried] = []
-    best: tuple[tuple[float, float, float], Tried, SimSetup] | None = None
-    for config in candidates(dict(cls.tuning), args.tune_budget, args.tune_seed):
+
+    def run(config: dict[str, Any]) -> Tried:
         shape = {k: v for k, v in config.items() if k in SHAPE_KNOBS}
         spec = spec_with(entry.spec, {k: v for k, v in config.items() if k not in SHAPE_KNOBS})
         setup = shaper.setup(cls, **shape) if shape else entry.setup
         why = setup if isinstance(setup, str) else check_runs(spec, cls, setup)
         if why:
-            tried.append(Tried(config, spec, None, why))
-            continue
+            return Tried(config, spec, None, why)
         assert isinstance(setup, SimSetup)
         result = simulate(trace, spec, setup.latency, setup.config)
-        score = objective(result.summary(args.workload, args.rate, slo))
-        tried.append(Tried(config, spec, score))
-        if best is None or score > best[0]:
-            best = (score, tried[-1], setup)
-    if best is None:
+        return Tried(config, spec, objective(result.summary(args.workload, args.rate, slo)))
+
+    configs = candidates(dict(cls.tuning), args.tune_budget, args.tune_seed)
+    tried: list[Tried] = map_forked(run, configs, getattr(args, "jobs", 1))
+    ran = [t for t in tried if t.objective is not None]
+    if not ran:
         return replace(entry, skipped="no configuration of its tuning search could run"), tried
-    _, chosen, setup = best
+    chosen = max(ran, key=lambda t: t.objective)  # type: ignore[arg-type, return-value]  # the first of equals
+    shape = {k: v for k, v in chosen.config.items() if k in SHAPE_KNOBS}
+    setup = shaper.setup(cls, **shape) if shape else entry.setup
+    assert isinstance(setup, SimSetup)
     note = f"tuned on seed {args.tune_seed} ({len(tried)} runs): {describe(chosen.config)}"
     tuned = {"seed": args.tune_seed, "runs": len(tried), "chosen": chosen.config}
     return replace(entry, spec=chosen.spec, setup=setup, note=note, tuned=tuned), tried
