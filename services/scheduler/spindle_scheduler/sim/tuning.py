@@ -77,7 +77,7 @@ def tune_entry(entry: Entry, args: argparse.Namespace, shaper: Shaper, slo: Any)
         return Tried(config, spec, objective(result.summary(args.workload, args.rate, slo)))
 
     configs = candidates(dict(cls.tuning), args.tune_budget, args.tune_seed)
-    tried: list[Tried] = map_forked(run, configs, getattr(args, "jobs", 1))
+    tried: list[Tried] = map_forked(run, configs, args.jobs)
     ran = [t for t in tried if t.objective is not None]
     if not ran:
         return replace(entry, skipped="no configuration of its tuning search could run"), tried

@@ -29,7 +29,7 @@ from spindle_protocol.messages import RequestSpec
 
 from ..actions import LAYOUTS, Action, Admit, PrefillChunk, Reject, RunPrefill
 from ..latency import LatencyModel
-from ..state import ClusterState
+from ..state import ClusterState, InstanceState
 from ..strategy import Strategy, register_strategy
 from .placement import kvstore_id, pick_decode_group
 
@@ -61,6 +61,7 @@ class RequestSPStrategy(Strategy):
         if isinstance(grow, bool) or not isinstance(grow, int) or grow < 0:
             raise ValueError(f"request-sp: grow must be a whole number of tokens per chunk >= 0 (0: off), not {grow!r}")
         self.grow = grow
+        self._queue: list[InstanceState] = []  # the plan's prefill instances, the first free first (`plan`)
 
     def options(self) -> dict[str, object]:
         return {"max_sp": self.max_sp, "grow": self.grow}
@@ -72,6 +73,7 @@ class RequestSPStrategy(Strategy):
             return [Reject(spec.request_id, 503, "no live prefill or decode instance")]
         decode, shards = placed
         n = spec.prompt.num_tokens
+        self._queue = prefills  # for a subclass choosing its group among them (csps)
         ready = [i.busy_until(now) for i in prefills]
         best: tuple[float, Steps] | None = None
         for s in self.candidate_sizes(spec, len(prefills)):

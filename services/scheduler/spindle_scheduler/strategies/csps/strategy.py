@@ -79,8 +79,6 @@ class CSPSStrategy(RequestSPStrategy):
         if first_free not in (0, 1):
             raise ValueError(f"csps: first_free must be 0 or 1, got {first_free}")
         self.first_free = first_free
-        self._prefills: list[InstanceState] = []  # this plan's prefill instances, the first free first
-        self._order: dict[str, int] = {}
         self._groups: dict[int, list[InstanceState]] = {}  # this plan's group per SP size
         self.accuracy_loss, self.ttft_s = accuracy_loss, ttft_s
         self.quality = QualityTable.load() if accuracy_loss is not None or ttft_s is not None else None
@@ -97,8 +95,6 @@ class CSPSStrategy(RequestSPStrategy):
 
     def plan(self, spec: RequestSpec, state: ClusterState, now: float) -> list[Action]:
         self._now, self._decided, self._groups = now, {}, {}
-        self._prefills = sorted(state.live("prefill"), key=lambda i: (i.busy_until(now), i.info.rank))
-        self._order = node_order(self._prefills)
         actions = super().plan(spec, state, now)
         return [self._with_csa(a) if isinstance(a, RunPrefill) else a for a in actions]
 
@@ -139,11 +135,12 @@ class CSPSStrategy(RequestSPStrategy):
 
     def _group(self, s: int) -> list[InstanceState]:
         """The s members: by proximity among those free as early as the s-th, or the first free (`first_free`)."""
+        queue = self._queue
         if self.first_free or s == 1:
-            return sorted(self._prefills[:s], key=lambda i: i.info.rank)
-        start = self._prefills[s - 1].busy_until(self._now)
-        free = [i for i in self._prefills if i.busy_until(self._now) <= start]
-        return proximity_group(free, s, self._order)
+            return sorted(queue[:s], key=lambda i: i.info.rank)
+        start = queue[s - 1].busy_until(self._now)
+        free = [i for i in queue if i.busy_until(self._now) <= start]
+        return proximity_group(free, s, node_order(queue))
 
     def _chunks(self, steps: Steps, prefills: Sequence, state: ClusterState) -> tuple[PrefillChunk, ...]:
         ((start, end, size),) = steps  # one chunk: the whole prompt

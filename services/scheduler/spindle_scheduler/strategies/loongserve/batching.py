@@ -58,13 +58,13 @@ def tipping_time(coeffs: Coeffs) -> float:
     until doubling cuts the time per token by less than `TIPPING_GAIN`; the time of that batch."""
     dop = min(coeffs)
     tokens = float(TIPPING_PROMPT)
-    per = eq7(coeffs, dop, tokens, tokens * TIPPING_PROMPT) / tokens
+    t = eq7(coeffs, dop, tokens, tokens * TIPPING_PROMPT)
     for _ in range(40):
         t2 = eq7(coeffs, dop, 2 * tokens, 2 * tokens * TIPPING_PROMPT)
-        if per - t2 / (2 * tokens) < TIPPING_GAIN * per:
-            return eq7(coeffs, dop, tokens, tokens * TIPPING_PROMPT)
-        tokens, per = 2 * tokens, t2 / (2 * tokens)
-    return eq7(coeffs, dop, tokens, tokens * TIPPING_PROMPT)
+        if t / tokens - t2 / (2 * tokens) < TIPPING_GAIN * t / tokens:
+            break
+        tokens, t = 2 * tokens, t2
+    return t
 
 
 def plan_batches(

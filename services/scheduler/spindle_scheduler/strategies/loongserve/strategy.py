@@ -468,12 +468,16 @@ class LoongServeStrategy(Strategy):
     def _idle(self) -> list[Member]:
         return [m for m in self.members.values() if m.group is None and not m.busy]
 
+    def _fitted_dop(self, dop: int) -> int | None:
+        """The largest DoP Eq. 7 is fitted at, not above `dop` (None: none is)."""
+        return max((p for p in self.coeffs if p <= dop), default=None)
+
     def _t(self, lens: list[int], dop: int) -> float:
         """Eq. 7 for a batch on `dop` instances (the largest fitted DoP not above it)."""
-        fitted = [p for p in self.coeffs if p <= dop]
-        if not fitted or not lens:
+        fitted = self._fitted_dop(dop)
+        if fitted is None or not lens:
             return math.inf
-        return eq7(self.coeffs, max(fitted), float(sum(lens)), float(sum(x * x for x in lens)))
+        return eq7(self.coeffs, fitted, float(sum(lens)), float(sum(x * x for x in lens)))
 
     def _dispatch(self, now: float) -> list[Action]:
         idle = self._idle()
@@ -527,7 +531,7 @@ class LoongServeStrategy(Strategy):
         tokens = sum(p.prompt for p in already)
         squares = float(sum(p.prompt * p.prompt for p in already))
         width = max(1, len(members))
-        dop = max((d for d in self.coeffs if d <= width), default=min(self.coeffs))
+        dop = self._fitted_dop(width) or min(self.coeffs)
         out: list[Pending] = []
         passed = False
         for p in self.pending:
