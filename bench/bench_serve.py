@@ -7,7 +7,7 @@ Scenarios (--scenarios, default both):
 - load: --num-prompts random token-id prompts of --input-len tokens, --output-len tokens each (greedy, EOS
   ignored), sent at Poisson arrival times at --request-rate (inf = all at once) and streamed over SSE from
   POST /v1/completions. Reported with `vllm bench serve`'s result field names (TTFT, TPOT, ITL, E2EL: mean,
-  median, std, p99; throughput). With --trace FILE (CSV or JSONL, spindle_scheduler.traces) the load replays
+  median, std, p99; throughput). With --trace FILE (CSV or JSONL, spindle_sim.traces) the load replays
   the trace instead: each request at its arrived_at offset, with exactly its prompt and output token counts;
   per-request times go to the JSON under "requests".
 

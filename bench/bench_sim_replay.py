@@ -6,7 +6,7 @@
    covering those lengths (or --profile FILE, written by `spindle profile` or an earlier run).
 3. The real stack (started here unless --url: 2 prefill + 1 decode, strategy single): a few untimed warm-up
    requests, then the trace replayed through the gateway by the load generator (serve_trace.run_trace).
-4. The simulator (`spindle_scheduler.sim.simulate`, strategy single) on the same trace with the profile's
+4. The simulator (`spindle_sim.simulate`, strategy single) on the same trace with the profile's
    latency model and the real instances' KV capacities (read from /v1/spindle/instances).
 5. A table of measured vs simulated TTFT and E2E (P50, P90, mean) and the relative error, written as JSON.
 
@@ -44,12 +44,12 @@ from serve_trace import length_mismatches, request_rows, run_trace, trace_prompt
 from spindle_launcher.plan import StackConfig
 from spindle_launcher.profile import ProfileConfig, run_profile
 from spindle_launcher.stack import Stack
-from spindle_scheduler.core import SchedulerConfig
-from spindle_scheduler.latency import LatencyModel
-from spindle_scheduler.profile_data import load_profile, write_profile
-from spindle_scheduler.sim import SimConfig, simulate
-from spindle_scheduler.traces import write_csv
-from spindle_scheduler.workloads import Independent, LogNormal, TraceRequest, make_workload
+from spindle_policy.core import SchedulerConfig
+from spindle_policy.latency import LatencyModel
+from spindle_policy.profile_data import load_profile, write_profile
+from spindle_sim import SimConfig, simulate
+from spindle_sim.traces import write_csv
+from spindle_sim.workloads import Independent, LogNormal, TraceRequest, make_workload
 
 log = logging.getLogger("bench.sim_replay")
 

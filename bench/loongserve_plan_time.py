@@ -23,9 +23,9 @@ import numpy as np
 from tqdm import tqdm
 
 from spindle_costmodel import CostModel, Parallelism, get_hardware, get_model
-from spindle_scheduler.calibration import latency_from_cost_model
-from spindle_scheduler.strategies.loongserve.batching import EXACT_BUDGET, plan_batches
-from spindle_scheduler.workloads import make_workload
+from spindle_policy.calibration import latency_from_cost_model
+from spindle_policy.strategies.loongserve.batching import EXACT_BUDGET, plan_batches
+from spindle_sim.workloads import make_workload
 
 RESULTS = Path(__file__).parent / "results"
 POOLS = (8, 16, 32, 64, 128)

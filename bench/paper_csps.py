@@ -45,9 +45,9 @@ from tqdm import tqdm
 from spindle_costmodel import Chunk, CostModel, get_hardware, get_model
 from spindle_costmodel.csa import alltoall_bytes, max_levels, pair_fraction
 from spindle_costmodel.parallel import Parallelism
-from spindle_scheduler.sim.executor import simulate
-from spindle_scheduler.sim.named_cluster import ClusterSpec, named_cluster
-from spindle_scheduler.workloads import TraceRequest, make_workload
+from spindle_sim.executor import simulate
+from spindle_sim.named_cluster import ClusterSpec, named_cluster
+from spindle_sim.workloads import TraceRequest, make_workload
 
 RESULTS = Path(__file__).parent / "results"
 HARDWARE, NODES = "a100-40g-p4d", 8

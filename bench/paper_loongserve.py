@@ -62,13 +62,13 @@ import numpy as np
 from tqdm import tqdm
 
 from spindle_costmodel import Chunk, CostModel, Parallelism, get_hardware, get_model
-from spindle_scheduler.core import SchedulerConfig
-from spindle_scheduler.sim.executor import simulate
-from spindle_scheduler.sim.loadsearch import max_sustainable_load
-from spindle_scheduler.sim.metrics import strict_json
-from spindle_scheduler.sim.named_cluster import ClusterSpec, SimSetup, named_cluster
-from spindle_scheduler.sim.sweep import sweep
-from spindle_scheduler.workloads import make_workload
+from spindle_policy.core import SchedulerConfig
+from spindle_sim.executor import simulate
+from spindle_sim.loadsearch import max_sustainable_load
+from spindle_sim.metrics import strict_json
+from spindle_sim.named_cluster import ClusterSpec, SimSetup, named_cluster
+from spindle_sim.sweep import sweep
+from spindle_sim.workloads import make_workload
 
 RESULTS = Path(__file__).parent / "results"
 MODEL, HARDWARE = "lwm-1m-text", "a100-80g"  # A800 80GB: an A100-80G with 400 GB/s NVLink
@@ -584,7 +584,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 def snapshot() -> str:
     """A hash of the loongserve strategy sources this run used (they change under active development)."""
-    root = Path(__file__).resolve().parents[1] / "services/scheduler/spindle_scheduler/strategies/loongserve"
+    root = Path(__file__).resolve().parents[1] / "libs/policy/spindle_policy/strategies/loongserve"
     h = hashlib.sha256()
     for p in sorted(root.glob("*.py")):
         h.update(p.read_bytes())

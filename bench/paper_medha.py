@@ -40,10 +40,10 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from spindle_scheduler.sim.executor import simulate
-from spindle_scheduler.sim.metrics import strict_json
-from spindle_scheduler.sim.named_cluster import ClusterSpec, SimSetup, named_cluster
-from spindle_scheduler.workloads import make_workload
+from spindle_sim.executor import simulate
+from spindle_sim.metrics import strict_json
+from spindle_sim.named_cluster import ClusterSpec, SimSetup, named_cluster
+from spindle_sim.workloads import make_workload
 
 RESULTS = Path(__file__).parent / "results"
 MODEL, HARDWARE, NODES = "llama3-8b", "a100-80g", 2

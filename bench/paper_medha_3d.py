@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from spindle_scheduler.sim.executor import simulate
-from spindle_scheduler.sim.named_cluster import ClusterSpec, named_cluster
-from spindle_scheduler.workloads import TraceRequest, make_workload
+from spindle_sim.executor import simulate
+from spindle_sim.named_cluster import ClusterSpec, named_cluster
+from spindle_sim.workloads import TraceRequest, make_workload
 
 RESULTS = Path(__file__).parent / "results"
 WORKLOAD, LONG = "medha-2m:0.05", 2_000_000

@@ -37,12 +37,12 @@ from typing import Any
 from tqdm import tqdm
 
 from spindle_costmodel import CostModel, get_hardware, get_model
-from spindle_scheduler.core import SchedulerConfig
-from spindle_scheduler.sim.executor import simulate
-from spindle_scheduler.sim.metrics import strict_json
-from spindle_scheduler.sim.named_cluster import ClusterSpec, SimSetup, named_cluster, with_reshard
-from spindle_scheduler.strategies.seesaw.configs import candidates, label
-from spindle_scheduler.workloads import TraceRequest, make_workload
+from spindle_policy.core import SchedulerConfig
+from spindle_policy.strategies.seesaw.configs import candidates, label
+from spindle_sim.executor import simulate
+from spindle_sim.metrics import strict_json
+from spindle_sim.named_cluster import ClusterSpec, SimSetup, named_cluster, with_reshard
+from spindle_sim.workloads import TraceRequest, make_workload
 
 RESULTS = Path(__file__).parent / "results"
 GIB = 2**30

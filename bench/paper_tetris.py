@@ -32,14 +32,14 @@ from typing import Any
 
 from tqdm import tqdm
 
-from spindle_scheduler.calibration import load_paper_calibration
-from spindle_scheduler.core import SchedulerConfig
-from spindle_scheduler.latency import LatencyModel
-from spindle_scheduler.sim import SimConfig
-from spindle_scheduler.sim.loadsearch import Probe, light_load, max_sustainable_load
-from spindle_scheduler.sim.named_cluster import ClusterSpec, named_cluster
-from spindle_scheduler.sim.sweep import SweepRow, sweep
-from spindle_scheduler.sim.tune import tune_tetris
+from spindle_policy.calibration import load_paper_calibration
+from spindle_policy.core import SchedulerConfig
+from spindle_policy.latency import LatencyModel
+from spindle_sim import SimConfig
+from spindle_sim.loadsearch import Probe, light_load, max_sustainable_load
+from spindle_sim.named_cluster import ClusterSpec, named_cluster
+from spindle_sim.sweep import SweepRow, sweep
+from spindle_sim.tune import tune_tetris
 
 RESULTS = Path(__file__).parent / "results"
 BASELINES = {"Fixed SP=16": "fixed-sp:sp=16", "Fixed SP=8": "fixed-sp:sp=8", "LoongServe Disagg.": "request-sp"}

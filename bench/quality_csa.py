@@ -37,7 +37,7 @@ from spindle_attention import attention_fwd
 from spindle_attention.csa import IMPORTANCE, CSALevels, CSAPrompt
 from spindle_model import LlamaModel, Tokenizer, load_state_dict, resolve_model
 from spindle_model.llama import CausalAttention
-from spindle_scheduler.strategies.csps.configure import SHIPPED
+from spindle_policy.strategies.csps.configure import SHIPPED
 
 RESULTS = Path(__file__).parent / "results"
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "

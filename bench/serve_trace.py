@@ -1,6 +1,6 @@
 """Trace replay for the load generator: each request of a trace file is sent at its `arrived_at` offset.
 
-A request of the trace (`spindle_scheduler.traces.read_trace`: Mooncake / AIPerf JSONL, BurstGPT CSV, or Spindle's
+A request of the trace (`spindle_sim.traces.read_trace`: Mooncake / AIPerf JSONL, BurstGPT CSV, or Spindle's
 own Vidur-style CSV / vLLM custom-dataset JSONL) becomes a
 token-id prompt of exactly `num_prefill_tokens` random ids in [1000, 40000) (seeded; the completions API
 takes a list of ids as `prompt`, so no tokenizer round trip changes the length) with `max_tokens =
@@ -19,8 +19,8 @@ import httpx
 from serve_client import run_schedule
 from serve_stats import RequestResult
 
-from spindle_scheduler.traces import read_trace, replay
-from spindle_scheduler.workloads import TraceRequest
+from spindle_sim.traces import read_trace, replay
+from spindle_sim.workloads import TraceRequest
 
 
 def load_trace(path: str | Path, model: str = "smollm2") -> list[TraceRequest]:

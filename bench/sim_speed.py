@@ -26,12 +26,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from spindle_scheduler.core import SchedulerConfig
-from spindle_scheduler.sim.compare import build_compare_parser
-from spindle_scheduler.sim.executor import simulate
-from spindle_scheduler.sim.shapes import prepare
-from spindle_scheduler.strategy import available_strategies
-from spindle_scheduler.workloads import make_workload
+from spindle_policy.core import SchedulerConfig
+from spindle_policy.strategy import available_strategies
+from spindle_sim.compare import build_compare_parser
+from spindle_sim.executor import simulate
+from spindle_sim.shapes import prepare
+from spindle_sim.workloads import make_workload
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -45,11 +45,11 @@ from tqdm import tqdm
 
 from spindle_launcher.plan import StackConfig
 from spindle_launcher.stack import Stack
-from spindle_scheduler.core import SchedulerConfig
-from spindle_scheduler.profile_data import load_profile
-from spindle_scheduler.sim import SimConfig, simulate
-from spindle_scheduler.strategy import parse_strategy_spec
-from spindle_scheduler.workloads import TraceRequest
+from spindle_policy.core import SchedulerConfig
+from spindle_policy.profile_data import load_profile
+from spindle_policy.strategy import parse_strategy_spec
+from spindle_sim import SimConfig, simulate
+from spindle_sim.workloads import TraceRequest
 
 log = logging.getLogger("bench.sim_vs_real")
 ROOT = Path(__file__).resolve().parent

@@ -17,13 +17,13 @@ from pathlib import Path
 
 from arena import CLUSTERS, SCENARIOS, SLO_PER_KTOK, SLO_TPOT, SLO_TTFT, SPINDLE, WINDOW_S
 
-from spindle_scheduler import SchedulerConfig
-from spindle_scheduler.sim.executor import Simulator
-from spindle_scheduler.sim.metrics import Slo
-from spindle_scheduler.sim.named_cluster import ClusterSpec, named_cluster
-from spindle_scheduler.strategies.spindle.deferred import DeferredQueue
-from spindle_scheduler.strategy import strategy_class
-from spindle_scheduler.workloads import make_workload
+from spindle_policy import SchedulerConfig
+from spindle_policy.strategies.spindle.deferred import DeferredQueue
+from spindle_policy.strategy import strategy_class
+from spindle_sim.executor import Simulator
+from spindle_sim.metrics import Slo
+from spindle_sim.named_cluster import ClusterSpec, named_cluster
+from spindle_sim.workloads import make_workload
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -22,10 +22,10 @@ import msgspec
 import numpy as np
 
 from spindle_costmodel import CostModel, get_hardware, get_model
-from spindle_scheduler import SchedulerConfig, SchedulerCore, create_strategy
-from spindle_scheduler.calibration import latency_from_cost_model
-from spindle_scheduler.testing import instance_info, request_spec
-from spindle_scheduler.workloads import make_workload
+from spindle_policy import SchedulerConfig, SchedulerCore, create_strategy
+from spindle_policy.calibration import latency_from_cost_model
+from spindle_policy.testing import instance_info, request_spec
+from spindle_sim.workloads import make_workload
 
 RESULTS = Path(__file__).parent / "results"
 INSTANCES = 128

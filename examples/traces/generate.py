@@ -14,8 +14,8 @@ import csv
 from dataclasses import replace
 from pathlib import Path
 
-from spindle_scheduler.traces import write_mooncake
-from spindle_scheduler.workloads import make_workload
+from spindle_sim.traces import write_mooncake
+from spindle_sim.workloads import make_workload
 
 HERE = Path(__file__).parent
 BLOCK = 512  # Mooncake's tokens per hash id

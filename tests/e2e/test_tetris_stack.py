@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from spindle_policy import RunPrefill, SchedulerConfig, SchedulerCore, create_strategy
+from spindle_policy.actions import Action
+from spindle_policy.latency import LatencyModel
+from spindle_policy.profile_data import load_profile
 from spindle_protocol.messages import InstanceInfo, Prompt, RequestSpec, Sampling
-from spindle_scheduler import RunPrefill, SchedulerConfig, SchedulerCore, create_strategy
-from spindle_scheduler.actions import Action
-from spindle_scheduler.latency import LatencyModel
-from spindle_scheduler.profile_data import load_profile
 from spindle_telemetry.testing import OtlpReceiver, ReceivedSpan
 
 from .conftest import engine_greedy, greedy_text, instance_blocks, start_stack, wait_until

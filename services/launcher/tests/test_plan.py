@@ -275,7 +275,7 @@ def test_prefill_instances_report_virtual_nodes() -> None:
 
 
 def test_a_strategy_the_services_cannot_run_yet_is_refused_with_why(monkeypatch) -> None:
-    from spindle_scheduler import strategy as registry
+    from spindle_policy import strategy as registry
 
     class Gap(registry.strategy_class("single")):  # every registered strategy runs on the services today
         real_stack_gap = "its mechanism is not built yet"

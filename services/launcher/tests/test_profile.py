@@ -18,8 +18,8 @@ from spindle_launcher.profile.cli import build_parser, config_from_args
 from spindle_launcher.profile.device import model_shape
 from spindle_model import LlamaModel
 from spindle_model.testing import tiny_llama
-from spindle_scheduler.latency import LatencyModel
-from spindle_scheduler.profile_data import load_profile, load_profile_hardware, write_profile
+from spindle_policy.latency import LatencyModel
+from spindle_policy.profile_data import load_profile, load_profile_hardware, write_profile
 
 
 @pytest.fixture(scope="module")

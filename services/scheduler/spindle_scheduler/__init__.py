@@ -1,23 +1,5 @@
-"""Spindle's global scheduler: a pure core (state, strategies, actions) behind a thin NATS shell."""
+"""Spindle's scheduler service: the NATS executor over the policy library (`spindle_policy`).
 
-from . import strategies  # noqa: F401
-from .actions import Action, Admit, FailRequest, Reject, RunPrefill
-from .core import SchedulerConfig, SchedulerCore
-from .state import ClusterState, Phase
-from .strategy import Strategy, available_strategies, create_strategy, register_strategy
-
-__all__ = [
-    "Action",
-    "Admit",
-    "ClusterState",
-    "FailRequest",
-    "Phase",
-    "Reject",
-    "RunPrefill",
-    "SchedulerConfig",
-    "SchedulerCore",
-    "Strategy",
-    "available_strategies",
-    "create_strategy",
-    "register_strategy",
-]
+It subscribes to requests, worker events and the instance registry, feeds them to a `SchedulerCore`, and
+publishes the actions the core decides; the core and the strategies never do I/O.
+"""

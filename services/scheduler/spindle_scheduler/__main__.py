@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import spindle_policy.strategies  # noqa: F401  (registers the built-in strategies)
+from spindle_policy.core import SchedulerConfig
+from spindle_policy.profile_data import load_profile
+from spindle_policy.strategy import available_strategies
 from spindle_protocol import service
 
-from . import strategies  # noqa: F401  (registers the built-in strategies)
-from .core import SchedulerConfig
-from .profile_data import load_profile
 from .service import SchedulerService, SchedulerServiceConfig
-from .strategy import available_strategies
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,6 +12,24 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
+from spindle_policy.actions import (
+    Action,
+    Admit,
+    FailRequest,
+    MigrateKV,
+    Preempt,
+    Reject,
+    Reshard,
+    RunBatch,
+    RunPrefill,
+    TransferKV,
+    shard_specs,
+)
+from spindle_policy.actions import ScaleDownKVP as ScaleDownAction
+from spindle_policy.core import SchedulerConfig, SchedulerCore
+from spindle_policy.decisions import decision
+from spindle_policy.latency import LatencyModel
+from spindle_policy.strategy import create_strategy
 from spindle_protocol import subjects
 from spindle_protocol.bus import Bus
 from spindle_protocol.messages import (
@@ -42,25 +60,6 @@ from spindle_protocol.messages import (
 from spindle_protocol.messages import RunPrefill as RunPrefillMsg
 from spindle_protocol.registry import watch_registry
 from spindle_telemetry import extract, inject, setup, shutdown, tracer
-
-from .actions import (
-    Action,
-    Admit,
-    FailRequest,
-    MigrateKV,
-    Preempt,
-    Reject,
-    Reshard,
-    RunBatch,
-    RunPrefill,
-    TransferKV,
-    shard_specs,
-)
-from .actions import ScaleDownKVP as ScaleDownAction
-from .core import SchedulerConfig, SchedulerCore
-from .decisions import decision
-from .latency import LatencyModel
-from .strategy import create_strategy
 
 log = logging.getLogger("spindle.scheduler")
 

@@ -10,7 +10,7 @@ Three measurements, each repeated with the median kept:
 - KV transfers between two spawned ranks of a real gloo group through `spindle_transfer.DataPlane`
   (`transfer.py`).
 
-The fit and the profile JSON are the scheduler's (`spindle_scheduler.profile_data`): it reads a profile
+The fit and the profile JSON are the scheduler's (`spindle_policy.profile_data`): it reads a profile
 without the engine. This package is the launcher's because it runs the engine; the scheduler never does.
 The profile's `device` section (`device.py`) is this machine as a cost-model device: its matmul and copy
 peaks measured with torch, its efficiencies fitted to the same samples by `spindle_costmodel.device_fit`,

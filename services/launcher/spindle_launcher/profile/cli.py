@@ -7,7 +7,7 @@ import sys
 from dataclasses import fields, replace
 
 from spindle_costmodel.device_fit import format_validation
-from spindle_scheduler.profile_data import write_profile
+from spindle_policy.profile_data import write_profile
 
 from .config import QUICK, ProfileConfig
 from .runner import run_profile

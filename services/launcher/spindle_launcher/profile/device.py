@@ -15,8 +15,8 @@ from typing import Any
 from spindle_costmodel.device_fit import fit_device, measured_hardware, samples_from_rows
 from spindle_costmodel.hardware import CPU, Link, hardware_to_dict
 from spindle_costmodel.model import DTYPE_BYTES, ModelShape
-from spindle_scheduler.latency import TransferModel
-from spindle_scheduler.profile_data import Rows
+from spindle_policy.latency import TransferModel
+from spindle_policy.profile_data import Rows
 
 from .sp import MEMBER_THREADS
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from spindle_scheduler.profile_data import fit_profile, profile_document
+from spindle_policy.profile_data import fit_profile, profile_document
 
 from .config import ProfileConfig
 from .device import best_peaks, device_section, measure_peaks, model_shape
@@ -150,7 +150,7 @@ def make_engine(cfg: ProfileConfig, model: Any) -> Any:
 
 
 def run_profile(cfg: ProfileConfig, *, model: Any = None, progress: bool = True) -> dict[str, Any]:
-    """Measure, fit, and return the profile document (see `spindle_scheduler.profile_data.write_profile`), its
+    """Measure, fit, and return the profile document (see `spindle_policy.profile_data.write_profile`), its
     `device` section the cost model's device fitted to the same samples (`device.py`)."""
     from tqdm import tqdm
 
