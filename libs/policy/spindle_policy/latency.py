@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -397,9 +396,3 @@ class LatencyModel:
             mixed=MixedBatchModel.from_dict(data["mixed"]) if data.get("mixed") else None,
             source=str(data.get("source", "")),
         )
-
-    @classmethod
-    def from_paper_figures(cls, path: str | Path, key: str = "tetris-a100-llama3-8b") -> LatencyModel:
-        from .calibration import load_paper_calibration
-
-        return load_paper_calibration(path, key)

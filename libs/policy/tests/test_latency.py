@@ -63,7 +63,7 @@ def test_history_coefficient_inferred_when_no_history() -> None:
 
 
 def test_tetris_table1_fit_error() -> None:
-    model = LatencyModel.from_paper_figures(PAPER_FIGURES)
+    model = load_paper_calibration(PAPER_FIGURES)
     assert model.prefill is not None and model.batch_prefill is not None
     errors = model.prefill.fit_error()
     print("\nTetris Table 1 (Llama-3-8B, A100) Eq. 1 mean relative fit error per SP size:")
@@ -178,4 +178,4 @@ def test_bad_inputs_raise_value_error() -> None:
     with pytest.raises(ValueError, match="JSON"):
         LatencyModel.from_json("{not json")
     with pytest.raises(ValueError, match="unknown calibration"):
-        LatencyModel.from_paper_figures(PAPER_FIGURES, key="nope")
+        load_paper_calibration(PAPER_FIGURES, key="nope")
