@@ -1,7 +1,7 @@
-"""The READMEs' commands run as written (issue 18, "README truth").
+"""The user docs' commands run as written.
 
-Every ```bash block of every README.md is split into commands, and each command must match a rule of RULES
-(the first that matches decides):
+Every ```bash block of every README.md and of every page under docs/ is split into commands, and each command
+must match a rule of RULES (the first that matches decides):
 - RUN: a few seconds, no model: run here, as written, by bash from the repository root;
 - SLOW: run too, marked slow: it loads the model or starts processes (under ~30 s each);
 - CHECK: not run (a server, a benchmark, minutes of work, a running stack or Docker needed). What can be
@@ -96,7 +96,7 @@ ENV_ASSIGNMENT = re.compile(r"[A-Za-z_]\w*=")
 
 
 def readme_files() -> list[Path]:
-    found = {ROOT / "README.md", *ROOT.glob("*/README.md"), *ROOT.glob("*/*/README.md")}
+    found = {ROOT / "README.md", *ROOT.glob("*/README.md"), *ROOT.glob("*/*/README.md"), *ROOT.glob("docs/**/*.md")}
     skip = {"build", "dist", "node_modules"}
     return sorted(
         p
@@ -521,6 +521,33 @@ BLOCKS, COMMANDS, INLINE = collect()
 
 
 # --- tests ------------------------------------------------------------------------------------------------------
+
+
+def test_the_readme_is_a_front_door() -> None:
+    """At most 200 lines, the two commands in its first screen, and the rest in docs/."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines: move detail to docs/"
+    first_screen = "\n".join(lines[:60])
+    assert "make serve" in first_screen and "make test" in first_screen
+    assert (ROOT / "docs" / "README.md").exists()
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+@pytest.mark.parametrize("doc", readme_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_user_doc_links_stay_in_the_repository(doc: Path) -> None:
+    """Every relative link of a user doc names a file or folder of the checkout (none leaves it), and no doc points
+    readers at an issue tracker or numbered work periods they cannot see from a clone."""
+    text = doc.read_text()
+    for target in LINK.findall(text):
+        if re.match(r"^(https?:|mailto:|#)", target):
+            continue
+        path = (doc.parent / target.split("#")[0]).resolve()
+        assert path.is_relative_to(ROOT), f"{doc.relative_to(ROOT)}: link {target} leaves the repository"
+        assert path.exists(), f"{doc.relative_to(ROOT)}: link {target} names nothing"
+    found = re.findall(r"\b(?:issue|session|stop) #?\d+\b", text, flags=re.IGNORECASE)
+    assert not found, f"{doc.relative_to(ROOT)} refers to {found}"
 
 
 def test_the_readmes_have_shell_examples() -> None:
