@@ -10,7 +10,6 @@ from spindle_policy.latency import DecodeStepModel, LatencyModel, PrefillLatency
 from spindle_policy.strategies.single import SingleInstanceStrategy
 from spindle_policy.strategy import Strategy, parse_strategy_spec, strategy_options
 from spindle_protocol.messages import InstanceInfo, Prompt, RequestSpec, Sampling
-from spindle_scheduler.service import SchedulerService, SchedulerServiceConfig
 from spindle_sim import SimConfig, Simulator, simulate
 from spindle_sim.invariants import check_invariants
 from spindle_sim.workloads import TraceRequest, make_workload
@@ -101,13 +100,6 @@ def test_strategy_specs():
         create_strategy("fixed-sp:sp=3", TETRIS)
     with pytest.raises(ValueError, match="chunk_size must be >= 1"):
         create_strategy("chunked:chunk_size=0")
-
-
-def test_real_service_takes_sp_and_colocated_strategies():
-    SchedulerService(SchedulerServiceConfig(nats_url="nats://127.0.0.1:1", strategy="chunked"))
-    SchedulerService(SchedulerServiceConfig(nats_url="nats://127.0.0.1:1", strategy="fixed-sp:sp=2", latency=TETRIS))
-    SchedulerService(SchedulerServiceConfig(nats_url="nats://127.0.0.1:1", strategy="request-sp", latency=TETRIS))
-    SchedulerService(SchedulerServiceConfig(nats_url="nats://127.0.0.1:1", strategy="single"))
 
 
 # ---- placement decisions in the core ----

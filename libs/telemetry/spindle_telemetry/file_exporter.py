@@ -23,6 +23,9 @@ def span_record(span: ReadableSpan) -> dict[str, Any]:
         "span_id": f"{ctx.span_id:016x}",
         "parent_id": f"{span.parent.span_id:016x}" if span.parent is not None else None,
         "name": span.name,
+        "kind": span.kind.name,  # INTERNAL, SERVER, CLIENT, PRODUCER, CONSUMER
+        "status": span.status.status_code.name,  # UNSET, OK, ERROR
+        "status_description": span.status.description or "",
         "service": span.resource.attributes.get("service.name"),
         "start": span.start_time,
         "end": span.end_time,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.msg import Msg
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from spindle_policy.actions import (
     Action,
@@ -132,10 +133,16 @@ class SchedulerService:
 
     async def _on_admit(self, msg: AdmitRequest, raw: Msg) -> AdmitReply:
         spec = msg.request
-        with tracer("spindle.scheduler").start_as_current_span("scheduler.admit", context=extract(raw.headers)) as span:
+        scheduler = tracer("spindle.scheduler")
+        with scheduler.start_as_current_span(
+            "scheduler.admit", context=extract(raw.headers), kind=SpanKind.SERVER
+        ) as span:
             span.set_attribute("spindle.request_id", spec.request_id)
             span.set_attribute("spindle.prompt_tokens", spec.prompt.num_tokens)
-            actions = self.core.admit(spec, time.time())
+            span.set_attribute("spindle.strategy", self.config.strategy)
+            with scheduler.start_as_current_span("scheduler.plan") as plan:
+                actions = self.core.admit(spec, time.time())
+                plan.set_attribute("spindle.actions", [type(a).__name__ for a in actions])
             reply = AdmitReply(accepted=False, status=500, reason="strategy returned no decision")
             for a in actions:
                 if isinstance(a, Reject):
@@ -145,6 +152,9 @@ class SchedulerService:
                     reply = AdmitReply(
                         accepted=True, prefill_instance=a.prefill_instance, decode_instance=a.decode_instance
                     )
+            span.set_attribute("spindle.accepted", reply.accepted)
+            if not reply.accepted:  # the request ends here: the span says why
+                span.set_status(Status(StatusCode.ERROR, reply.reason))
             await self._publish_decisions([a for a in actions if isinstance(a, Reject)])
             await self._execute([a for a in actions if not isinstance(a, Admit | Reject)])
         return reply
