@@ -13,6 +13,8 @@ import textwrap
 import tomllib
 from pathlib import Path
 
+from packaging.requirements import Requirement
+
 ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN = ("torch", "spindle_engine", "spindle_model", "spindle_transfer", "spindle_tokenizer")
 PACKAGES = ("spindle_policy", "spindle_sim", "spindle_scheduler")
@@ -102,8 +104,7 @@ def _closure(name: str, workspace: dict[str, dict], seen: set[str]) -> set[str]:
         return seen
     seen.add(name)
     for requirement in workspace.get(name, {}).get("dependencies", []):
-        dep = requirement.split(";")[0].split("[")[0].split(">")[0].split("=")[0].split("<")[0].strip()
-        _closure(dep, workspace, seen)
+        _closure(Requirement(requirement).name, workspace, seen)
     return seen
 
 

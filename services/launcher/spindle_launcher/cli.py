@@ -351,8 +351,10 @@ TORCH_FREE_COMMANDS = ("sim", "tune", "cost")
 def check_serving_install(command: str) -> None:
     """`spindle sim` / `tune` / `cost` need no torch; every other command runs the engine, which the launcher's
     `[serve]` extra installs: say so instead of failing on an import deep inside."""
+    if command in TORCH_FREE_COMMANDS:
+        return
     missing = [name for name in SERVING_PACKAGES if importlib.util.find_spec(name) is None]
-    if command not in TORCH_FREE_COMMANDS and missing:
+    if missing:
         raise SystemExit(
             f"spindle {command} runs the model, and this install has no {', '.join(missing)}: install the serving "
             "packages (`make install`, or `pip install -e 'services/launcher[serve]'` with the libs/ and services/ "

@@ -50,11 +50,9 @@ class Scheduler:
         while time.monotonic() < deadline:
             if self.trace_file.exists():
                 records = [json.loads(line) for line in self.trace_file.read_text().splitlines() if line]
-                admits = [
-                    r for r in records if r["attributes"].get("spindle.request_id") == request_id
-                ]  # the admission span names the request; its children share its span id as parent
-                ids = {r["span_id"] for r in admits}
-                found = {r["name"]: r for r in records if r in admits or r["parent_id"] in ids}
+                # the admission span names the request; its children have it as their parent
+                ids = {r["span_id"] for r in records if r["attributes"].get("spindle.request_id") == request_id}
+                found = {r["name"]: r for r in records if r["span_id"] in ids or r["parent_id"] in ids}
                 if names <= set(found):
                     return found
             time.sleep(0.1)
